@@ -1,0 +1,28 @@
+"""Rollout engines: where generation runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ENGINE_KINDS = ("embedded", "sglang")
+
+
+@dataclass
+class EngineConfig:
+    """The inference engines the orchestrator sends /generate requests to."""
+
+    kind: str = "embedded"
+    """'embedded' starts moerl.engine processes (CPU or any device); 'sglang' uses SGLang
+    servers, started elsewhere and listed in urls."""
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of running servers (e.g. 'http://node7:30000'); required for 'sglang',
+    empty for 'embedded' (moerl starts those and knows their addresses)."""
+    num_engines: int | None = None
+    """Engines to use: for 'embedded', processes to start (None = 1); for 'sglang', None =
+    every server in urls, a number must equal len(urls)."""
+
+    def count(self) -> int:
+        """Engines this config asks for."""
+        if self.num_engines is not None:
+            return self.num_engines
+        return len(self.urls) if self.kind == "sglang" else 1

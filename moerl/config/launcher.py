@@ -1,0 +1,30 @@
+"""Launcher: how many trainer processes and which collective backend."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class LauncherConfig:
+    """Process layout of the trainer on this node."""
+
+    nproc: int | None = None
+    """Trainer processes (the world size); None = WORLD_SIZE from torchrun, else 1."""
+    backend: str | None = None
+    """torch.distributed backend: 'gloo' or 'nccl'; None = nccl with CUDA, gloo without."""
+
+    def world_size(self) -> int:
+        """The world size the config is validated against."""
+        env = os.environ.get("WORLD_SIZE")
+        if self.nproc is None:
+            return int(env) if env else 1
+        if env and int(env) != self.nproc:
+            raise ValueError(
+                f"launcher.nproc={self.nproc} but WORLD_SIZE={env} (set by torchrun); "
+                "drop launcher.nproc or make the two agree"
+            )
+        return self.nproc

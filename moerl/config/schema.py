@@ -1,0 +1,27 @@
+"""The top-level config: one field per Hydra config group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moerl.config.engine import EngineConfig
+from moerl.config.launcher import LauncherConfig
+from moerl.config.model import ModelConfig
+from moerl.config.parallel import ParallelConfig
+from moerl.config.trainer import TrainerConfig
+
+
+@dataclass
+class MoerlConfig:
+    """Everything a moerl job reads; `conf/config.yaml` picks one option per group."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture of the policy model (group `model`)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer layout: TP, PP, EP, ETP; DP is derived (group `parallel`)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimisation, precision, checkpoints (group `trainer`)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Where rollouts are generated (group `engine`)."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Process count and collective backend (group `launcher`)."""

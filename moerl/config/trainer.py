@@ -1,0 +1,29 @@
+"""Trainer settings: optimisation, precision and checkpointing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainerConfig:
+    """How the trainer steps the policy. Each step publishes a new policy version."""
+
+    seed: int = 1234
+    """Seed for parameter init, data order and sampling; every rank derives its own from it."""
+    lr: float = 1.0e-6
+    """Peak learning rate of the optimizer."""
+    train_iters: int = 100
+    """Optimizer steps to run (policy versions to publish)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, summed over all data-parallel ranks."""
+    dtype: str = "fp32"
+    """Parameter and compute precision: 'fp32' or 'bf16'."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (megatron-core DistributedOptimizer)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints are written and read; None = no checkpoints."""
+    resume: bool = False
+    """Continue from the latest checkpoint in checkpoint_dir instead of starting fresh."""

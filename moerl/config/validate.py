@@ -1,0 +1,207 @@
+"""The one validation pass at start-up, before any process group or model exists.
+
+Every error is a ValueError that names the config key, the bad value and a fix, so
+a wrong layout fails in a second with a readable line instead of hanging in gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from omegaconf import DictConfig, OmegaConf
+
+from moerl.config.engine import ENGINE_KINDS, EngineConfig
+from moerl.config.launcher import BACKENDS, LauncherConfig
+from moerl.config.model import ModelConfig
+from moerl.config.parallel import ParallelConfig
+from moerl.config.schema import MoerlConfig
+from moerl.config.trainer import DTYPES, TrainerConfig
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+
+
+def _positive(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r} must be a positive integer")
+
+
+def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{key}={value!r} is not supported; choose one of {choices}")
+
+
+def _check_model(m: ModelConfig) -> None:
+    if not m.family:
+        raise ValueError("model.family is empty; name a model family such as 'gpt'")
+    for key in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "moe_router_topk",
+        "seq_length",
+    ):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in (
+        "num_query_groups",
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+    ):
+        value = getattr(m, key)
+        if value is not None:
+            _positive(f"model.{key}", value)
+    _one_of("model.normalization", m.normalization, NORMALIZATIONS)
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; pick a head count that divides the hidden size"
+        )
+    if m.num_query_groups is not None and m.num_attention_heads % m.num_query_groups:
+        raise ValueError(
+            f"model.num_query_groups={m.num_query_groups} does not divide "
+            f"model.num_attention_heads={m.num_attention_heads}; every KV group must serve "
+            "the same number of query heads"
+        )
+    if m.seq_length > m.max_position_embeddings:
+        raise ValueError(
+            f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"
+        )
+    if m.num_experts is not None and m.moe_router_topk > m.num_experts:
+        raise ValueError(
+            f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts="
+            f"{m.num_experts}; a token cannot be routed to more experts than exist, "
+            f"choose topk from 1..{m.num_experts}"
+        )
+
+
+def _check_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
+    p.validate(
+        world_size,
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        num_experts=m.num_experts,
+    )
+    if m.is_moe and p.tp > 1 and not p.use_sequence_parallel():
+        raise ValueError(
+            f"parallel.sequence_parallel=false with parallel.tp={p.tp} on an MoE model; "
+            "megatron-core needs sequence parallelism for MoE with TP, set it to null or true"
+        )
+    if p.use_sequence_parallel() and m.seq_length % p.tp:
+        raise ValueError(
+            f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}; sequence "
+            "parallelism splits every sequence over the TP ranks"
+        )
+
+
+def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None:
+    _one_of("trainer.dtype", t.dtype, DTYPES)
+    if not t.lr > 0:
+        raise ValueError(f"trainer.lr={t.lr!r} must be positive")
+    _positive("trainer.train_iters", t.train_iters)
+    _positive("trainer.global_batch_size", t.global_batch_size)
+    per_step = p.micro_batch_size * p.dp(world_size)
+    if t.global_batch_size % per_step:
+        raise ValueError(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+            f"parallel.micro_batch_size × DP = {p.micro_batch_size} × {p.dp(world_size)} = "
+            f"{per_step}; use a multiple of {per_step}"
+        )
+    if t.resume and not t.checkpoint_dir:
+        raise ValueError(
+            "trainer.resume=true needs trainer.checkpoint_dir; set the folder to resume from"
+        )
+
+
+def _check_engine(e: EngineConfig) -> None:
+    _one_of("engine.kind", e.kind, ENGINE_KINDS)
+    if e.num_engines is not None:
+        _positive("engine.num_engines", e.num_engines)
+    if e.kind == "sglang":
+        if not e.urls:
+            raise ValueError(
+                "engine.kind=sglang needs engine.urls, the base URLs of running SGLang "
+                "servers, e.g. engine.urls=[http://node7:30000]"
+            )
+        if e.num_engines is not None and e.num_engines != len(e.urls):
+            raise ValueError(
+                f"engine.num_engines={e.num_engines} but engine.urls lists {len(e.urls)} "
+                "servers; set num_engines to null (use every url) or list that many urls"
+            )
+    elif e.urls:
+        raise ValueError(
+            f"engine.urls={list(e.urls)} is only read for engine.kind=sglang; the embedded "
+            "engines are started by moerl, so leave urls empty or set engine.kind=sglang"
+        )
+
+
+def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
+    if lc.nproc is not None:
+        _positive("launcher.nproc", lc.nproc)
+        if lc.nproc != world_size:
+            raise ValueError(
+                f"launcher.nproc={lc.nproc} but the world size is {world_size}; "
+                "drop launcher.nproc or make the two agree"
+            )
+    if lc.backend is not None:
+        _one_of("launcher.backend", lc.backend, BACKENDS)
+
+
+def _check_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Reject keys that `+key=value` forced past the schema (Hydra allows adding them)."""
+    hints = typing.get_type_hints(schema)
+    for raw_key in node.keys():
+        key = str(raw_key)
+        name = prefix + key
+        if key not in hints:
+            if name == "recipe":
+                raise ValueError(
+                    f"+recipe={node[key]} names no shipped recipe; list them with "
+                    "`python -m moerl.launch --help` (group 'recipe')"
+                )
+            raise ValueError(
+                f"{name} is not a config key; check the spelling against "
+                "`python -m moerl.launch --help`"
+            )
+        sub = hints[key]
+        child = node[key]
+        if (
+            isinstance(child, DictConfig)
+            and isinstance(sub, type)
+            and dataclasses.is_dataclass(sub)
+        ):
+            _check_unknown_keys(child, sub, prefix=f"{name}.")
+
+
+def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None) -> MoerlConfig:
+    """Check the whole config for a world of `world_size` trainer ranks.
+
+    `world_size` None = `launcher.world_size()` (launcher.nproc, else WORLD_SIZE, else 1).
+    Returns the typed MoerlConfig (a composed DictConfig is converted); raises
+    ValueError naming the first bad key.
+    """
+    if isinstance(cfg, DictConfig):
+        _check_unknown_keys(cfg, MoerlConfig)
+        obj = OmegaConf.to_object(cfg)
+        if not isinstance(obj, MoerlConfig):
+            raise TypeError(
+                f"expected a config composed from base_config, got {type(obj).__name__}; "
+                "call moerl.config.store.register_configs() before composing"
+            )
+        cfg = obj
+    if world_size is None:
+        world_size = cfg.launcher.world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size {world_size!r} must be a positive integer")
+    _check_model(cfg.model)
+    _check_layout(cfg.parallel, cfg.model, world_size)
+    _check_trainer(cfg.trainer, cfg.parallel, world_size)
+    _check_engine(cfg.engine)
+    _check_launcher(cfg.launcher, world_size)
+    return cfg

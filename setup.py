@@ -1,0 +1,70 @@
+"""Package metadata for moerl.
+
+Three top-level source folders are installed inside the `moerl` package, so the
+install claims only the name `moerl`:
+
+    kernels/  -> moerl.kernels   (Triton kernels with torch twins)
+    conf/     -> moerl.conf      (Hydra config groups, found as pkg://moerl.conf)
+    recipes/  -> moerl.recipes   (`+recipe=NAME` files, registered as the Hydra group
+                                  `recipe` by moerl.config.store.register_configs)
+
+The mapping holds for a wheel and for an editable install (`pip install -e .`).
+"""
+
+from setuptools import find_packages, setup
+
+TEST = ["pytest>=8", "pytest-timeout", "httpx"]
+
+packages = find_packages(include=["moerl", "moerl.*"])
+packages += ["moerl.kernels"] + [f"moerl.kernels.{p}" for p in find_packages("kernels")]
+packages += ["moerl.conf", "moerl.recipes"]
+
+setup(
+    name="moerl",
+    version="0.1.0",
+    description="Asynchronous RL for Mixture-of-Experts LLMs on megatron-core and SGLang",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={
+        "moerl.kernels": "kernels",
+        "moerl.conf": "conf",
+        "moerl.recipes": "recipes",
+    },
+    package_data={
+        "moerl.conf": ["*.yaml", "**/*.yaml"],
+        "moerl.recipes": ["*.yaml"],
+    },
+    include_package_data=False,
+    zip_safe=False,
+    install_requires=[
+        # No upper bound on torch: GPU users bring their own CUDA build first.
+        "torch>=2.6",
+        # 0.16 is the first release with RouterReplay; 0.17+ needs Python >= 3.12.
+        "megatron-core>=0.16,<0.19",
+        "hydra-core>=1.3,<1.4",
+        "numpy",
+        # 4.51 is the first release with Qwen3MoE and DeepseekV3 model classes.
+        "transformers>=4.51",
+        "safetensors",
+        # megatron-core imports einops lazily (rank grids, MLA, attention reshapes).
+        "einops",
+        "tqdm",
+        "rich",
+    ],
+    extras_require={
+        "sglang": ["sglang"],
+        "te": ["transformer-engine[pytorch]"],
+        "apex": ["apex"],
+        "test": TEST,
+        "dev": TEST + ["ruff", "mypy"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,203 @@
+"""Config schemas, the shipped YAML options and recipes, and the start-up validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+
+from moerl.config import MoerlConfig, ParallelConfig
+from moerl.config.store import _package_header, register_configs
+from moerl.config.validate import validate_config
+
+# World size each shipped layout is meant for, with the tiny MoE (4 heads, 4 experts, 2 layers).
+LAYOUT_WORLD = {
+    "single": 1,
+    "tp2": 2,
+    "pp2": 2,
+    "ep2": 2,
+    "tp2ep2": 4,
+    "etp2ep2": 4,
+    "dp2ep2": 4,
+}
+
+
+def _options(package: str, folder: str | None = None) -> list[str]:
+    root = resources.files(package)
+    if folder is not None:
+        root = root.joinpath(folder)
+    return sorted(e.name[: -len(".yaml")] for e in root.iterdir() if e.name.endswith(".yaml"))
+
+
+PARALLEL_OPTIONS = _options("moerl.conf", "parallel")
+RECIPES = _options("moerl.recipes")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered() -> None:
+    register_configs()
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _launch(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    return subprocess.run(
+        [sys.executable, "-m", "moerl.launch", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# --- composition ---------------------------------------------------------------
+
+
+def test_base_config_composes_to_schema() -> None:
+    cfg = _compose()
+    assert cfg.model.num_experts == 4
+    assert cfg.parallel.tp == 1
+    assert cfg.engine.kind == "embedded"
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, MoerlConfig)
+    assert isinstance(obj.parallel, ParallelConfig)
+    assert validate_config(cfg, world_size=1) == obj
+
+
+def test_layout_options_are_the_shipped_set() -> None:
+    assert PARALLEL_OPTIONS == sorted(LAYOUT_WORLD)
+
+
+@pytest.mark.parametrize("layout", PARALLEL_OPTIONS)
+def test_parallel_option_composes_and_validates(layout: str) -> None:
+    cfg = _compose(f"parallel={layout}")
+    parallel = OmegaConf.to_object(cfg.parallel)
+    assert isinstance(parallel, ParallelConfig)
+    if layout != "dp2ep2":  # same layout as ep2, on twice the ranks
+        assert parallel.name() == layout
+    validate_config(cfg, world_size=LAYOUT_WORLD[layout])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_validates(recipe: str) -> None:
+    cfg = _compose(f"+recipe={recipe}")
+    world = cfg.launcher.nproc or 1
+    validate_config(cfg, world_size=world)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("parallel.tpp=2", "tpp"),
+        ("model.num_expert=8", "num_expert"),
+        ("trainer.lr=fast", "lr"),
+        ("parallel=tp3", "tp3"),
+    ],
+)
+def test_typo_override_fails(override: str, key: str) -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        _compose(override)
+    text = str(info.value) + str(info.value.__cause__)
+    assert key in text
+
+
+@pytest.mark.parametrize("override", ["+foo=1", "+parallel.tpx=2", "+model.moe.x=1"])
+def test_added_key_is_rejected(override: str) -> None:
+    # `+key=value` gets past the schema at composition; validation catches it.
+    key = override[1:].split("=")[0].split(".")
+    shown = ".".join(key[:2]) if len(key) > 1 else key[0]
+    with pytest.raises(ValueError, match=f"{shown} is not a config key"):
+        validate_config(_compose(override), world_size=1)
+
+
+def test_unknown_recipe_is_rejected() -> None:
+    # With recipes shipped Hydra rejects the name; with none, validation does.
+    with pytest.raises((ConfigCompositionException, ValueError), match="no_such_recipe"):
+        validate_config(_compose("+recipe=no_such_recipe"), world_size=1)
+
+
+def test_package_header() -> None:
+    assert _package_header("# @package _global_\ndefaults: []\n") == "_global_"
+    assert _package_header("# a recipe\n#  @package _global_\n") == "_global_"
+    assert _package_header("trainer:\n  lr: 1\n# @package _global_\n") is None
+
+
+# --- validation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, world, fragments",
+    [
+        # TP must divide the attention heads.
+        (["parallel.tp=3"], 3, ["parallel.tp=3", "model.num_attention_heads=4", "choose tp"]),
+        # EP must divide the routed experts.
+        (["parallel.ep=3"], 3, ["parallel.ep=3", "model.num_experts=4", "choose ep"]),
+        # More pipeline stages than layers.
+        (["parallel.pp=4"], 4, ["parallel.pp=4", "model.num_layers=2"]),
+        # The world must split into TP × PP model copies.
+        (["parallel=tp2"], 3, ["world size 3", "parallel.tp", "2"]),
+        # Top-k larger than the expert count.
+        (["model.moe_router_topk=5"], 1, ["model.moe_router_topk=5", "model.num_experts=4"]),
+        (["trainer.dtype=fp16"], 1, ["trainer.dtype='fp16'", "'bf16'"]),
+        (["model.hidden_size=0"], 1, ["model.hidden_size=0", "positive"]),
+        (["trainer.global_batch_size=3"], 2, ["trainer.global_batch_size=3", "multiple of 2"]),
+        (
+            ["parallel=tp2", "parallel.sequence_parallel=false"],
+            2,
+            ["parallel.sequence_parallel=false", "MoE"],
+        ),
+        (["engine.kind=sglang"], 1, ["engine.urls"]),
+        (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
+        (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
+    ],
+)
+def test_validate_names_key_value_and_fix(
+    overrides: list[str], world: int, fragments: list[str]
+) -> None:
+    cfg = _compose(*overrides)
+    with pytest.raises(ValueError) as info:
+        validate_config(cfg, world_size=world)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_validate_accepts_dataclass() -> None:
+    cfg = MoerlConfig()
+    cfg.model.num_experts = 8
+    cfg.parallel.ep = 4
+    assert validate_config(cfg, world_size=4) is cfg
+
+
+# --- the entry point -----------------------------------------------------------
+
+
+def test_launch_help(tmp_path) -> None:
+    proc = _launch("--help", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m moerl.launch" in proc.stdout
+    assert "parallel: " in proc.stdout and "tp2ep2" in proc.stdout
+
+
+def test_launch_valid_config(tmp_path) -> None:
+    proc = _launch("parallel=ep2", "launcher.nproc=2", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "ep: 2" in proc.stdout
+    assert "not implemented yet" in proc.stdout
+
+
+def test_launch_rejects_bad_world_size(tmp_path) -> None:
+    proc = _launch("parallel=tp2", "launcher.nproc=3", cwd=str(tmp_path))
+    assert proc.returncode != 0
+    assert "world size 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
