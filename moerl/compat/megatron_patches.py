@@ -1,0 +1,103 @@
+"""megatron-core call sites that cannot run as written without CUDA or without TE.
+
+Each entry names the site, why it fails, and what we do instead. ``install()`` is
+called by ``moerl.compat.activate()`` (CPU only); ``fix_missing_te()`` is also
+called on GPU machines that lack transformer-engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_originals: list[tuple[Any, str, Any]] = []
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _originals.append((owner, name, getattr(owner, name, None)))
+    setattr(owner, name, value)
+
+
+def fix_missing_te() -> None:
+    """megatron-core 0.16: ``moe_utils.RouterGatingLinearFunction`` tests
+    ``te_general_gemm is not None`` but the name is only bound when the TE import
+    succeeds, so every router forward without TE raises NameError. Bind it to None."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _move_tensor_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """CPU twin of ``moe_utils.maybe_move_tensor_to_cpu``.
+
+    The alltoall dispatcher relies on it to turn its split sizes into numpy arrays
+    before ``all_to_all_single``; the original only converts CUDA tensors, so on
+    CPU the splits stay tensors and ``all_to_all_single`` rejects them."""
+    import torch
+
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _uneven_collectives() -> tuple[Any, Any]:
+    """Gather / reduce-scatter with per-rank split sizes over gloo.
+
+    The allgather and alltoall dispatchers with expert-tensor parallelism gather and
+    reduce-scatter tokens with uneven per-rank sizes, passing lists of differently
+    sized tensors to ``all_gather`` / ``reduce_scatter``. NCCL accepts that; gloo
+    rejects uneven all-gathers and has no list reduce-scatter. The replacements pad
+    to the largest split and use the even collectives (gather), or all-reduce and
+    keep this rank's rows (reduce-scatter). Equal splits keep the original path.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+    orig_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        width = max(sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty((width * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        pieces = [gathered[r * width : r * width + n] for r, n in enumerate(sizes)]
+        return torch.cat(pieces, dim=0)
+
+    def reduce_scatter_along_first_dim(
+        input_, group, input_split_sizes=None, use_global_buffer=False
+    ):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].contiguous()
+
+    return gather_along_first_dim, reduce_scatter_along_first_dim
+
+
+def install() -> None:
+    if _originals:
+        return
+    fix_missing_te()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _move_tensor_to_host)
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = _uneven_collectives()
+    _patch(mappings, "_gather_along_first_dim", gather)
+    _patch(mappings, "_reduce_scatter_along_first_dim", reduce_scatter)
+
+
+def uninstall() -> None:
+    while _originals:
+        owner, name, value = _originals.pop()
+        setattr(owner, name, value)

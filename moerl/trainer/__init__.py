@@ -1,0 +1,1 @@
+"""The megatron-core trainer: model wrapping, optimizer, schedules and train steps."""

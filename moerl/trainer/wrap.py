@@ -1,0 +1,92 @@
+"""Wrap model chunks in megatron-core DDP and build its optimizer.
+
+The same code runs on gloo (CPU, via ``moerl.compat``) and NCCL. Gradient
+reduction happens in fp32 buffers; with ``use_distributed_optimizer`` the
+optimizer state and the gradient reduce-scatter are sharded over data parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class OptimConfig:
+    """The subset of megatron-core's OptimizerConfig moerl exposes."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state and reduce-scatter gradients over data parallel."""
+
+
+def wrap_ddp(
+    chunks: list[torch.nn.Module], use_distributed_optimizer: bool, bucket_size: int | None = None
+) -> list[Any]:
+    """megatron-core DDP around every chunk (fp32 grad buffers, no comm overlap)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=bucket_size,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                # Only the first chunk buckets: megatron-core's own convention for VPP.
+                disable_bucketing=i > 0,
+            )
+        )
+    return wrapped
+
+
+def build_optimizer(chunks: list[Any], cfg: OptimConfig) -> Any:
+    """megatron-core's optimizer (Adam) over DDP-wrapped chunks; dtype follows the model."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model_config = chunks[0].config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        params_dtype=model_config.params_dtype,
+        bf16=model_config.bf16,
+        fp16=model_config.fp16,
+    )
+    return get_megatron_optimizer(opt_config, chunks)
+
+
+def attach_schedule_hooks(chunks: list[Any], optimizer: Any) -> None:
+    """Give the model config the hooks megatron-core's schedules call (as Megatron-LM does)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = chunks[0].config
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [c.no_sync for c in chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync

@@ -1,0 +1,41 @@
+"""moerl.compat's uneven gather / reduce-scatter over gloo, against plain torch math."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moerl.parallel import spawn
+
+SIZES = [3, 1, 4]
+
+
+def _uneven(_: int) -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+    # rank r holds SIZES[r] rows filled with r + row index
+    local = torch.arange(SIZES[rank] * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
+    gathered = mappings._gather_along_first_dim(local, group, output_split_sizes=SIZES)
+    expected = torch.cat(
+        [torch.arange(n * 2, dtype=torch.float32).view(-1, 2) + 100 * r for r, n in enumerate(SIZES)]
+    )
+    assert torch.equal(gathered, expected), (gathered, expected)
+
+    # reduce-scatter: every rank contributes (rank + 1) * full; rank r keeps its rows of the sum
+    full = torch.arange(sum(SIZES) * 2, dtype=torch.float32).view(-1, 2)
+    mine = mappings._reduce_scatter_along_first_dim(
+        full * (rank + 1), group, input_split_sizes=SIZES
+    )
+    start = sum(SIZES[:rank])
+    total = sum(r + 1 for r in range(len(SIZES)))
+    assert torch.equal(mine, full[start : start + SIZES[rank]] * total)
+
+    # equal splits still go through megatron-core's own collective
+    even = mappings._gather_along_first_dim(torch.full((2, 2), float(rank)), group)
+    assert torch.equal(even[2 * rank : 2 * rank + 2], torch.full((2, 2), float(rank)))
+
+
+def test_uneven_gather_and_reduce_scatter_over_gloo():
+    spawn(_uneven, len(SIZES), 0)
