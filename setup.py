@@ -50,6 +50,9 @@ setup(
         "safetensors",
         # megatron-core imports einops lazily (rank grids, MLA, attention reshapes).
         "einops",
+        # megatron-core's checkpoint writer needs psutil but does not declare it; without
+        # it the writer's worker dies silently and the save hangs.
+        "psutil",
         "tqdm",
         "rich",
     ],

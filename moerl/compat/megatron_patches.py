@@ -18,13 +18,25 @@ def _patch(owner: Any, name: str, value: Any) -> None:
 
 
 def fix_missing_te() -> None:
-    """megatron-core 0.16: ``moe_utils.RouterGatingLinearFunction`` tests
+    """Bugs of megatron-core 0.16 on installs without transformer-engine.
+
+    ``moe_utils.RouterGatingLinearFunction`` tests
     ``te_general_gemm is not None`` but the name is only bound when the TE import
     succeeds, so every router forward without TE raises NameError. Bind it to None."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+    # megatron-core 0.16: multi_latent_attention sets HAVE_TE=True whenever
+    # megatron.core.extensions.transformer_engine imports -- which it does without TE,
+    # leaving TELinear None -- so MLASelfAttention calls isinstance(x, None).
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _move_tensor_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:

@@ -42,6 +42,59 @@ class ModelConfig:
     """Norm layer: 'RMSNorm' or 'LayerNorm'."""
     seq_length: int = 32
     """Longest packed training sequence (prompt + response) in tokens."""
+    kv_channels: int | None = None
+    """Per-head dimension of (GQA) attention; None = hidden_size / num_attention_heads."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query/key head before RoPE (Qwen3)."""
+    norm_epsilon: float = 1e-6
+    """Epsilon of every norm layer."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation (random-init models only)."""
+
+    # --- MoE routing -------------------------------------------------------------
+    first_k_dense_replace: int = 0
+    """The first k layers are dense MLPs, the rest MoE (DeepSeek)."""
+    moe_router_score_function: str = "softmax"
+    """Router score: 'softmax' (Qwen3, DeepSeek-V2) or 'sigmoid' (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k without renormalising the top-k
+    (HF norm_topk_prob=False); False = top-k weights sum to one."""
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (HF n_group); None = no groups."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may route into (HF topk_group)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplier on the routing weights (HF routed_scaling_factor)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added for selection only
+    (HF e_score_correction_bias)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """'aux_loss', 'seq_aux_loss' or 'none'."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0 disables it)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """megatron-core token dispatcher: 'alltoall' or 'allgather'."""
+
+    # --- multi-latent attention (DeepSeek) ---------------------------------------
+    multi_latent_attention: bool = False
+    """Use MLA instead of GQA."""
+    q_lora_rank: int | None = None
+    """Rank of the query down-projection; None = a full query projection (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Rank of the compressed key/value latent."""
+    qk_head_dim: int = 128
+    """Per-head query/key dimension without RoPE (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key dimension with RoPE (HF qk_rope_head_dim)."""
+    v_head_dim: int = 128
+    """Per-head value dimension."""
+    rope_scaling: dict | None = None
+    """HF-style YaRN settings (type, factor, original_max_position_embeddings,
+    beta_fast, beta_slow, mscale, mscale_all_dim); None = plain RoPE."""
 
     @property
     def is_moe(self) -> bool:

@@ -33,8 +33,30 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 def _check_model(m: ModelConfig) -> None:
-    if not m.family:
-        raise ValueError("model.family is empty; name a model family such as 'gpt'")
+    from moerl.models.families import FAMILIES
+
+    _one_of("model.family", m.family, ("gpt", *sorted(FAMILIES)))
+    _one_of("model.moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
+    _one_of(
+        "model.moe_router_load_balancing_type",
+        m.moe_router_load_balancing_type,
+        ("aux_loss", "seq_aux_loss", "none"),
+    )
+    _one_of(
+        "model.moe_token_dispatcher_type", m.moe_token_dispatcher_type, ("alltoall", "allgather")
+    )
+    if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
+        raise ValueError(
+            "model.moe_router_num_groups and model.moe_router_group_topk must be set together "
+            f"(got {m.moe_router_num_groups} and {m.moe_router_group_topk})"
+        )
+    if m.first_k_dense_replace and (
+        m.num_experts is None or m.first_k_dense_replace >= m.num_layers
+    ):
+        raise ValueError(
+            f"model.first_k_dense_replace={m.first_k_dense_replace} needs an MoE model with more "
+            f"than that many layers (num_layers={m.num_layers})"
+        )
     for key in (
         "num_layers",
         "hidden_size",

@@ -21,47 +21,91 @@ from moerl.models.spec import decoder_block_spec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _moe_kwargs(model: Any) -> dict[str, Any]:
+    if not model.num_experts:
+        return {}
+    dense = model.first_k_dense_replace
+    if not 0 <= dense < model.num_layers:
+        raise ValueError(
+            f"model.first_k_dense_replace={dense} must be in [0, num_layers={model.num_layers})"
+        )
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_layer_freq=[0] * dense + [1] * (model.num_layers - dense),
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_num_groups=model.moe_router_num_groups,
+        moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_grouped_gemm=False,
+        moe_router_dtype="fp32",
+        moe_permute_fusion=False,
+        # Keep Routing needs the unfused router (the fused path skips RouterReplay).
+        moe_router_fusion=False,
+    )
+
+
+def _mla_kwargs(model: Any) -> dict[str, Any]:
+    scaling = dict(model.rope_scaling or {})
+    kind = scaling.get("type", scaling.get("rope_type", "rope"))
+    if kind not in ("rope", "default", "yarn"):
+        raise ValueError(f"model.rope_scaling.type={kind!r}: MLA supports 'yarn' or none")
+    out: dict[str, Any] = dict(
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+        v_head_dim=model.v_head_dim,
+        rotary_base=model.rope_theta,
+        rope_type="yarn" if kind == "yarn" else "rope",
+    )
+    if kind == "yarn":
+        out.update(
+            rotary_scaling_factor=scaling["factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+            beta_fast=scaling.get("beta_fast", 32),
+            beta_slow=scaling.get("beta_slow", 1),
+            mscale=scaling.get("mscale", 1.0),
+            mscale_all_dim=scaling.get("mscale_all_dim", 0.0),
+        )
+    return out
+
+
 def build_transformer_config(model: Any, parallel: ParallelConfig, dtype: str = "fp32") -> Any:
-    """The megatron-core TransformerConfig for ``model`` (a ``ModelConfig``) under ``parallel``."""
-    from megatron.core.transformer import TransformerConfig
+    """The megatron-core (MLA)TransformerConfig for ``model`` (a ``ModelConfig``) under ``parallel``."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"trainer.dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     params_dtype = DTYPES[dtype]
-    num_experts = model.num_experts
-    moe: dict[str, Any] = {}
-    if num_experts:
-        first_dense = getattr(model, "first_k_dense_replace", 0) or 0
-        moe = dict(
-            num_moe_experts=num_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-            moe_layer_freq=[0] * first_dense + [1] * (model.num_layers - first_dense),
-            moe_token_dispatcher_type=getattr(model, "moe_token_dispatcher_type", "alltoall"),
-            moe_router_load_balancing_type=getattr(
-                model, "moe_router_load_balancing_type", "aux_loss"
-            ),
-            moe_aux_loss_coeff=getattr(model, "moe_aux_loss_coeff", 0.0),
-            moe_grouped_gemm=False,
-            moe_router_dtype="fp32",
-            moe_permute_fusion=False,
-            moe_router_fusion=False,
-        )
-    return TransformerConfig(
+    cls = TransformerConfig
+    extra = _moe_kwargs(model)
+    if model.multi_latent_attention:
+        cls = MLATransformerConfig
+        extra.update(_mla_kwargs(model))
+    return cls(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
         ffn_hidden_size=model.ffn_hidden_size,
         normalization=model.normalization,
-        layernorm_epsilon=getattr(model, "norm_epsilon", 1e-6),
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=getattr(model, "init_method_std", 0.02),
+        init_method_std=model.init_method_std,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.virtual_pp,
@@ -79,7 +123,7 @@ def build_transformer_config(model: Any, parallel: ParallelConfig, dtype: str = 
         apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
-        **moe,
+        **extra,
     )
 
 
@@ -111,9 +155,9 @@ def build_model(
             post_process=parallel_state.is_pipeline_last_stage(
                 ignore_virtual=False, vp_stage=vp_stage
             ),
-            share_embeddings_and_output_weights=getattr(model, "tie_word_embeddings", False),
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=getattr(model, "rope_theta", 10000),
+            rotary_base=model.rope_theta,
             vp_stage=vp_stage,
         )
         chunks.append(chunk.to(device.device()))

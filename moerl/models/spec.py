@@ -27,26 +27,40 @@ def _is_megatron_norm(obj: Any) -> bool:
     return obj is WrappedTorchNorm or obj is FusedLayerNorm
 
 
+def map_spec(node: Any, fn: Any) -> Any:
+    """Rebuild a spec tree bottom-up, letting ``fn`` replace any node (class or spec)."""
+    if isinstance(node, ModuleSpec):
+        node = dataclasses.replace(
+            node, module=map_spec(node.module, fn), submodules=map_spec(node.submodules, fn)
+        )
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {
+            f.name: map_spec(getattr(node, f.name), fn) for f in dataclasses.fields(node) if f.init
+        }
+        node = dataclasses.replace(node, **changes)
+    elif isinstance(node, list):
+        return [map_spec(item, fn) for item in node]
+    return fn(node)
+
+
 def replace_norms(node: Any, norm: Any = SequenceParallelTorchNorm) -> Any:
     """Return ``node`` (a spec tree) with every local norm class replaced by ``norm``."""
-    if _is_megatron_norm(node):
-        return norm
-    if isinstance(node, ModuleSpec):
-        return dataclasses.replace(
-            node,
-            module=replace_norms(node.module, norm),
-            submodules=replace_norms(node.submodules, norm),
-        )
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        changes = {
-            f.name: replace_norms(getattr(node, f.name), norm)
-            for f in dataclasses.fields(node)
-            if f.init
-        }
-        return dataclasses.replace(node, **changes)
-    if isinstance(node, list):
-        return [replace_norms(item, norm) for item in node]
-    return node
+    return map_spec(node, lambda n: norm if _is_megatron_norm(n) else n)
+
+
+def use_local_mla_attention(node: Any) -> Any:
+    """Give every ``MLASelfAttention`` in a local spec tree ``LocalMLACoreAttention``."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from moerl.models.mla_attention import LocalMLACoreAttention
+
+    def swap(n: Any) -> Any:
+        if isinstance(n, ModuleSpec) and n.module is MLASelfAttention:
+            sub = dataclasses.replace(n.submodules, core_attention=LocalMLACoreAttention)
+            return dataclasses.replace(n, submodules=sub)
+        return n
+
+    return map_spec(node, swap)
 
 
 def decoder_block_spec(
@@ -70,4 +84,7 @@ def decoder_block_spec(
         vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
-    return spec if use_te else replace_norms(spec)
+    if use_te:
+        return spec
+    spec = replace_norms(spec)
+    return use_local_mla_attention(spec) if config.multi_latent_attention else spec

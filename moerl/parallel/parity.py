@@ -153,8 +153,6 @@ def _max_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
 
 def _run(layout: str, workdir: str, cfg_dict: dict[str, Any]) -> None:
     """Body of every rank (the reference is layout 'single')."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     from moerl.models.gpt import build_model
     from moerl.parallel.state import initialize_model_parallel
     from moerl.trainer.step import train_step
@@ -162,8 +160,8 @@ def _run(layout: str, workdir: str, cfg_dict: dict[str, Any]) -> None:
 
     cfg = ParityConfig(model=ModelConfig(**cfg_dict.pop("model")), **cfg_dict)
     model = cfg.model
-    model.first_k_dense_replace = cfg.first_k_dense  # type: ignore[attr-defined]
-    model.moe_aux_loss_coeff = cfg.aux_loss_coeff  # type: ignore[attr-defined]
+    model.first_k_dense_replace = cfg.first_k_dense
+    model.moe_aux_loss_coeff = cfg.aux_loss_coeff
     pcfg, _ = parse_layout(layout)
     initialize_model_parallel(
         pcfg,
@@ -171,8 +169,8 @@ def _run(layout: str, workdir: str, cfg_dict: dict[str, Any]) -> None:
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         num_experts=model.num_experts,
+        seed=cfg.seed,
     )
-    model_parallel_cuda_manual_seed(cfg.seed)
     chunks = build_model(model, pcfg)
     out = Path(workdir)
     is_ref = layout == "single"

@@ -43,8 +43,10 @@ def initialize_model_parallel(
     num_attention_heads: int,
     num_query_groups: int | None = None,
     num_experts: int | None = None,
+    seed: int = 1234,
 ) -> None:
-    """Validate the layout against the world and the model, then build megatron-core's groups."""
+    """Validate the layout against the world and the model, build megatron-core's groups,
+    and seed its RNG tracker (model-, data- and expert-parallel streams) from ``seed``."""
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
@@ -65,6 +67,9 @@ def initialize_model_parallel(
         expert_tensor_parallel_size=cfg.expert_tp,
         create_gloo_process_groups=not device.has_cuda(),
     )
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy() -> None:

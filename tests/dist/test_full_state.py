@@ -11,8 +11,6 @@ from moerl.parallel.parity import tiny_moe
 
 
 def _roundtrip(layout: str) -> None:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     from moerl.models.gpt import build_model
     from moerl.parallel import initialize_model_parallel, parse_layout
     from moerl.parallel.full_state import gather_full, load_full
@@ -25,8 +23,8 @@ def _roundtrip(layout: str) -> None:
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         num_experts=model.num_experts,
+        seed=3,
     )
-    model_parallel_cuda_manual_seed(3)
     chunks = build_model(model, pcfg)
     first = gather_full(chunks, "param")
     # A full state made on rank 0 (random, layout-free) is broadcast, loaded, gathered back.

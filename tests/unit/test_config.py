@@ -201,3 +201,18 @@ def test_launch_rejects_bad_world_size(tmp_path) -> None:
     assert proc.returncode != 0
     assert "world size 3" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+MODEL_OPTIONS = _options("moerl.conf", "model")
+
+
+@pytest.mark.parametrize("name", MODEL_OPTIONS)
+def test_every_model_option_composes_and_validates(name: str) -> None:
+    cfg = _compose(f"model={name}")
+    typed = validate_config(cfg, world_size=1)
+    assert typed.model.num_layers >= 2
+
+
+def test_unknown_family_is_rejected() -> None:
+    with pytest.raises(ValueError, match="model.family='llama'"):
+        validate_config(_compose("model.family=llama"), world_size=1)

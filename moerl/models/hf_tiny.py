@@ -1,0 +1,41 @@
+"""Build a random HF checkpoint of a family with transformers' own model classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerl.config.model import ModelConfig
+from moerl.models.families import get_family
+from moerl.models.tokenizer import build_tiny_tokenizer
+
+
+def build_hf_model(model: ModelConfig, seed: int = 0) -> Any:
+    """An fp32 transformers model for ``model`` with random weights (incl. expert bias)."""
+    import transformers
+
+    family = get_family(model.family)
+    hf_kwargs = family.to_hf(model)
+    config = transformers.AutoConfig.for_model(**hf_kwargs)
+    torch.manual_seed(seed)
+    hf_model = getattr(transformers, family.hf_architecture)(config).float().eval()
+    with torch.no_grad():
+        for name, buf in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn_like(buf))  # make the bias matter in routing
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))  # non-trivial norms
+    return hf_model
+
+
+def save_tiny_checkpoint(model: ModelConfig, out: str | Path, seed: int = 0) -> Path:
+    """Write config.json, safetensors and tokenizer files for a random model."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model = build_hf_model(model, seed)
+    hf_model.save_pretrained(str(out), safe_serialization=True)
+    build_tiny_tokenizer(model.vocab_size).save_pretrained(str(out))
+    return out

@@ -1,0 +1,32 @@
+"""Tiny configs of each family, read from ``conf/model/<family>_tiny.yaml`` (the one
+source of their numbers): a few hundred thousand parameters, CPU-fast, and shaped so
+every feature of the family is exercised (dense + MoE layers, GQA with q/k norm or MLA
+with a q down-projection, shared experts, group-limited sigmoid routing with an
+expert bias)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from omegaconf import OmegaConf
+
+from moerl.config.model import ModelConfig
+
+TINY = ("deepseek_moe", "qwen3_moe")
+
+
+def model_config(name: str) -> ModelConfig:
+    """The ``ModelConfig`` of ``conf/model/NAME.yaml``."""
+    path = resources.files("moerl.conf").joinpath("model", f"{name}.yaml")
+    if not path.is_file():
+        raise ValueError(f"no model config conf/model/{name}.yaml")
+    raw = OmegaConf.load(str(path))
+    raw.pop("defaults", None)
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def tiny_config(family: str) -> ModelConfig:
+    if family not in TINY:
+        raise ValueError(f"no tiny config for family {family!r}; choose one of {sorted(TINY)}")
+    return model_config(f"{family}_tiny")

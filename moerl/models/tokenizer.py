@@ -1,0 +1,47 @@
+"""Tokenizers: the checkpoint's own HF tokenizer for real models (local files only),
+and a built-in character-level tokenizer for tiny models, so nothing downloads.
+
+The built-in vocabulary covers digits, arithmetic signs, lowercase letters and
+punctuation, which is what moerl's synthetic tasks need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARS = list("0123456789+-*/=()., :?") + list("abcdefghijklmnopqrstuvwxyz")
+
+
+def build_tiny_tokenizer(vocab_size: int = 128) -> Any:
+    """A ``PreTrainedTokenizerFast`` with one token per character (ids < vocab_size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    if len(vocab) > vocab_size:
+        raise ValueError(f"the built-in tokenizer needs vocab_size >= {len(vocab)}")
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The HF tokenizer saved in a local checkpoint directory (never downloads)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+            "copy the tokenizer into the checkpoint directory"
+        )
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
