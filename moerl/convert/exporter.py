@@ -1,0 +1,92 @@
+"""Stream megatron-core weights out as HF-named tensors, one tensor at a time.
+
+``export_hf`` is a generator: for each Megatron tensor of this pipeline stage, in
+a fixed order, it gathers the TP (or ETP) shards, and for routed experts it
+assembles one expert at a time across the expert-parallel group, converts to HF
+names and yields. Nothing is held beyond the tensor being yielded, so weight sync
+can bucket and broadcast the stream without materialising the model on one rank.
+Every rank of the stage must iterate it (it runs collectives); every rank gets the
+same tensors and the caller decides which one sends them on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from moerl.config.model import ModelConfig
+from moerl.convert.families import family_map
+from moerl.parallel.full_state import Shard, local_shards
+
+
+def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Gather ``pieces`` (this rank's parts of one tensor of ``shape``) from every
+    rank of ``group`` and write them into a full tensor."""
+    dtype = pieces[0].data.dtype if pieces else torch.float32
+    meta = [(p.offset[p.prepend :], tuple(p.data.shape)) for p in pieces]
+    flat = (
+        torch.cat([p.data.detach().reshape(-1) for p in pieces])
+        if pieces
+        else torch.empty(0, dtype=dtype)
+    )
+    world = dist.get_world_size(group) if group is not None else 1
+    out = torch.empty(shape, dtype=dtype)
+    if world == 1:
+        metas, flats = [meta], [flat]
+    else:
+        metas = [None] * world
+        dist.all_gather_object(metas, meta, group=group)
+        sizes = [sum(int(torch.Size(s).numel()) for _, s in m) for m in metas]  # type: ignore[union-attr]
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=dtype)
+        padded[: flat.numel()] = flat
+        gathered = torch.empty(width * world, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, padded, group=group)
+        flats = [gathered[r * width : r * width + sizes[r]] for r in range(world)]
+    for rank_meta, rank_flat in zip(metas, flats):
+        pos = 0
+        for offset, local_shape in rank_meta:  # type: ignore[union-attr]
+            n = int(torch.Size(local_shape).numel())
+            index = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
+            out[index] = rank_flat[pos : pos + n].view(local_shape)
+            pos += n
+    return out
+
+
+def _groups():  # type: ignore[no-untyped-def]
+    if not dist.is_initialized():
+        return None, None
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_expert_tensor_and_model_parallel_group(),
+    )
+
+
+def export_hf(
+    chunks: list[torch.nn.Module], model: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor this pipeline stage owns."""
+    fmap = family_map(model)
+    by_key: dict[str, list[Shard]] = {}
+    for shard in local_shards(chunks):
+        by_key.setdefault(shard.key, []).append(shard)
+    dense_group, expert_group = _groups()
+    for key, pieces in by_key.items():
+        entry, layer = fmap.lookup(key)
+        shape = pieces[0].global_shape
+        if entry.expert:
+            for expert in range(shape[0]):
+                mine = [p for p in pieces if p.offset[0] == expert]
+                full = _assemble(mine, shape[1:], expert_group)
+                names = fmap.hf_names(entry, layer, expert)
+                yield from zip(names, entry.converter.to_hf(full))
+                del full
+        else:
+            full = _assemble(pieces, shape, dense_group)
+            names = fmap.hf_names(entry, layer)
+            yield from zip(names, entry.converter.to_hf(full))
+            del full

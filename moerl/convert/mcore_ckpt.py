@@ -1,0 +1,157 @@
+"""HF checkpoint ⇄ megatron-core distributed checkpoint (``dist_checkpointing``).
+
+A Megatron checkpoint directory holds megatron-core's own sharded format plus
+``moerl_model.json`` (the ``ModelConfig``) and the HF ``config.json`` and
+tokenizer files, so it can be loaded into any layout and converted back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from moerl.config.model import ModelConfig
+from moerl.convert.exporter import export_hf
+from moerl.convert.hf_io import INDEX, HFCheckpoint
+from moerl.convert.loader import load_hf
+from moerl.models.families import get_family
+from moerl.parallel.layout import parse_layout
+
+MODEL_JSON = "moerl_model.json"
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def _setup(model: ModelConfig, layout: str) -> list[torch.nn.Module]:
+    from moerl.models.gpt import build_model
+    from moerl.parallel.state import initialize_model_parallel
+
+    pcfg, _ = parse_layout(layout)
+    initialize_model_parallel(
+        pcfg,
+        num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        num_experts=model.num_experts,
+    )
+    return build_model(model, pcfg)
+
+
+def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def hf_to_mcore(hf_dir: str, out: str, layout: str, family: str | None) -> None:
+    """Body of every rank: load HF, save megatron-core's distributed checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = HFCheckpoint(hf_dir)
+    config = ckpt.config()
+    family = family or _family_of(config)
+    model = get_family(family).from_hf(config)
+    chunks = _setup(model, layout)
+    report = load_hf(chunks, hf_dir, model)
+    out_dir = Path(out)
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks), str(out_dir))
+    if dist.get_rank() == 0:
+        (out_dir / MODEL_JSON).write_text(json.dumps(asdict(model), indent=2))
+        _copy_side_files(Path(hf_dir), out_dir)
+        print(
+            f"saved megatron-core checkpoint to {out_dir} ({report.tensors_loaded} shards on rank 0)"
+        )
+
+
+def _family_of(config: dict) -> str:
+    by_type = {
+        "qwen3_moe": "qwen3_moe",
+        "deepseek_v3": "deepseek_moe",
+        "deepseek_v2": "deepseek_moe",
+    }
+    model_type = config.get("model_type")
+    if model_type not in by_type:
+        raise ValueError(f"config.json model_type={model_type!r}: pass --family explicitly")
+    return by_type[model_type]
+
+
+def mcore_to_hf(mcore_dir: str, out: str, layout: str, shard_mb: float) -> None:
+    """Body of every rank: load the distributed checkpoint, stream the HF export to
+    safetensors shards of at most ``shard_mb`` (one file set per pipeline stage)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from tqdm import tqdm
+
+    src = Path(mcore_dir)
+    if not (src / MODEL_JSON).is_file():
+        raise FileNotFoundError(f"{src / MODEL_JSON} is missing: not a moerl Megatron checkpoint")
+    model = ModelConfig(**json.loads((src / MODEL_JSON).read_text()))
+    chunks = _setup(model, layout)
+    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(src))
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state, strict=False)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{i}"], strict=False)
+    out_dir = Path(out)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    writer = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_expert_model_parallel_rank() == 0
+    )
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    files = 0
+
+    def flush() -> None:
+        nonlocal bucket, size, files
+        if bucket and writer:
+            name = f"model-pp{stage}-{files:05d}.safetensors"
+            save_file(bucket, str(out_dir / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in bucket})
+        files += 1 if bucket else 0
+        bucket, size = {}, 0
+
+    stream = export_hf(chunks, model)
+    for name, tensor in tqdm(
+        stream, desc=f"export stage {stage}", disable=not writer, unit="tensor"
+    ):
+        bucket[name] = tensor.contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_mb * 2**20:
+            flush()
+    flush()
+    maps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, weight_map)
+    if dist.get_rank() == 0:
+        merged = {k: v for m in maps for k, v in m.items()}
+        index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(merged.items()))}
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2))
+        _copy_side_files(src, out_dir)
+        print(f"wrote {len(merged)} HF tensors to {out_dir}")
