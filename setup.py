@@ -54,6 +54,9 @@ setup(
         # it the writer's worker dies silently and the save hangs.
         "psutil",
         "tqdm",
+        # the embedded engine's HTTP server (SGLang's own stack)
+        "fastapi",
+        "uvicorn",
         "rich",
     ],
     extras_require={

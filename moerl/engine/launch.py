@@ -1,0 +1,55 @@
+"""Build the engine (model, scheduler, app) from parsed flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+
+def build_state(args: argparse.Namespace) -> Any:
+    from moerl.engine.model_runner import ModelRunner
+    from moerl.engine.scheduler import Scheduler
+    from moerl.engine.server import EngineState, create_app
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    runner = ModelRunner(args.model_path, dtype=args.dtype, seed=args.random_seed)
+    tokenizer = None
+    try:
+        from moerl.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model_path)
+    except (FileNotFoundError, OSError, ValueError):
+        tokenizer = None  # input_ids only; "text" stays empty
+    eos = getattr(runner.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    scheduler = Scheduler(
+        runner,
+        max_running_requests=args.max_running_requests,
+        eos_token_ids=eos_ids,
+        weight_version=args.weight_version,
+        enable_routed_experts=args.enable_return_routed_experts,
+    )
+    state = EngineState(
+        runner=runner,
+        scheduler=scheduler,
+        model_path=str(args.model_path),
+        api_key=args.api_key,
+        tokenizer=tokenizer,
+    )
+    app = create_app(state)
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        scheduler.start()
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        scheduler.shutdown()
+
+    app.state.engine = state
+    return app

@@ -1,0 +1,279 @@
+"""Continuous batching: requests join and leave the running batch at every step.
+
+One background thread owns the model. Each iteration it first runs control actions
+(weight updates, pause/continue, aborts) — so a weight swap happens between decode
+steps and running requests keep going on the new weights — then prefills newly
+arrived requests one by one, then decodes one token for every running request in
+a single batched forward. HTTP handlers talk to it through thread-safe queues and
+get results back on their asyncio loop.
+"""
+
+# T tokens, L layers, K top-k
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moerl.engine.model_runner import KVCache, ModelRunner
+from moerl.engine.sampling import SamplingParams, sample
+
+
+@dataclass
+class Request:
+    """One sequence being generated (an ``n > 1`` request becomes n of these)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: str = "selected"
+    on_token: Callable[[Request], None] | None = None  # streaming callback (scheduler thread)
+    on_done: Callable[[Request], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)
+    sampling_logprobs: list[Any] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # weight version of each output token
+    routes: list[np.ndarray] = field(default_factory=list)  # [T, L, K] chunks, one per forward
+    cache: KVCache = field(default_factory=KVCache)
+    finish_reason: dict[str, Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    """Owns the ``ModelRunner``; see the module docstring."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_running_requests: int = 64,
+        max_prefill_per_step: int = 8,
+        eos_token_ids: list[int] | None = None,
+        weight_version: str = "0",
+        enable_routed_experts: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.max_running = max_running_requests
+        self.max_prefill = max_prefill_per_step
+        self.eos = set(eos_token_ids or [])
+        self.weight_version = weight_version
+        self.enable_routed_experts = enable_routed_experts
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.retracted: list[Request] = []
+        self.running: list[Request] = []
+        self.controls: queue.Queue[
+            tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
+        ] = queue.Queue()
+        self.paused = False
+        self.wake = threading.Event()
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="moerl-scheduler", daemon=True)
+        self.steps = 0
+        self.last_step_s = 0.0
+        self.step_times: list[
+            tuple[float, float, int]
+        ] = []  # (start, duration, batch) of recent steps
+
+    # -- public (any thread) -----------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    def submit(self, request: Request) -> None:
+        self.waiting.put(request)
+        self.wake.set()
+
+    def control(
+        self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        """Run ``fn`` on the scheduler thread between steps; ``done(result, error)`` after."""
+        self.controls.put((fn, done))
+        self.wake.set()
+
+    def load(self) -> int:
+        return len(self.running) + self.waiting.qsize() + len(self.retracted)
+
+    # -- control actions (scheduler thread) ------------------------------------------------
+    def finish(self, request: Request, reason: dict[str, Any]) -> None:
+        request.finish_reason = reason
+        if request.on_done is not None:
+            request.on_done(request)
+
+    def abort(
+        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
+    ) -> int:
+        """Finish matching requests (running, retracted or waiting) with an abort reason."""
+        count = 0
+        keep_running = []
+        for req in self.running + self.retracted:
+            if abort_all or req.rid.startswith(str(rid)):  # SGLang matches rid by prefix
+                self.finish(req, _abort(message))
+                count += 1
+            elif req in self.running:
+                keep_running.append(req)
+        self.retracted = [r for r in self.retracted if not r.done]
+        self.running = keep_running
+        pending = []
+        while True:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            if abort_all or req.rid.startswith(str(rid)):
+                self.finish(req, _abort(message))
+                count += 1
+            else:
+                pending.append(req)
+        for req in pending:
+            self.waiting.put(req)
+        return count
+
+    def pause(self, mode: str) -> None:
+        """abort: finish every running request; retract: drop their KV caches and requeue
+        them (prompt + output so far is re-prefilled on continue); in_place: keep all state."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"mode={mode!r}: choose 'abort', 'retract' or 'in_place'")
+        self.paused = True
+        if mode == "abort":
+            self.abort(abort_all=True, message="aborted by pause_generation")
+        elif mode == "retract":
+            for req in self.running:
+                req.cache = KVCache()
+            self.retracted.extend(self.running)
+            self.running = []
+
+    def resume(self) -> None:
+        self.paused = False
+
+    # -- the loop --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            self._run_controls()
+            if self.paused or (not self.running and self.waiting.empty() and not self.retracted):
+                self.wake.wait(timeout=0.05)
+                self.wake.clear()
+                continue
+            start = time.perf_counter()
+            self._admit()
+            if self.running:
+                self._decode()
+            self.last_step_s = time.perf_counter() - start
+            self.steps += 1
+            self.step_times.append((start, self.last_step_s, len(self.running)))
+            del self.step_times[:-256]
+
+    def _run_controls(self) -> None:
+        while True:
+            try:
+                fn, done = self.controls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn()
+            except BaseException as err:  # reported to the caller, never kills the loop
+                done(None, err)
+            else:
+                done(result, None)
+
+    def _admit(self) -> None:
+        admitted = 0
+        while self.retracted and len(self.running) < self.max_running:
+            req = self.retracted.pop(0)
+            self._prefill(req, req.input_ids + req.output_ids, resumed=True)
+            admitted += 1
+        while admitted < self.max_prefill and len(self.running) < self.max_running:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if req.done:
+                continue
+            self._prefill(req, req.input_ids, resumed=False)
+            admitted += 1
+
+    def _prefill(self, req: Request, tokens: list[int], resumed: bool) -> None:
+        if resumed:
+            # Re-prefill prompt + all but the last output token; rows for those tokens
+            # were recorded already, so the new forward's routes are not appended twice.
+            logits, _ = self.runner.prefill(tokens[:-1], req.cache)
+            logits, routes = self.runner.decode([tokens[-1]], [req.cache])
+            self._record(req, routes)
+            self._emit(req, logits[0])
+        else:
+            if req.params.max_new_tokens == 0:
+                self.finish(req, {"type": "length", "length": 0})
+                return
+            logits, routes = self.runner.prefill(tokens, req.cache)
+            self._record(req, routes)
+            self._emit(req, logits)
+        if not req.done:
+            self.running.append(req)
+
+    def _decode(self) -> None:
+        batch = self.running
+        logits, routes = self.runner.decode(
+            [r.output_ids[-1] for r in batch], [r.cache for r in batch]
+        )
+        for i, req in enumerate(batch):
+            self._record(req, routes[i : i + 1])
+            self._emit(req, logits[i])
+        self.running = [r for r in batch if not r.done]
+
+    def _record(self, req: Request, routes: np.ndarray) -> None:
+        if req.return_routed_experts:
+            req.routes.append(routes)
+
+    def _emit(self, req: Request, logits: Any) -> None:
+        """Sample the next token of ``req`` and finish it if a stop condition holds."""
+        s = sample(logits, req.params, self.runner.generator)
+        req.output_ids.append(s.token)
+        req.logprobs.append(s.logprob)
+        req.versions.append(self.weight_version)
+        if req.return_sampling_mask:
+            req.masks.append(s.mask)
+            req.sampling_logprobs.append(
+                s.support_logprobs
+                if req.sampling_logprobs_mode == "support"
+                else s.sampling_logprob
+            )
+        stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos)
+        if s.token in stop:
+            self.finish(req, {"type": "stop", "matched": s.token})
+        elif len(req.output_ids) >= req.params.max_new_tokens:
+            self.finish(req, {"type": "length", "length": len(req.output_ids)})
+        elif len(req.input_ids) + len(req.output_ids) >= self.runner.context_len:
+            self.finish(req, {"type": "length", "length": len(req.output_ids)})
+        if req.on_token is not None:
+            req.on_token(req)
+
+
+def _abort(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+_counter = itertools.count()
+
+
+def new_rid() -> str:
+    return f"{uuid.uuid4().hex[:12]}{next(_counter)}"

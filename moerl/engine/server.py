@@ -1,0 +1,369 @@
+"""The embedded engine's HTTP server: SGLang's native API subset (DESIGN.md §4).
+
+FastAPI + uvicorn, as SGLang uses. Handlers validate, hand work to the
+``Scheduler`` thread and await the result. Nothing received over the network is
+unpickled: weights arrive over a torch.distributed group, adapters as safetensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from moerl.engine.model_runner import ModelRunner
+from moerl.engine.sampling import SamplingParams, UnknownFieldError
+from moerl.engine.scheduler import Request, Scheduler, new_rid
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineState:
+    runner: ModelRunner
+    scheduler: Scheduler
+    model_path: str
+    api_key: str | None = None
+    tokenizer: Any = None
+    groups: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+
+def _ok(message: str = "", **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message, **extra})
+
+
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def _on_scheduler(state: EngineState, fn: Any) -> Any:
+    """Run ``fn`` on the scheduler thread between steps and await its result."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def done(result: Any, err: BaseException | None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if err is not None:
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+        loop.call_soon_threadsafe(settle)
+
+    state.scheduler.control(fn, done)
+    return await future
+
+
+def _spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    """Output-token spans [start, end) of constant weight version (SGLang's
+    ``weight_versions``; a response without tokens gets one empty span)."""
+    if not versions:
+        return [{"version": current, "start": 0, "end": 0}]
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def build_response(state: EngineState, req: Request) -> dict[str, Any]:
+    """A finished (or in-progress, for streaming) request as SGLang's response JSON."""
+    spans = _spans(req.versions, state.scheduler.weight_version)
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": spans[-1]["version"],
+    }
+    if req.done:  # as SGLang: the spans come with the finished response
+        meta["weight_versions"] = spans
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)
+        ]
+    if req.return_routed_experts:
+        rows = np.concatenate(req.routes, axis=0) if req.routes else np.zeros((0, 0, 0), np.int32)
+        end = len(req.input_ids) + len(req.output_ids) - 1
+        rows = np.ascontiguousarray(
+            rows[req.routed_experts_start_len : max(end, 0)], dtype=np.int32
+        )
+        meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
+    if req.return_sampling_mask:
+        meta["output_token_sampling_mask"] = req.masks
+        meta["output_token_sampling_logprobs"] = req.sampling_logprobs
+        meta["output_token_sampling_mask_length"] = len(req.masks)
+    text = state.tokenizer.decode(req.output_ids) if state.tokenizer is not None else ""
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
+    runner, sched = state.runner, state.scheduler
+    allowed = {
+        "input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
+        "return_routed_experts", "routed_experts_start_len", "return_sampling_mask",
+        "sampling_logprobs_mode", "rid", "lora_path", "stream", "top_logprobs_num",
+    }  # fmt: skip
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise UnknownFieldError(
+            f"unknown field `{unknown[0]}` in /generate, expected one of {sorted(allowed)}"
+        )
+    ids = body.get("input_ids")
+    if ids is None and body.get("text") is not None:
+        if state.tokenizer is None:
+            raise ValueError("text input needs a tokenizer in the model directory; send input_ids")
+        ids = state.tokenizer(body["text"]).input_ids
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        raise ValueError("input_ids must be a non-empty list of token ids (one request per call)")
+    bad = [t for t in ids if not 0 <= t < runner.vocab_size]
+    if bad:
+        raise ValueError(f"input_ids contain ids outside [0, {runner.vocab_size}): {bad[:5]}")
+    params = SamplingParams.from_request(body.get("sampling_params"))
+    if len(ids) >= runner.context_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the model's context is {runner.context_len} "
+            "(max_position_embeddings): shorten the prompt"
+        )
+    start = body.get("logprob_start_len", -1)
+    if start not in (-1, None) and body.get("return_logprob"):
+        raise ValueError(
+            "input-token logprobs (logprob_start_len >= 0) are not served by the embedded engine"
+        )
+    routed = bool(body.get("return_routed_experts", False))
+    if routed and not sched.enable_routed_experts:
+        raise ValueError(
+            "return_routed_experts needs the server started with --enable-return-routed-experts"
+        )
+    routed_start = int(body.get("routed_experts_start_len") or 0)
+    if not 0 <= routed_start <= len(ids):
+        raise ValueError(f"routed_experts_start_len={routed_start} must be in [0, {len(ids)}]")
+    mode = body.get("sampling_logprobs_mode")
+    if mode is not None and not body.get("return_sampling_mask"):
+        raise ValueError("sampling_logprobs_mode needs return_sampling_mask=true")
+    mode = mode or "selected"
+    if mode not in ("selected", "support"):
+        raise ValueError(f"sampling_logprobs_mode={mode!r}: choose 'selected' or 'support'")
+    if body.get("lora_path"):
+        raise ValueError(f"lora_path={body['lora_path']!r}: no LoRA adapter of that name is loaded")
+    rid = str(body.get("rid") or new_rid())
+    n = params.n
+    return [
+        Request(
+            rid=rid if n == 1 else f"{rid}_{i}",
+            input_ids=list(ids),
+            params=params,
+            return_logprob=bool(body.get("return_logprob", False)),
+            return_routed_experts=routed,
+            routed_experts_start_len=routed_start,
+            return_sampling_mask=bool(body.get("return_sampling_mask", False)),
+            sampling_logprobs_mode=mode,
+        )
+        for i in range(n)
+    ]
+
+
+def create_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="moerl embedded engine", docs_url=None, redoc_url=None)
+    sched, runner = state.scheduler, state.runner
+
+    @app.middleware("http")
+    async def check_key(request: HTTPRequest, call_next: Any) -> Any:
+        if state.api_key is not None:
+            if request.headers.get("authorization") != f"Bearer {state.api_key}":
+                return _error("invalid or missing API key (Authorization: Bearer KEY)", 401)
+        return await call_next(request)
+
+    async def body_of(request: HTTPRequest) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as err:
+            raise ValueError(f"request body is not JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise ValueError("request body must be a JSON object")
+        return body
+
+    @app.exception_handler(ValueError)
+    async def bad_request(request: HTTPRequest, err: ValueError) -> JSONResponse:
+        if isinstance(err, UnknownFieldError):
+            return JSONResponse({"error": str(err)}, status_code=400)
+        return _error(str(err), 400)
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest) -> Any:
+        body = await body_of(request)
+        reqs = _parse_generate(state, body)
+        loop = asyncio.get_running_loop()
+        if body.get("stream"):
+            if len(reqs) > 1:
+                raise ValueError("stream=true with n > 1 is not supported")
+            chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+            req = reqs[0]
+            req.on_token = lambda r: loop.call_soon_threadsafe(
+                chunks.put_nowait, build_response(state, r)
+            )
+            req.on_done = lambda r: loop.call_soon_threadsafe(chunks.put_nowait, None)
+            sched.submit(req)
+
+            async def events() -> Any:
+                last = None
+                while True:
+                    item = await chunks.get()
+                    if item is None:
+                        break
+                    last = item
+                    yield f"data: {json.dumps(item)}\n\n"
+                if last is None or last["meta_info"]["finish_reason"] is None:
+                    yield f"data: {json.dumps(build_response(state, req))}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        futures = []
+        for req in reqs:
+            future: asyncio.Future[Request] = loop.create_future()
+            req.on_done = lambda r, f=future: loop.call_soon_threadsafe(
+                lambda: f.done() or f.set_result(r)
+            )
+            futures.append(future)
+            sched.submit(req)
+        try:
+            done = await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # client went away: stop generating for it
+            for req in reqs:
+                sched.control(lambda r=req: sched.abort(rid=r.rid), lambda *_: None)
+            raise
+        out = [build_response(state, r) for r in done]
+        if len(out) == 1:
+            return JSONResponse(out[0])
+        for i, item in enumerate(out):
+            item["index"] = i
+        return JSONResponse(out)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not sched.thread.is_alive():
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Request] = loop.create_future()
+        req = Request(
+            rid=new_rid(), input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0)
+        )
+        req.on_done = lambda r: loop.call_soon_threadsafe(
+            lambda: future.done() or future.set_result(r)
+        )
+        sched.submit(req)
+        try:
+            await asyncio.wait_for(future, timeout=60)
+        except TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    def model_info() -> dict[str, Any]:
+        cfg = runner.config
+        return {
+            "model_path": state.model_path,
+            "served_model_name": state.model_path,
+            "tokenizer_path": state.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "load_format": "auto",
+            "architectures": list(getattr(cfg, "architectures", None) or []),
+            "weight_version": sched.weight_version,
+            "num_hidden_layers": runner.num_layers,
+            "num_experts_per_tok": runner.topk,
+            "vocab_size": runner.vocab_size,
+            "context_length": runner.context_len,
+            "model_type": getattr(cfg, "model_type", None),
+        }
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> Any:
+        return JSONResponse(model_info())
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info() -> Any:
+        return JSONResponse(
+            {
+                **model_info(),
+                "engine": "moerl.embedded",
+                "max_running_requests": sched.max_running,
+                "enable_return_routed_experts": sched.enable_routed_experts,
+                "running_requests": len(sched.running),
+                "waiting_requests": sched.waiting.qsize(),
+                "paused": sched.paused,
+                "decode_steps": sched.steps,
+                "last_step_s": sched.last_step_s,
+                "uptime_s": time.time() - state.started,
+            }
+        )
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Any:
+        # No prefix cache is kept: every request owns its KV cache, freed when it ends.
+        return PlainTextResponse("Cache flushed.")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: HTTPRequest) -> Any:
+        body = await body_of(request)
+        mode = body.get("mode", "abort")
+        await _on_scheduler(state, lambda: sched.pause(mode))
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Any:
+        await _on_scheduler(state, sched.resume)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: HTTPRequest) -> Any:
+        body = await body_of(request)
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        if rid or abort_all:  # SGLang ignores an empty rid without abort_all
+            await _on_scheduler(state, lambda: sched.abort(rid=rid, abort_all=abort_all))
+        return Response(status_code=200)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: HTTPRequest) -> Any:
+        body = await body_of(request)
+        version = body.get("new_version")
+        if version is None:
+            raise ValueError("update_weight_version needs new_version")
+        abort_all = bool(body.get("abort_all_requests", True))  # SGLang's default
+
+        def apply() -> None:
+            if abort_all:
+                sched.abort(abort_all=True, message="aborted by update_weight_version")
+            sched.weight_version = str(version)
+
+        await _on_scheduler(state, apply)
+        return _ok(f"weight version is {version}", new_version=str(version))
+
+    from moerl.engine.weights import register_weight_routes
+
+    register_weight_routes(app, state, _ok, _fail, body_of, _on_scheduler)
+    return app

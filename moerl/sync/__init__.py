@@ -1,0 +1,1 @@
+"""Weight and adapter sync between the trainer and the inference engines."""
