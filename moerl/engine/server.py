@@ -118,16 +118,7 @@ def build_response(state: EngineState, req: Request) -> dict[str, Any]:
 
 def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
     runner, sched = state.runner, state.scheduler
-    allowed = {
-        "input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
-        "return_routed_experts", "routed_experts_start_len", "return_sampling_mask",
-        "sampling_logprobs_mode", "rid", "lora_path", "stream", "top_logprobs_num",
-    }  # fmt: skip
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise UnknownFieldError(
-            f"unknown field `{unknown[0]}` in /generate, expected one of {sorted(allowed)}"
-        )
+    # As SGLang: unknown top-level keys are ignored; unknown sampling_params are rejected.
     ids = body.get("input_ids")
     if ids is None and body.get("text") is not None:
         if state.tokenizer is None:
@@ -149,11 +140,9 @@ def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
         raise ValueError(
             "input-token logprobs (logprob_start_len >= 0) are not served by the embedded engine"
         )
-    routed = bool(body.get("return_routed_experts", False))
-    if routed and not sched.enable_routed_experts:
-        raise ValueError(
-            "return_routed_experts needs the server started with --enable-return-routed-experts"
-        )
+    # As SGLang: without --enable-return-routed-experts the key is silently absent from
+    # the response (the client turns that into a clear error).
+    routed = bool(body.get("return_routed_experts", False)) and sched.enable_routed_experts
     routed_start = int(body.get("routed_experts_start_len") or 0)
     if not 0 <= routed_start <= len(ids):
         raise ValueError(f"routed_experts_start_len={routed_start} must be in [0, {len(ids)}]")
