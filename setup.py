@@ -58,6 +58,8 @@ setup(
         "fastapi",
         "uvicorn",
         "rich",
+        # moerl.rollout.client: async HTTP to the engines (SGLang native API).
+        "httpx",
     ],
     extras_require={
         "sglang": ["sglang"],

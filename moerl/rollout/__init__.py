@@ -1,0 +1,16 @@
+"""Rollouts: the Trajectory record, the async engine client, response decoding."""
+
+from moerl.rollout.client import ENGINE_URL_KEY, EngineClient
+from moerl.rollout.errors import EngineError, RoutedExpertsMissing, SamplingMaskMissing
+from moerl.rollout.trajectory import Trajectory, load_jsonl, save_jsonl
+
+__all__ = [
+    "ENGINE_URL_KEY",
+    "EngineClient",
+    "EngineError",
+    "RoutedExpertsMissing",
+    "SamplingMaskMissing",
+    "Trajectory",
+    "load_jsonl",
+    "save_jsonl",
+]

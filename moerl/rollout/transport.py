@@ -1,0 +1,277 @@
+"""Transport for the engine client: engine selection, retries, broadcast, error shapes.
+
+- One request (`_post_balanced`, used for /generate) goes to the engine with the fewest
+  requests outstanding from this client (ties rotate). Connection errors, timeouts and HTTP
+  5xx are retried, on an engine not yet tried when there is one, else on the same engines
+  after an exponential backoff; an engine that failed is skipped for `cooldown_s` while others
+  are up. HTTP 4xx is never retried.
+- Control calls (`_broadcast`) go to every engine (or `urls=`) concurrently and return
+  `{url: parsed body}`. They are retried only when the request never reached the engine
+  (connection refused, connect timeout), except read-only calls (idempotent=True), which
+  also retry timeouts and 5xx: re-sending a weight broadcast or group join that did arrive
+  would hang the collective.
+- Bodies: JSON, `{}` when empty, `{"message": text}` for plain text. HTTP status >= 400 or
+  `"success": false` raises EngineError with the server's message, whichever of SGLang's
+  shapes it uses (`message`, `error_message`, `error` as string or {"message"}, `detail`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from moerl.rollout.errors import EngineError
+
+# The request may have been processed: retry only calls that are safe to repeat.
+_RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+# The request never reached the engine: always safe to repeat.
+_UNDELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+DEAD_ENGINE_FIX = (
+    "check that the engine is running and reachable (`curl URL/health`), then restart it "
+    "or remove its URL from engine.urls"
+)
+
+_T = TypeVar("_T", bound="EngineTransport")
+
+
+def normalize_urls(urls: str | Sequence[str]) -> list[str]:
+    """Base URLs without a trailing slash; each needs an http(s) scheme."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    if not items:
+        raise ValueError("EngineClient needs at least one engine URL")
+    out = []
+    for url in items:
+        url = str(url).strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"engine URL {url!r} needs a scheme, e.g. 'http://{url}'")
+        if url not in out:
+            out.append(url)
+    return out
+
+
+def parse_body(resp: httpx.Response) -> Any:
+    """JSON when the body is JSON, {} when empty, {"message": text} otherwise."""
+    if not resp.content:
+        return {}
+    try:
+        return resp.json()
+    except ValueError:
+        return {"message": resp.text.strip()}
+
+
+def error_message(body: Any) -> str:
+    """The server's own words from any of SGLang's error shapes."""
+    if isinstance(body, Mapping):
+        for key in ("message", "error_message", "error", "detail"):
+            value = body.get(key)
+            if isinstance(value, Mapping) and "message" in value:
+                value = value["message"]
+            if value:
+                return str(value)
+    return str(body)[:500]
+
+
+class EngineTransport:
+    """HTTP plumbing shared by every engine call; EngineClient adds the protocol."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        api_key: str | None = None,
+        timeout_s: float | None = 600.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        *,
+        control_timeout_s: float | None = 1800.0,
+        connect_timeout_s: float = 10.0,
+        cooldown_s: float = 5.0,
+        max_connections: int = 1024,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """timeout_s bounds one /generate attempt (requests wait while an engine is paused
+        for a weight update, so keep it generous); control_timeout_s bounds control calls
+        (weight broadcasts of large models take minutes). transport replaces the network,
+        for tests."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries={max_retries} must be >= 0")
+        self.urls = normalize_urls(urls)
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.control_timeout_s = control_timeout_s
+        self.cooldown_s = cooldown_s
+        self._outstanding = dict.fromkeys(self.urls, 0)
+        self._down_until = dict.fromkeys(self.urls, 0.0)
+        self._rotation = 0
+        self._rid_url: dict[str, str] = {}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            transport=transport,
+            # Engine traffic stays inside the cluster; never route it through an env proxy.
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self: _T) -> _T:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def outstanding(self) -> dict[str, int]:
+        """Requests in flight per engine URL (this client's view)."""
+        return dict(self._outstanding)
+
+    def _pick(self, exclude: Sequence[str]) -> str:
+        """Fewest outstanding among engines not yet tried and not cooling down."""
+        now = time.monotonic()
+        fresh = [u for u in self.urls if u not in exclude] or self.urls
+        up = [u for u in fresh if self._down_until[u] <= now] or fresh
+        n = len(self.urls)
+        start = self._rotation
+        self._rotation = (self._rotation + 1) % n
+        return min(up, key=lambda u: (self._outstanding[u], (self.urls.index(u) - start) % n))
+
+    async def _post_balanced(self, path: str, body: Any, rid: str | None = None) -> tuple[str, Any]:
+        tried: list[str] = []
+        failures: list[str] = []
+        for _ in range(self.max_retries + 1):
+            url = self._pick(exclude=tried)
+            repeats = tried.count(url)
+            if repeats:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (repeats - 1))
+            tried.append(url)
+            self._outstanding[url] += 1
+            if rid is not None:
+                self._rid_url[rid] = url
+            try:
+                resp = await self._http.post(url + path, json=body)
+            except _RETRYABLE as e:
+                self._down_until[url] = time.monotonic() + self.cooldown_s
+                failures.append(f"{url}: {type(e).__name__} {e}".rstrip())
+                continue
+            finally:
+                self._outstanding[url] -= 1
+                if rid is not None and self._rid_url.get(rid) == url:
+                    del self._rid_url[rid]
+            if resp.status_code >= 500:
+                self._down_until[url] = time.monotonic() + self.cooldown_s
+                failures.append(f"{url}: HTTP {resp.status_code} {error_message(parse_body(resp))}")
+                continue
+            return url, _checked("POST", url, path, resp)
+        engines = ", ".join(dict.fromkeys(tried))
+        raise EngineError(
+            f"POST {path} failed {len(tried)} times on {engines}; last: {failures[-1]}. "
+            f"{DEAD_ENGINE_FIX}",
+            urls=list(dict.fromkeys(tried)),
+        )
+
+    # ---- control plumbing ----------------------------------------------------------------
+
+    def _targets(self, urls: str | Sequence[str] | None) -> list[str]:
+        return list(self.urls) if urls is None else normalize_urls(urls)
+
+    async def _broadcast(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        *,
+        urls: Sequence[str] | None = None,
+        idempotent: bool = True,
+        bodies: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Send to every target concurrently; `bodies` gives per-engine bodies by URL."""
+        targets = self._targets(urls)
+        results = await asyncio.gather(
+            *(
+                self._control_one(
+                    u, method, path, body if bodies is None else bodies[u], idempotent
+                )
+                for u in targets
+            ),
+            return_exceptions=True,
+        )
+        failed = [(u, r) for u, r in zip(targets, results) if isinstance(r, BaseException)]
+        for _, err in failed:
+            if not isinstance(err, EngineError):
+                raise err
+        if len(failed) == 1:
+            raise failed[0][1]
+        if failed:
+            raise EngineError(
+                f"{method} {path} failed on {len(failed)} of {len(targets)} engines:\n"
+                + "\n".join(f"  {err}" for _, err in failed),
+                urls=[u for u, _ in failed],
+                status_code=getattr(failed[0][1], "status_code", None),
+            )
+        return dict(zip(targets, results))
+
+    async def _control_one(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        body: Any,
+        idempotent: bool,
+        attempts: int | None = None,
+    ) -> Any:
+        attempts = self.max_retries + 1 if attempts is None else attempts
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await self._http.request(
+                    method, url + path, json=body, timeout=self.control_timeout_s
+                )
+            except _UNDELIVERED as e:
+                last = f"{type(e).__name__} {e}".rstrip()
+                continue
+            except _RETRYABLE as e:
+                if not idempotent:
+                    raise EngineError(
+                        f"{method} {url}{path}: {type(e).__name__} {e}; the engine may have "
+                        f"received it, so it was not re-sent. {DEAD_ENGINE_FIX}",
+                        urls=[url],
+                    ) from e
+                last = f"{type(e).__name__} {e}".rstrip()
+                continue
+            if resp.status_code >= 500 and idempotent and attempt + 1 < attempts:
+                last = f"HTTP {resp.status_code}"
+                continue
+            return _checked(method, url, path, resp)
+        raise EngineError(
+            f"{method} {url}{path} failed {attempts} times; last: {last}. {DEAD_ENGINE_FIX}",
+            urls=[url],
+        )
+
+
+def _checked(method: str, url: str, path: str, resp: httpx.Response) -> Any:
+    body = parse_body(resp)
+    if resp.status_code >= 400:
+        hint = " (check the client's api_key)" if resp.status_code in (401, 403) else ""
+        raise EngineError(
+            f"{method} {url}{path} -> HTTP {resp.status_code}: {error_message(body)}{hint}",
+            urls=[url],
+            status_code=resp.status_code,
+        )
+    if isinstance(body, Mapping) and body.get("success") is False:
+        raise EngineError(
+            f"{method} {url}{path} refused: {error_message(body)}",
+            urls=[url],
+            status_code=resp.status_code,
+        )
+    return body
