@@ -16,6 +16,15 @@ def build_state(args: argparse.Namespace) -> Any:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     runner = ModelRunner(args.model_path, dtype=args.dtype, seed=args.random_seed)
+    if args.enable_lora:
+        from moerl.engine.lora import LoraManager
+
+        runner.lora = LoraManager(
+            runner.model,
+            max_rank=args.max_lora_rank,
+            target_modules=args.lora_target_modules,
+            max_loras=args.max_loras_per_batch,
+        )
     tokenizer = None
     try:
         from moerl.models.tokenizer import load_tokenizer

@@ -98,6 +98,11 @@ class ModelRunner:
         self.params = dict(self.model.named_parameters())
         self.buffers = dict(self.model.named_buffers())
         self.generator = torch.Generator().manual_seed(seed)
+        self.lora: Any = None  # a LoraManager when the engine runs with --enable-lora
+
+    def _set_adapters(self, adapters: list[str | None] | None) -> None:
+        if self.lora is not None:
+            self.lora.set_rows(adapters or [])
 
     # -- routing capture ---------------------------------------------------------------
     def _capture_hook(self, layer: int):  # type: ignore[no-untyped-def]
@@ -116,7 +121,9 @@ class ModelRunner:
 
     # -- forward -----------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, input_ids: list[int], cache: KVCache) -> tuple[torch.Tensor, np.ndarray]:
+    def prefill(
+        self, input_ids: list[int], cache: KVCache, adapter: str | None = None
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """Run the prompt (or a continuation) of one request; returns the last logits [V]
         and the routes of its tokens [S, L, K]."""
         from transformers import DynamicCache
@@ -128,7 +135,13 @@ class ModelRunner:
                 kv.update(cache.keys[i][None, :, :start], cache.values[i][None, :, :start], i)
         ids = torch.tensor([input_ids], dtype=torch.long)
         positions = torch.arange(start, start + len(input_ids)).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=kv, use_cache=True)
+        self._set_adapters([adapter])
+        try:
+            out = self.model(
+                input_ids=ids, position_ids=positions, past_key_values=kv, use_cache=True
+            )
+        finally:
+            self._set_adapters(None)
         cache.append(
             [layer.keys[0, :, start:] for layer in kv.layers],
             [layer.values[0, :, start:] for layer in kv.layers],
@@ -136,7 +149,9 @@ class ModelRunner:
         return out.logits[0, -1].float(), self._routes(1, len(input_ids))[0]
 
     @torch.no_grad()
-    def decode(self, tokens: list[int], caches: list[KVCache]) -> tuple[torch.Tensor, np.ndarray]:
+    def decode(
+        self, tokens: list[int], caches: list[KVCache], adapters: list[str | None] | None = None
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """One token for each of B requests in one forward; returns logits [B, V] and
         routes [B, L, K]."""
         from transformers import DynamicCache
@@ -157,13 +172,17 @@ class ModelRunner:
             mask[b, longest - c.length :] = 1
         ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
         positions = torch.tensor([c.length for c in caches]).unsqueeze(1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=kv,
-            use_cache=True,
-        )
+        self._set_adapters(adapters)
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=kv,
+                use_cache=True,
+            )
+        finally:
+            self._set_adapters(None)
         for b, c in enumerate(caches):
             c.append(
                 [layer.keys[b, :, -1:] for layer in kv.layers],

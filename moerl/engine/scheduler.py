@@ -39,6 +39,7 @@ class Request:
     routed_experts_start_len: int = 0
     return_sampling_mask: bool = False
     sampling_logprobs_mode: str = "selected"
+    lora: str | None = None  # adapter name (the request's lora_path)
     on_token: Callable[[Request], None] | None = None  # streaming callback (scheduler thread)
     on_done: Callable[[Request], None] | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -110,6 +111,10 @@ class Scheduler:
         """Run ``fn`` on the scheduler thread between steps; ``done(result, error)`` after."""
         self.controls.put((fn, done))
         self.wake.set()
+
+    def uses_adapter(self, name: str) -> int:
+        """Requests (running or retracted) generating with adapter ``name``."""
+        return sum(1 for r in self.running + self.retracted if r.lora == name)
 
     def load(self) -> int:
         return len(self.running) + self.waiting.qsize() + len(self.retracted)
@@ -216,15 +221,15 @@ class Scheduler:
         if resumed:
             # Re-prefill prompt + all but the last output token; rows for those tokens
             # were recorded already, so the new forward's routes are not appended twice.
-            logits, _ = self.runner.prefill(tokens[:-1], req.cache)
-            logits, routes = self.runner.decode([tokens[-1]], [req.cache])
+            logits, _ = self.runner.prefill(tokens[:-1], req.cache, req.lora)
+            logits, routes = self.runner.decode([tokens[-1]], [req.cache], [req.lora])
             self._record(req, routes)
             self._emit(req, logits[0])
         else:
             if req.params.max_new_tokens == 0:
                 self.finish(req, {"type": "length", "length": 0})
                 return
-            logits, routes = self.runner.prefill(tokens, req.cache)
+            logits, routes = self.runner.prefill(tokens, req.cache, req.lora)
             self._record(req, routes)
             self._emit(req, logits)
         if not req.done:
@@ -233,7 +238,7 @@ class Scheduler:
     def _decode(self) -> None:
         batch = self.running
         logits, routes = self.runner.decode(
-            [r.output_ids[-1] for r in batch], [r.cache for r in batch]
+            [r.output_ids[-1] for r in batch], [r.cache for r in batch], [r.lora for r in batch]
         )
         for i, req in enumerate(batch):
             self._record(req, routes[i : i + 1])

@@ -152,8 +152,12 @@ def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
     mode = mode or "selected"
     if mode not in ("selected", "support"):
         raise ValueError(f"sampling_logprobs_mode={mode!r}: choose 'selected' or 'support'")
-    if body.get("lora_path"):
-        raise ValueError(f"lora_path={body['lora_path']!r}: no LoRA adapter of that name is loaded")
+    lora = body.get("lora_path")
+    if lora:
+        if runner.lora is None:
+            raise ValueError(f"lora_path={lora!r}: the server was started without --enable-lora")
+        if lora not in runner.lora.adapters:
+            raise ValueError(f"lora_path={lora!r}: no LoRA adapter of that name is loaded")
     rid = str(body.get("rid") or new_rid())
     n = params.n
     return [
@@ -166,6 +170,7 @@ def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
             routed_experts_start_len=routed_start,
             return_sampling_mask=bool(body.get("return_sampling_mask", False)),
             sampling_logprobs_mode=mode,
+            lora=lora or None,
         )
         for i in range(n)
     ]
@@ -352,7 +357,10 @@ def create_app(state: EngineState) -> FastAPI:
         await _on_scheduler(state, apply)
         return _ok(f"weight version is {version}", new_version=str(version))
 
+    from moerl.engine.lora_routes import register_lora_routes
     from moerl.engine.weights import register_weight_routes
+
+    register_lora_routes(app, state, body_of, _on_scheduler)
 
     register_weight_routes(app, state, _ok, _fail, body_of, _on_scheduler)
     return app

@@ -1,0 +1,79 @@
+"""LoRA endpoints, with SGLang's response shape
+``{"success", "error_message", "loaded_adapters"}``."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse
+
+from moerl.engine.lora import read_peft_dir
+
+
+def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: Any) -> None:
+    runner, sched = state.runner, state.scheduler
+
+    def reply(ok: bool, error: str = "") -> JSONResponse:
+        loaded = {n: "" for n in runner.lora.adapters} if runner.lora is not None else {}
+        body = {"success": ok, "error_message": error, "loaded_adapters": loaded}
+        return JSONResponse(body, status_code=200 if ok else 400)
+
+    async def apply(fn: Any) -> JSONResponse:
+        if runner.lora is None:
+            return reply(False, "LoRA is disabled: start the server with --enable-lora")
+        try:
+            await on_scheduler(state, fn)  # between decode steps: no half-applied adapter
+        except ValueError as err:
+            return reply(False, str(err))
+        return reply(True)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: HTTPRequest) -> Any:
+        body = await body_of(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return reply(False, "load_lora_adapter needs lora_name and lora_path")
+
+        def load() -> None:
+            config, tensors = read_peft_dir(path)
+            runner.lora.load(name, config, tensors)
+
+        return await apply(load)
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(request: HTTPRequest) -> Any:
+        from safetensors.torch import load as safetensors_load
+
+        body = await body_of(request)
+        name, config, blob = (
+            body.get("lora_name"),
+            body.get("config_dict"),
+            body.get("safetensors_b64"),
+        )
+        if not name or not isinstance(config, dict) or not isinstance(blob, str):
+            return reply(
+                False, "needs lora_name, config_dict (PEFT adapter_config) and safetensors_b64"
+            )
+        try:
+            tensors = safetensors_load(base64.b64decode(blob, validate=True))
+        except Exception as err:  # never unpickle: safetensors or nothing
+            return reply(False, f"safetensors_b64 is not a base64 safetensors file: {err}")
+        return await apply(lambda: runner.lora.load(name, config, tensors))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: HTTPRequest) -> Any:
+        body = await body_of(request)
+        name = body.get("lora_name")
+
+        def unload() -> None:
+            busy = sched.uses_adapter(name)
+            if busy:
+                raise ValueError(
+                    f"adapter {name!r} is used by {busy} running requests; retry when they finish"
+                )
+            runner.lora.unload(name)
+
+        return await apply(unload)
