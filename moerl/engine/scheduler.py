@@ -88,9 +88,8 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="moerl-scheduler", daemon=True)
         self.steps = 0
         self.last_step_s = 0.0
-        self.step_times: list[
-            tuple[float, float, int]
-        ] = []  # (start, duration, batch) of recent steps
+        # (wall-clock start, seconds, running requests after the step) of recent steps
+        self.step_times: list[tuple[float, float, int]] = []
 
     # -- public (any thread) -----------------------------------------------------------
     def start(self) -> None:
@@ -179,13 +178,13 @@ class Scheduler:
                 self.wake.wait(timeout=0.05)
                 self.wake.clear()
                 continue
-            start = time.perf_counter()
+            start, wall_start = time.perf_counter(), time.time()
             self._admit()
             if self.running:
                 self._decode()
             self.last_step_s = time.perf_counter() - start
             self.steps += 1
-            self.step_times.append((start, self.last_step_s, len(self.running)))
+            self.step_times.append((wall_start, self.last_step_s, len(self.running)))
             del self.step_times[:-256]
 
     def _run_controls(self) -> None:

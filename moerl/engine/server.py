@@ -312,6 +312,8 @@ def create_app(state: EngineState) -> FastAPI:
                 "paused": sched.paused,
                 "decode_steps": sched.steps,
                 "last_step_s": sched.last_step_s,
+                # (wall-clock start, seconds, running requests) of the last 256 steps
+                "recent_steps": list(sched.step_times),
                 "uptime_s": time.time() - state.started,
             }
         )

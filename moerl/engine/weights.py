@@ -13,6 +13,7 @@ leaves the model untouched.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
@@ -107,13 +108,15 @@ def register_weight_routes(
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
 
-        def apply() -> int:
+        def apply() -> tuple[int, float]:
+            start = time.perf_counter()
             if abort_all:
                 sched.abort(abort_all=True, message="aborted by update_weights_from_distributed")
             count = runner.load_weights(zip(names, tensors))
             if version is not None:
                 sched.weight_version = str(version)
-            return count
+            return count, time.perf_counter() - start
 
-        count = await on_scheduler(state, apply)
-        return ok(f"updated {count} tensors", weight_version=sched.weight_version)
+        count, apply_s = await on_scheduler(state, apply)
+        # apply_s: how long decoding was blocked (the swap between two decode steps)
+        return ok(f"updated {count} tensors", weight_version=sched.weight_version, apply_s=apply_s)

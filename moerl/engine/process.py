@@ -1,0 +1,90 @@
+"""Start ``python -m moerl.engine`` as a child process and wait until it is healthy.
+
+Used by the launcher (embedded engines), benchmarks and tests. The child's output
+goes to a log file, never to an unread pipe that could fill and block it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from moerl.parallel.spawn import free_port
+
+
+class EngineProcess:
+    """One embedded engine on a loopback port; ``close()`` (or context exit) stops it."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *extra: str,
+        api_key: str | None = None,
+        threads: int = 1,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        args = [sys.executable, "-m", "moerl.engine", "--model-path", str(model_path)]
+        args += ["--port", str(self.port), "--num-threads", str(threads)]
+        if api_key:
+            args += ["--api-key", api_key]
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="moerl-engine-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self._log = self.log_path.open("ab")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen(
+            [*args, *extra], env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self._wait_healthy(startup_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"engine exited with code {self.proc.returncode}; its log ({self.log_path}):\n"
+                    + self.log_path.read_text(errors="replace")[-3000:]
+                )
+            try:
+                if httpx.get(f"{self.url}/health", headers=headers, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError(
+            f"engine did not become healthy within {timeout_s:.0f} s; log: {self.log_path}"
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

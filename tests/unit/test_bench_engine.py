@@ -1,0 +1,23 @@
+"""tools/bench/engine.py runs end to end (smallest settings), so it cannot rot.
+Speed targets are printed by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_engine_benchmark_quick():
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine", ROOT / "tools" / "bench" / "engine.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    results = bench.main(["--quick", "--threads", "1"])
+    for key in ("tokens_per_s_c1", "tokens_per_s_c32", "batching_speedup", "stall_decode_steps"):
+        assert results[key] > 0

@@ -1,0 +1,202 @@
+"""Embedded-engine throughput and weight-update stall, measured side by side.
+
+    python tools/bench/engine.py [--family deepseek_moe] [--new-tokens 64] [--quick]
+
+Prints generated tokens/s at 1, 8 and 32 concurrent requests, the ratio of
+continuous batching (32 concurrent) to the same 32 requests one at a time
+(target >= 4x on 2 CPU cores), and the decode stall caused by an in-flight weight
+update: the largest gap between streamed tokens of a running request while the
+whole model is swapped, in units of the median decode step (target < 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _body(new_tokens: int, i: int) -> dict:
+    return {
+        "input_ids": [5 + i % 50, 6, 7, 8],
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+    }
+
+
+async def _concurrent(url: str, n: int, new_tokens: int) -> float:
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        outs = await asyncio.gather(
+            *[client.post(f"{url}/generate", json=_body(new_tokens, i)) for i in range(n)]
+        )
+        wall = time.perf_counter() - start
+    tokens = sum(o.json()["meta_info"]["completion_tokens"] for o in outs)
+    return tokens / wall
+
+
+async def _sequential(url: str, n: int, new_tokens: int) -> float:
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        tokens = 0
+        for i in range(n):
+            out = await client.post(f"{url}/generate", json=_body(new_tokens, i))
+            tokens += out.json()["meta_info"]["completion_tokens"]
+    return tokens / (time.perf_counter() - start)
+
+
+def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, float]:
+    """In decode steps: the swap's blocking time, the longest step interval while the
+    update was in flight (includes the transfer's CPU contention), and the largest gap a
+    streaming client saw; plus the median step (ms) and the update's wall time (s)."""
+    from safetensors import safe_open
+
+    from moerl.parallel.spawn import free_port
+    from moerl.sync.bucket import dtype_name, flatten
+    from moerl.sync.group import broadcast, init_custom_process_group
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    port = free_port()
+    box: dict = {}
+    joiner = threading.Thread(
+        target=lambda: box.setdefault(
+            "g", init_custom_process_group("gloo", "127.0.0.1", port, 0, 2)
+        )
+    )
+    joiner.start()
+    httpx.post(
+        f"{url}/init_weights_update_group",
+        json={
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "bench",
+            "backend": "gloo",
+        },
+        timeout=60,
+    )
+    joiner.join()
+    stamps: list[float] = []
+    background = [
+        threading.Thread(
+            target=lambda i=i: httpx.post(
+                f"{url}/generate", json=_body(new_tokens * 2, i), timeout=600
+            )
+        )
+        for i in range(7)
+    ]
+    for t in background:
+        t.start()
+
+    def stream() -> None:
+        body = {**_body(new_tokens * 2, 99), "stream": True}
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    bucket = flatten(list(tensors.values()))  # prepared before the timed window
+    body = {
+        "names": list(tensors), "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()], "group_name": "bench",
+        "weight_version": "1", "load_format": "flattened_bucket", "flush_cache": False,
+    }  # fmt: skip
+    while len(stamps) < new_tokens // 2:
+        time.sleep(0.005)
+    start, wall_start = time.perf_counter(), time.time()
+    done: dict = {}
+    poster = threading.Thread(
+        target=lambda: done.setdefault(
+            "r", httpx.post(f"{url}/update_weights_from_distributed", json=body, timeout=600)
+        )
+    )
+    poster.start()
+    broadcast(box["g"], bucket)
+    poster.join()
+    update_s = time.perf_counter() - start
+    wall_end = time.time()
+    streamer.join()
+    for t in background:
+        t.join()
+    assert done["r"].json()["success"], done["r"].text
+    # Engine side: the longest interval between two decode-step starts while the update
+    # ran, in units of the median interval (what a running request waits).
+    steps = httpx.get(f"{url}/server_info", timeout=30).json()["recent_steps"]
+    starts = [st for st, _, _ in steps]
+    pairs = list(zip(starts, starts[1:]))
+    median = statistics.median(b - a for a, b in pairs)
+    # intervals that overlap the update (from the trainer's first byte to the reply)
+    during = [b - a for a, b in pairs if b >= wall_start and a <= wall_end]
+    gaps = during or [median]
+    client_gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    client = max(client_gaps) / statistics.median(client_gaps)
+    blocking = done["r"].json()["apply_s"] / median
+    return blocking, max(gaps) / median, median * 1000, update_s, client
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="deepseek_moe")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in the engine")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens (for tests)")
+    args = parser.parse_args(argv)
+    new_tokens = 16 if args.quick else args.new_tokens
+
+    from moerl.engine.process import EngineProcess
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_tiny_checkpoint(tiny_config(args.family), Path(tmp) / "hf")
+        engine = EngineProcess(model_dir, "--max-running-requests", "64", threads=args.threads)
+        try:
+            # one warm-up so lazy initialisation is not timed
+            asyncio.run(_concurrent(engine.url, 2, 4))
+            results: dict = {"family": args.family, "new_tokens": new_tokens}
+            for n in (1, 8, 32):
+                results[f"tokens_per_s_c{n}"] = asyncio.run(_concurrent(engine.url, n, new_tokens))
+                print(
+                    f"concurrent={n:<3d} tokens_per_s={results[f'tokens_per_s_c{n}']:.1f}",
+                    flush=True,
+                )
+            seq = asyncio.run(_sequential(engine.url, 32, new_tokens))
+            results["tokens_per_s_sequential32"] = seq
+            results["batching_speedup"] = results["tokens_per_s_c32"] / seq
+            print(
+                f"one_at_a_time_32 tokens_per_s={seq:.1f} batching_speedup={results['batching_speedup']:.2f}x (target >= 4x)",
+                flush=True,
+            )
+            stall, gap, step_ms, update_s, client = _stall(engine.url, model_dir, new_tokens)
+            results.update(
+                stall_decode_steps=stall,
+                max_step_gap_steps=gap,
+                decode_step_ms=step_ms,
+                update_s=update_s,
+                client_token_gap_steps=client,
+            )
+            print(
+                f"weight_update_s={update_s:.3f} decode_step_ms={step_ms:.1f} "
+                f"stall_decode_steps={stall:.2f} (target < 2: decoding blocked by the swap) "
+                f"max_step_gap_steps={gap:.2f} (while the transfer shares the 2 cores) "
+                f"client_token_gap_steps={client:.2f} (as a streaming client sees it)",
+                flush=True,
+            )
+        finally:
+            engine.close()
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
