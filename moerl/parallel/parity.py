@@ -27,6 +27,11 @@ from moerl.parallel.layout import parse_layout
 from moerl.parallel.spawn import spawn
 
 FP32_TOL = 1e-5
+# Adam's first step moves each weight by about ±lr whatever the gradient's size, so a
+# near-zero gradient whose sign differs in the last bit between layouts moves a weight
+# by 2·lr: post-step weights amplify fp32 reduction-order noise. Loss and gradients
+# keep the 1e-5 bound; the weights after the step get 1e-4.
+PARAM_TOL = 1e-4
 
 
 def tiny_moe() -> ModelConfig:
@@ -60,6 +65,8 @@ class ParityConfig:
     use_distributed_optimizer: bool = True
     first_k_dense: int = 1
     aux_loss_coeff: float = 1e-2
+    dispatcher: str = "alltoall"
+    """megatron-core MoE token dispatcher: 'alltoall' or 'allgather'."""
 
 
 @dataclass
@@ -73,12 +80,14 @@ class ParityResult:
     replica_max_abs_diff: float
     worst_grad: str
     tol: float = FP32_TOL
+    param_tol: float = PARAM_TOL
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        errs = (self.loss_rel_err, self.grad_rel_err, self.param_rel_err, self.loss2_rel_err)
-        return all(math.isfinite(e) and e <= self.tol for e in errs) and not self.notes
+        errs = (self.loss_rel_err, self.grad_rel_err, self.loss2_rel_err)
+        within = all(math.isfinite(e) and e <= self.tol for e in errs)
+        return within and self.param_rel_err <= self.param_tol and not self.notes
 
     def line(self) -> str:
         status = "ok" if self.ok else "FAIL"
@@ -162,6 +171,7 @@ def _run(layout: str, workdir: str, cfg_dict: dict[str, Any]) -> None:
     model = cfg.model
     model.first_k_dense_replace = cfg.first_k_dense
     model.moe_aux_loss_coeff = cfg.aux_loss_coeff
+    model.moe_token_dispatcher_type = cfg.dispatcher
     pcfg, _ = parse_layout(layout)
     initialize_model_parallel(
         pcfg,

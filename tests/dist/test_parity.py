@@ -50,6 +50,14 @@ def test_layout_matches_single_process_slow(layout, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "tp2ep2", "etp2ep2"])
+def test_allgather_dispatcher_matches_single_process(layout, tmp_path):
+    cfg = ParityConfig(dispatcher="allgather")
+    run_reference(tmp_path, cfg)
+    _check(layout, tmp_path, cfg)
+
+
+@pytest.mark.slow
 def test_plain_ddp_matches_single_process(tmp_path):
     cfg = ParityConfig(use_distributed_optimizer=False)
     run_reference(tmp_path, cfg)
