@@ -78,7 +78,9 @@ def _mla_kwargs(model: Any) -> dict[str, Any]:
     return out
 
 
-def build_transformer_config(model: Any, parallel: ParallelConfig, dtype: str = "fp32") -> Any:
+def build_transformer_config(
+    model: Any, parallel: ParallelConfig, dtype: str = "fp32", *, routing_replay: bool = False
+) -> Any:
     """The megatron-core (MLA)TransformerConfig for ``model`` (a ``ModelConfig``) under ``parallel``."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
@@ -87,6 +89,8 @@ def build_transformer_config(model: Any, parallel: ParallelConfig, dtype: str = 
     params_dtype = DTYPES[dtype]
     cls = TransformerConfig
     extra = _moe_kwargs(model)
+    if routing_replay and extra:
+        extra["moe_enable_routing_replay"] = True
     if model.multi_latent_attention:
         cls = MLATransformerConfig
         extra.update(_mla_kwargs(model))
@@ -133,6 +137,7 @@ def build_model(
     dtype: str = "fp32",
     *,
     use_te: bool | None = None,
+    routing_replay: bool = False,
 ) -> list[torch.nn.Module]:
     """This rank's ``GPTModel`` chunks (one per virtual pipeline stage)."""
     from megatron.core import parallel_state
@@ -140,7 +145,7 @@ def build_model(
 
     compat.activate()
     megatron_patches.fix_missing_te()
-    config = build_transformer_config(model, parallel, dtype)
+    config = build_transformer_config(model, parallel, dtype, routing_replay=routing_replay)
     chunks: list[torch.nn.Module] = []
     for vp in range(parallel.virtual_pp or 1):
         vp_stage = vp if parallel.virtual_pp else None

@@ -1,0 +1,162 @@
+"""Trainer-side logprobs of rollouts (forward only), with routing replay and the
+sampling mask, plus the router flip rate of a fresh (non-replayed) forward.
+
+This is the measurement behind the IS-ratio check (fresh on-policy rollouts must give
+ratio 1), the mismatch telemetry and ``tools/check_replay.py``.
+"""
+
+# B sequences, S padded length, L layers, K top-k
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moerl.rollout.trajectory import Trajectory
+from moerl.trainer.batch import MicroBatch, build_microbatch, padded_length, split_for_rank
+from moerl.trainer.logprobs import token_logprobs
+from moerl.trainer.replay import RoutingReplay
+
+
+@dataclass
+class LogprobResult:
+    logprobs: dict[int, np.ndarray] = field(default_factory=dict)  # trajectory → [R]
+    flips_L: np.ndarray | None = (
+        None  # per layer: tokens whose top-k set differs from the rollout's
+    )
+    tokens_L: np.ndarray | None = None  # per layer: tokens compared
+
+    def flip_rate(self) -> np.ndarray:
+        if self.flips_L is None or self.tokens_L is None:
+            return np.zeros(0)
+        return self.flips_L / np.maximum(self.tokens_L, 1)
+
+
+def _groups() -> tuple[int, int, bool]:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    )
+
+
+def _count_flips(
+    used_TK: torch.Tensor, want_TK: torch.Tensor, valid_T: torch.Tensor
+) -> tuple[int, int]:
+    """Tokens (of ``valid_T``) whose routed expert *set* differs (order does not count)."""
+    a, _ = torch.sort(used_TK.long(), dim=-1)
+    b, _ = torch.sort(want_TK.long(), dim=-1)
+    differ = (a != b).any(dim=-1) & valid_T
+    return int(differ.sum()), int(valid_T.sum())
+
+
+def trainer_logprobs(
+    chunks: list[Any],
+    trajs: list[Trajectory],
+    *,
+    replay: str = "all",
+    use_mask: bool = True,
+    micro_batch_size: int = 1,
+    num_layers: int,
+    topk: int,
+    num_experts: int | None = None,
+    current_version: int = 0,
+    recent_window: int = 0,
+) -> LogprobResult:
+    """Forward every trajectory once; rank 0 returns the logprobs of all response tokens
+    and the per-layer flip counts (the routes the trainer used vs the rollout's)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    dp, dp_rank, last_stage = _groups()
+    config = getattr(chunks[0], "module", chunks[0]).config
+    multiple = (
+        parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    )
+    seq_len = padded_length(trajs, multiple)
+    groups = split_for_rank(len(trajs), dp, dp_rank, micro_batch_size)
+    have_routes = all(t.routed_experts is not None for t in trajs)
+    mbs = [
+        build_microbatch([trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers,
+                         num_experts=num_experts, use_routes=replay != "none" or have_routes,
+                         use_mask=use_mask)
+        for g in groups
+    ]  # fmt: skip
+    replayer = RoutingReplay(chunks, policy=replay, recent_window=recent_window)
+    flips = np.zeros(num_layers, dtype=np.int64)
+    counts = np.zeros(num_layers, dtype=np.int64)
+    result = LogprobResult()
+    chunk_of = {id(c): i for i, c in enumerate(chunks)}
+
+    def loss_func(mb: MicroBatch, logits_BSV: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        b, s, v = logits_BSV.shape
+        lp = token_logprobs(
+            logits_BSV.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
+            mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
+        ).reshape(b, s)  # fmt: skip
+        for row, index in enumerate(mb.seq_index):
+            result.logprobs[index] = lp[row][mb.loss_mask[row]].detach().numpy().copy()
+        return logits_BSV.sum() * 0.0, {}
+
+    def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
+        mb = next(data)
+        chunk = chunk_of[id(model)]
+        if replay == "none":
+            for inst in replayer.layers[chunk].values():
+                inst.set_router_replay_action(RouterReplayAction.RECORD)
+        else:
+            replayer.set_microbatch(chunk, mb.routes, mb.versions, current_version)
+        output = model(mb.tokens, mb.position_ids, None)
+        if mb.routes is not None:
+            valid = replayer._local(mb.valid())
+            want = replayer._local(mb.routes)
+            for number, inst in replayer.layers[chunk].items():
+                used = inst.get_recorded_indices() if replay == "none" else inst.target_topk_idx
+                f, n = _count_flips(used, want[:, number - 1], valid)
+                flips[number - 1] += f
+                counts[number - 1] += n
+        return output, partial(loss_func, mb)
+
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+            model=chunks,
+            num_microbatches=len(mbs),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+        )
+    if replay != "none":
+        replayer.finish()
+    else:
+        for layers in replayer.layers:
+            for inst in layers.values():
+                inst.clear_indices()
+                inst.clear_router_replay_action()
+
+    totals = torch.from_numpy(np.stack([flips, counts]))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # each (layer, token) lives on exactly one rank: PP splits layers, SP/DP split tokens;
+        # TP ranks without SP and EP see the same tokens, so count them once (TP rank 0)
+        if parallel_state.get_tensor_model_parallel_rank() != 0 and not config.sequence_parallel:
+            totals.zero_()
+        dist.all_reduce(totals)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result.logprobs if last_stage else {})
+        merged: dict[int, np.ndarray] = {}
+        for part in gathered:
+            merged.update(part)
+        result.logprobs = merged
+    result.flips_L, result.tokens_L = totals[0].numpy(), totals[1].numpy()
+    return result

@@ -1,0 +1,143 @@
+"""Keep Routing: feed megatron-core's RouterReplay with the engine's recorded routes.
+
+For each MoE layer built in this process (dense layers have no router), the router's
+``RouterReplay`` gets a ``[local_tokens, K]`` int64 target per micro-batch, taken from
+the SGLang rows: the micro-batch's [B, S, L, K] routes are put in the router's token
+order (sequence-major, [S, B]), cut to this rank's sequence-parallel slice, and the
+layer's column is picked by global layer number − 1. Each target must be consumed by
+exactly one router forward; ``finish()`` checks that and clears everything.
+
+Policies: ``all`` replays every token; ``recent`` replays only tokens whose policy
+version is within ``recent_window`` of the trainer's, routing the rest freshly;
+``none`` is the plain router (for the mismatch checker).
+"""
+
+# B sequences, S padded length, L layers, K top-k, T local router tokens
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+POLICIES = ("all", "recent", "none")
+
+
+class RoutingReplay:
+    def __init__(self, chunks: list[Any], policy: str = "all", recent_window: int = 0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"replay={policy!r}: choose one of {POLICIES}")
+        self.policy = policy
+        self.recent_window = recent_window
+        self.layers: list[dict[int, Any]] = []  # per chunk: global layer number → RouterReplay
+        self.topk = 0
+        for chunk in chunks:
+            module = getattr(chunk, "module", chunk)
+            found = {}
+            for layer in module.decoder.layers:
+                router = getattr(layer.mlp, "router", None)
+                if router is None:
+                    continue
+                if router.router_replay is None:
+                    raise ValueError(
+                        "routing replay needs moe_enable_routing_replay=True in the model config"
+                    )
+                found[layer.layer_number] = router.router_replay
+                self.topk = router.topk
+                self._instrument(router.router_replay)
+            self.layers.append(found)
+        self.config = getattr(chunks[0], "module", chunks[0]).config
+
+    @staticmethod
+    def _instrument(inst: Any) -> None:
+        if getattr(inst, "_moerl_wrapped", False):
+            return
+        original = inst.get_replay_topk
+
+        def get_replay_topk(
+            scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+        ):  # type: ignore[no-untyped-def]
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            if inst.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return original(scores, topk, num_groups, group_topk, default_compute_topk)
+            inst.moerl_consumed += 1
+            target = inst.target_topk_idx.to(scores.device)
+            if target.shape != (scores.shape[0], topk):
+                raise ValueError(
+                    f"replay target {tuple(target.shape)} does not match router tokens {(scores.shape[0], topk)}"
+                )
+            keep = inst.moerl_keep
+            if keep is not None:  # 'recent': fresh routing for old tokens
+                _, fresh = default_compute_topk(scores, topk, num_groups, group_topk)
+                target = torch.where(keep[:, None].to(scores.device), target, fresh)
+            return scores.gather(1, target), target
+
+        inst.get_replay_topk = get_replay_topk
+        inst.moerl_consumed = 0
+        inst.moerl_expected = 0
+        inst.moerl_keep = None
+        inst._moerl_wrapped = True
+
+    def _local(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] → the router's token order [S_local·B, ...] on this rank."""
+        x_SB = x_BS.transpose(0, 1)
+        if self.config.sequence_parallel:
+            from megatron.core import parallel_state
+
+            size = parallel_state.get_tensor_model_parallel_world_size()
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            per = x_SB.shape[0] // size
+            x_SB = x_SB[rank * per : (rank + 1) * per]
+        return x_SB.reshape(-1, *x_SB.shape[2:])
+
+    def set_microbatch(
+        self,
+        chunk: int,
+        routes_BSLK: torch.Tensor | None,
+        versions_BS: torch.Tensor | None = None,
+        current_version: int = 0,
+    ) -> None:
+        """Targets for the next forward of model chunk ``chunk``."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        layers = self.layers[chunk]
+        if self.policy == "none" or not layers:
+            for inst in layers.values():
+                inst.clear_router_replay_action()
+            return
+        if routes_BSLK is None:
+            raise ValueError("routing replay is on but the micro-batch has no routes")
+        if routes_BSLK.shape[-1] != self.topk:
+            raise ValueError(
+                f"routes have top-k {routes_BSLK.shape[-1]}, the model routes to {self.topk}"
+            )
+        local = self._local(routes_BSLK.long())
+        keep = None
+        if self.policy == "recent":
+            if versions_BS is None:
+                raise ValueError("replay=recent needs per-token versions")
+            keep = self._local(current_version - versions_BS <= self.recent_window)
+        for number, inst in layers.items():
+            inst.set_target_indices(local[:, number - 1].contiguous())
+            inst.moerl_keep = keep
+            inst.moerl_expected += 1
+            inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def finish(self) -> None:
+        """Check every target was consumed exactly once, then clear all replay state."""
+        bad = []
+        for chunk in self.layers:
+            for number, inst in chunk.items():
+                if inst.moerl_expected != inst.moerl_consumed:
+                    bad.append(
+                        f"layer {number}: {inst.moerl_expected} targets, {inst.moerl_consumed} uses"
+                    )
+                inst.moerl_expected = inst.moerl_consumed = 0
+                inst.moerl_keep = None
+                inst.clear_indices()
+                inst.clear_router_replay_action()
+        if bad:
+            raise RuntimeError(
+                "routing replay targets were not consumed exactly once: " + "; ".join(bad)
+            )

@@ -1,0 +1,154 @@
+"""Rollouts from the embedded engine, scored by the megatron-core trainer with Keep
+Routing and the sampling mask switched on and off (``tools/check_replay.py``, tests).
+
+For each setting it reports the router flip rate (trainer routes vs rollout routes,
+MoE layers only), the k3 KL estimate between rollout and trainer logprobs and the mean
+|Δ logprob|. With the mask on, the trainer's logprob over the kept set is compared with
+the engine's ``output_token_sampling_logprobs``; with it off, full-vocabulary logprobs
+with ``output_token_logprobs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moerl.parallel.layout import parse_layout
+from moerl.parallel.spawn import spawn
+from moerl.rollout.trajectory import Trajectory, load_jsonl, save_jsonl
+
+SETTINGS = [("on", "on"), ("on", "off"), ("off", "on"), ("off", "off")]
+
+
+@dataclass
+class SettingResult:
+    replay: str
+    mask: str
+    flip_rate: float
+    flip_rate_per_layer: list[float]
+    mismatch_k3: float
+    mean_abs_dlogp: float
+    max_abs_log_ratio: float
+
+    def line(self) -> str:
+        return (
+            f"replay={self.replay} mask={self.mask} flip_rate={self.flip_rate:.4f} "
+            f"mismatch_k3={self.mismatch_k3:.3e} mean_abs_dlogp={self.mean_abs_dlogp:.3e}"
+        )
+
+
+def collect_rollouts(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    num_prompts: int = 8,
+    max_new_tokens: int = 24,
+    dtype: str = "float32",
+    seed: int = 0,
+    sampling: dict | None = None,
+) -> list[Trajectory]:
+    """Generate trajectories with routes and masks from a fresh embedded engine."""
+    from moerl.engine.process import EngineProcess
+    from moerl.rollout import EngineClient
+
+    params = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "top_k": 40,
+        **(sampling or {}),
+    }
+    rng = np.random.default_rng(seed)
+    prompts = [
+        rng.integers(4, 100, size=int(rng.integers(3, 12))).tolist() for _ in range(num_prompts)
+    ]
+
+    async def go(url: str) -> list[Trajectory]:
+        async with EngineClient([url]) as client:
+            info = (await client.model_info())[url]
+            return list(
+                await asyncio.gather(*[
+                    client.generate_trajectory(
+                        p, params, routed_experts=True, sampling_mask=True,
+                        num_layers=info["num_hidden_layers"], topk=info["num_experts_per_tok"],
+                        group_id=i, index=0,
+                    )
+                    for i, p in enumerate(prompts)
+                ])
+            )  # fmt: skip
+
+    with EngineProcess(
+        hf_dir, "--enable-return-routed-experts", "--dtype", dtype, "--random-seed", str(seed)
+    ) as engine:
+        trajs = asyncio.run(go(engine.url))
+    save_jsonl(out, trajs)
+    return trajs
+
+
+def mismatch(trainer: np.ndarray, rollout: np.ndarray) -> tuple[float, float, float]:
+    """(k3 KL estimate, mean |Δ|, max |Δ|) between per-token logprobs."""
+    log_ratio = trainer - rollout
+    k3 = np.expm1(log_ratio.astype(np.float64)) - log_ratio  # exp(x) − 1 − x without cancellation
+    return float(k3.mean()), float(np.abs(log_ratio).mean()), float(np.abs(log_ratio).max())
+
+
+def _worker(layout: str, hf_dir: str, rollouts: str, out: str, dtype: str) -> None:
+    import torch.distributed as dist
+
+    from moerl.convert import HFCheckpoint, load_hf
+    from moerl.models.families import get_family
+    from moerl.models.gpt import build_model
+    from moerl.parallel.state import initialize_model_parallel
+    from moerl.trainer.forward import trainer_logprobs
+
+    ckpt = HFCheckpoint(hf_dir)
+    family = {"deepseek_v3": "deepseek_moe", "qwen3_moe": "qwen3_moe"}[ckpt.config()["model_type"]]
+    model = get_family(family).from_hf(ckpt.config())
+    pcfg, _ = parse_layout(layout)
+    initialize_model_parallel(
+        pcfg, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups, num_experts=model.num_experts,
+    )  # fmt: skip
+    chunks = build_model(model, pcfg, dtype, routing_replay=True)
+    load_hf(chunks, hf_dir, model)
+    trajs = load_jsonl(rollouts)
+    moe_layers = [i for i in range(model.num_layers) if i >= model.first_k_dense_replace]
+    results = []
+    for replay, mask in SETTINGS:
+        res = trainer_logprobs(
+            chunks, trajs, replay="all" if replay == "on" else "none", use_mask=mask == "on",
+            num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
+        )  # fmt: skip
+        if dist.get_rank() != 0:
+            continue
+        trainer = np.concatenate([res.logprobs[i] for i in range(len(trajs))])
+        ref = np.concatenate([
+            (t.sampling_logprobs if mask == "on" else t.response_logprobs) for t in trajs
+        ])  # fmt: skip
+        k3, mad, mx = mismatch(trainer, ref)
+        rates = res.flip_rate()
+        results.append(
+            SettingResult(
+                replay=replay,
+                mask=mask,
+                flip_rate=float(rates[moe_layers].mean()),
+                flip_rate_per_layer=rates.tolist(),
+                mismatch_k3=k3,
+                mean_abs_dlogp=mad,
+                max_abs_log_ratio=mx,
+            )  # fmt: skip
+        )
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps([asdict(r) for r in results]))
+
+
+def score(
+    layout: str, hf_dir: str | Path, rollouts: str | Path, out: str | Path, dtype: str = "fp32"
+) -> list[SettingResult]:
+    _, world = parse_layout(layout)
+    spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype)
+    return [SettingResult(**r) for r in json.loads(Path(out).read_text())]
