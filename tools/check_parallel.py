@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         default="alltoall",
         help="MoE token dispatcher",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="Keep Routing: every layout replays routes recorded by the reference model",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
 
@@ -65,19 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         use_distributed_optimizer=args.optimizer == "distributed",
         dispatcher=args.dispatcher,
+        replay=args.replay,
     )
     print(
         f"tiny MoE: {cfg.model.num_layers} layers ({cfg.first_k_dense} dense), "
         f"{cfg.model.num_experts} experts top-{cfg.model.moe_router_topk} + shared expert; "
         f"global batch {cfg.global_batch} x {cfg.model.seq_length} tokens; "
-        f"optimizer={args.optimizer}; dispatcher={args.dispatcher}; fp32 tolerance {FP32_TOL:g} (relative L2 error, "
+        f"optimizer={args.optimizer}; dispatcher={args.dispatcher}; replay={args.replay}; fp32 tolerance {FP32_TOL:g} (relative L2 error, "
         "worst tensor)",
         flush=True,
     )
     print(
-        f"param_rel_err (weights after one Adam step) uses {PARAM_TOL:g}: Adam's first step moves "
-        "each weight by ~±lr, so a near-zero gradient whose sign differs in the last bit "
-        "between layouts moves a weight by 2·lr; loss and gradients keep the fp32 bound.",
+        f"param_rel_err compares the weights after one Adam step (eps={cfg.adam_eps:g}: with "
+        "1e-8 every weight moves ~±lr however small its gradient, so last-bit sign "
+        f"differences of near-zero gradients would move weights by 2·lr); bound {PARAM_TOL:g}.",
         flush=True,
     )
     results: list[ParityResult] = []

@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,11 @@ from moerl.parallel.layout import parse_layout
 from moerl.parallel.spawn import spawn
 
 FP32_TOL = 1e-5
-# Adam's first step moves each weight by about ±lr whatever the gradient's size, so a
-# near-zero gradient whose sign differs in the last bit between layouts moves a weight
-# by 2·lr: post-step weights amplify fp32 reduction-order noise. Loss and gradients
-# keep the 1e-5 bound; the weights after the step get 1e-4.
-PARAM_TOL = 1e-4
+# The weights after the step are held to the same bound. The check uses Adam with
+# eps=1e-6 (ParityConfig.adam_eps): with 1e-8, Adam's first step moves each weight by
+# ~±lr however small its gradient, so a near-zero gradient whose sign differs in the
+# last bit between layouts would move a weight by 2·lr.
+PARAM_TOL = FP32_TOL
 
 
 def tiny_moe() -> ModelConfig:
@@ -62,11 +63,16 @@ class ParityConfig:
     micro_batch_size: int = 1
     seed: int = 1234
     lr: float = 1e-3
+    adam_eps: float = 1e-6
+    """Large enough that near-zero gradients take near-zero steps (with 1e-8, Adam moves
+    every weight by ±lr whatever its gradient, amplifying last-bit differences)."""
     use_distributed_optimizer: bool = True
     first_k_dense: int = 1
     aux_loss_coeff: float = 1e-2
     dispatcher: str = "alltoall"
     """megatron-core MoE token dispatcher: 'alltoall' or 'allgather'."""
+    replay: bool = False
+    """Keep Routing: replay routes recorded by the reference model on another batch."""
 
 
 @dataclass
@@ -108,7 +114,9 @@ def _batch(cfg: ParityConfig) -> torch.Tensor:
     )
 
 
-def _microbatches(cfg: ParityConfig) -> tuple[list[dict[str, torch.Tensor]], int]:
+def _microbatches(
+    cfg: ParityConfig, routes: torch.Tensor | None = None
+) -> tuple[list[dict[str, torch.Tensor]], int]:
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -130,7 +138,38 @@ def _microbatches(cfg: ParityConfig) -> tuple[list[dict[str, torch.Tensor]], int
         }
         for i in range(0, per_rank, cfg.micro_batch_size)
     ]
+    if routes is not None:
+        mine = routes[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        for j, mb in enumerate(mbs):
+            mb["routes"] = mine[j * cfg.micro_batch_size : (j + 1) * cfg.micro_batch_size]
     return mbs, len(mbs)
+
+
+def _record_routes(chunks: list[Any], cfg: ParityConfig) -> torch.Tensor:
+    """Routes [G, S, L, K] that the (single-process) reference model chooses on a
+    different batch: real router decisions that differ from the ones the training batch
+    would get, so replaying them changes the forward."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from moerl.trainer.replay import RoutingReplay
+
+    replayer = RoutingReplay(chunks, policy="none")
+    model = cfg.model
+    k = model.moe_router_topk
+    seq = model.seq_length
+    rolled = torch.roll(_batch(cfg), shifts=7, dims=0).flip(1)
+    routes = torch.arange(k).expand(cfg.global_batch, seq, model.num_layers, k).clone()
+    with torch.no_grad():
+        for g in range(cfg.global_batch):
+            for inst in replayer.layers[0].values():
+                inst.set_router_replay_action(RouterReplayAction.RECORD)
+            tokens = rolled[g : g + 1, :-1]
+            chunks[0](tokens, torch.arange(seq)[None], None)
+            for number, inst in replayer.layers[0].items():
+                routes[g, :, number - 1] = inst.get_recorded_indices().view(seq, k)
+                inst.clear_indices()
+                inst.clear_router_replay_action()
+    return routes
 
 
 def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -139,8 +178,12 @@ def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tens
     return loss, {"loss": loss.detach().clone()}
 
 
-def _forward_step(data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[Any, Any]:
+def _forward_step(
+    replayer: Any, chunk_of: dict[int, int], data: Iterator[dict[str, torch.Tensor]], model: Any
+) -> tuple[Any, Any]:
     batch = next(data)
+    if replayer is not None:
+        replayer.set_microbatch(chunk_of[id(model)], batch["routes"])
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, _loss_func
 
@@ -181,10 +224,20 @@ def _run(layout: str, workdir: str, cfg_dict: dict[str, Any]) -> None:
         num_experts=model.num_experts,
         seed=cfg.seed,
     )
-    chunks = build_model(model, pcfg)
+    chunks = build_model(model, pcfg, routing_replay=cfg.replay)
     out = Path(workdir)
     is_ref = layout == "single"
     rank0 = dist.get_rank() == 0
+    routes = replayer = None
+    if cfg.replay:
+        from moerl.trainer.replay import RoutingReplay
+
+        if is_ref:
+            routes = _record_routes(chunks, cfg)
+            save_file({"routes": routes}, str(out / "routes.safetensors"))
+        else:
+            routes = load_file(str(out / "routes.safetensors"))["routes"]
+        replayer = RoutingReplay(chunks, policy="all")
     if is_ref:
         init = gather_full(chunks, "param")
         assert init is not None
@@ -194,24 +247,33 @@ def _run(layout: str, workdir: str, cfg_dict: dict[str, Any]) -> None:
 
     ddp = wrap_ddp(chunks, cfg.use_distributed_optimizer)
     optimizer = build_optimizer(
-        ddp, OptimConfig(lr=cfg.lr, use_distributed_optimizer=cfg.use_distributed_optimizer)
+        ddp,
+        OptimConfig(
+            lr=cfg.lr,
+            adam_eps=cfg.adam_eps,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        ),
     )
     attach_schedule_hooks(ddp, optimizer)
     modules = [c.module for c in ddp]
 
+    chunk_of = {id(c): i for i, c in enumerate(ddp)}
+
     def forward_backward() -> float | None:
-        mbs, n = _microbatches(cfg)
+        mbs, n = _microbatches(cfg, routes)
         data = [iter(mbs) for _ in ddp] if len(ddp) > 1 else iter(mbs)
         res = train_step(
             ddp,
             optimizer,
-            _forward_step,
+            partial(_forward_step, replayer, chunk_of),
             data,
             num_microbatches=n,
             seq_length=model.seq_length,
             micro_batch_size=cfg.micro_batch_size,
             step=False,
         )
+        if replayer is not None:
+            replayer.finish()  # also checks every target was consumed exactly once
         return res.loss
 
     loss1 = forward_backward()
