@@ -1,0 +1,124 @@
+"""Trainer checkpoints: model, RNG and progress, written atomically.
+
+A checkpoint is ``DIR/step_000042/`` holding megatron-core's distributed checkpoint of
+the model (any layout can resume it), each rank's RNG states and
+``progress.json`` (step, policy version, data cursor, anything the caller adds). It is
+written under ``DIR/.tmp_step_000042`` and renamed into place only when every rank has
+finished, then ``DIR/latest`` is replaced atomically: a crash mid-save leaves the previous
+checkpoint as the latest, never a half-written one.
+
+Optimizer state is not saved yet: without TE/apex, megatron-core 0.16's
+DistributedOptimizer checkpoint formats do not round-trip on this path (the Adam moments
+came back empty in tests), and a resume that silently resets Adam would be worse than
+none. ``save``/``load`` therefore take the model only; a resumed run starts a fresh
+optimizer (documented in the run's progress record as ``optimizer_state: false``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+PROGRESS = "progress.json"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded(chunks: list[Any]) -> dict:
+    modules = [getattr(c, "module", c) for c in chunks]
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict()}
+    return {"model": {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}}
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save(root: str | Path, step: int, chunks: list[Any], progress: dict[str, Any]) -> Path:
+    """Save step ``step`` under ``root`` on every rank; returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    name = f"step_{step:06d}"
+    tmp, final = root / f".tmp_{name}", root / name
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    dist_checkpointing.save(_sharded(chunks), str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank():05d}.pt")
+    _barrier()
+    if _rank() == 0:
+        record = {"step": step, "optimizer_state": False, **progress}
+        (tmp / PROGRESS).write_text(json.dumps(record, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(name)
+        os.replace(pointer, root / LATEST)
+    _barrier()
+    return final
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None if there is none)."""
+    root = Path(root)
+    pointer = root / LATEST
+    candidates = []
+    if pointer.is_file():
+        candidates.append(root / pointer.read_text().strip())
+    candidates += sorted(root.glob("step_*"), reverse=True)
+    for path in candidates:
+        if (path / PROGRESS).is_file() and (path / "metadata.json").is_file():
+            return path
+    return None
+
+
+def load(root: str | Path, chunks: list[Any]) -> dict[str, Any]:
+    """Restore the latest checkpoint into ``chunks`` (any layout);
+    returns its progress record. Raises FileNotFoundError naming ``root`` if none."""
+    from megatron.core import dist_checkpointing
+
+    path = latest(root)
+    if path is None:
+        raise FileNotFoundError(
+            f"no complete checkpoint under {root}: start without trainer.resume, or point "
+            "trainer.checkpoint_dir at a directory holding step_*/progress.json"
+        )
+    state = dist_checkpointing.load(_sharded(chunks), str(path))
+    modules = [getattr(c, "module", c) for c in chunks]
+    if len(modules) == 1:
+        modules[0].load_state_dict(state["model"], strict=False)
+    else:
+        for i, m in enumerate(modules):
+            m.load_state_dict(state["model"][f"model{i}"], strict=False)
+    rng = path / f"rng_rank{_rank():05d}.pt"
+    if rng.is_file():  # same world size: restore this rank's streams exactly
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return json.loads((path / PROGRESS).read_text())
