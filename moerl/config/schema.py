@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moerl.algo.config import AlgoConfig
+from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
@@ -25,3 +27,7 @@ class MoerlConfig:
     """Where rollouts are generated (group `engine`)."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Process count and collective backend (group `launcher`)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The RL objective: advantage estimator, policy loss, KL term (group `algo`)."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Importance-sampling correction of the rollout/trainer mismatch (group `correction`)."""

@@ -2,7 +2,9 @@
 
 Schemas: `base_config` (MoerlConfig) and one `base_<group>` per group, which the
 YAML options in `conf/<group>/` name first in their defaults list so that Hydra
-type-checks them and rejects unknown keys.
+type-checks them and rejects unknown keys. The algorithm slots (`algo/advantage`,
+`algo/loss`, `correction`) have one schema per built-in, `base_<name>`
+(moerl.algo.config.register_algo_configs).
 
 Recipes: every `recipes/NAME.yaml` (installed as the package `moerl.recipes`) is
 stored as the option NAME of the group `recipe`, so `+recipe=NAME` works the same
@@ -18,6 +20,8 @@ from importlib import resources
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from moerl.algo.config import AlgoConfig, register_algo_configs
+from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
@@ -34,6 +38,8 @@ GROUP_SCHEMAS: dict[str, type] = {
     "trainer": TrainerConfig,
     "engine": EngineConfig,
     "launcher": LauncherConfig,
+    "algo": AlgoConfig,
+    "correction": CorrectionConfig,
 }
 
 
@@ -77,4 +83,5 @@ def register_configs() -> None:
     cs.store(name="base_config", node=MoerlConfig, provider="moerl")
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=schema, provider="moerl")
+    register_algo_configs(cs)
     register_recipes(cs)

@@ -11,6 +11,7 @@ import typing
 
 from omegaconf import DictConfig, OmegaConf
 
+from moerl.algo.config import check_algo_config
 from moerl.config.engine import ENGINE_KINDS, EngineConfig
 from moerl.config.launcher import BACKENDS, LauncherConfig
 from moerl.config.model import ModelConfig
@@ -191,8 +192,9 @@ def _check_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> Non
                 f"{name} is not a config key; check the spelling against "
                 "`python -m moerl.launch --help`"
             )
-        sub = hints[key]
         child = node[key]
+        # The node's own type: a slot typed with a base class (algo.loss) holds a subclass.
+        sub = OmegaConf.get_type(child) if isinstance(child, DictConfig) else hints[key]
         if (
             isinstance(child, DictConfig)
             and isinstance(sub, type)
@@ -226,4 +228,5 @@ def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None
     _check_trainer(cfg.trainer, cfg.parallel, world_size)
     _check_engine(cfg.engine)
     _check_launcher(cfg.launcher, world_size)
+    check_algo_config(cfg.algo, cfg.correction)
     return cfg

@@ -1,0 +1,16 @@
+"""The RL objective's swappable pieces (DESIGN.md §6): small pure torch functions on flat
+token tensors, registered by name and selected from config, with `_target_` for user code.
+
+    advantages.py         ADVANTAGES: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline
+    losses.py             POLICY_LOSSES: ppo_clip (clip-higher, dual clip, decoupled), gspo,
+                          cispo, reinforce
+    correction.py         CORRECTIONS: none, tis, mis, icepop, topr, version_gap
+    kl.py                 k1/k2/k3 KL estimators and the optional KL term
+    reduce.py             per-sequence reductions and the loss aggregation modes
+    registry.py           the Registry and how a config becomes a callable
+    config.py             options of advantages, losses, KL; AlgoConfig (group `algo`)
+    correction_config.py  options of the corrections (group `correction`)
+
+Importing this package imports nothing heavy: `moerl.config` reads the torch-free config
+modules; import the torch modules themselves where they run.
+"""

@@ -1,0 +1,144 @@
+"""Options of the importance-sampling corrections (group `correction`, conf/correction/).
+
+A correction turns the gap between the trainer's and the rollout engine's logprobs (and the
+policy version behind each token) into per-token weights and a keep mask; the policy loss
+multiplies its per-token terms by the weights. `correction=tis` picks TISConfig; fields
+are then overridden as `correction.cap=3`. Torch-free, like `config.py`.
+
+The ratio is trainer/rollout = exp(trainer_logprob - rollout_logprob), taken at a `level`:
+
+    token       each token's own ratio
+    sequence    the product over the sequence, exp(sum of log ratios), on all its tokens
+    geometric   the geometric mean over the sequence, exp(mean of log ratios), on all its tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moerl.algo.config import at_least, one_of
+
+LEVELS = ("token", "sequence", "geometric")
+
+
+@dataclass
+class CorrectionConfig:
+    """The correction slot. The bare config is `none`: weight 1 on every counted token."""
+
+    name: str = "none"
+    """Correction registered in moerl.algo.correction.CORRECTIONS; pick one with
+    `correction=NAME`."""
+
+    def validate(self, key: str) -> None:
+        """Raise ValueError naming `key.field` for an out-of-range option."""
+
+
+@dataclass
+class TISConfig(CorrectionConfig):
+    """Truncated IS (Yao et al. 2025): weight = min(ratio, cap); no token is dropped."""
+
+    name: str = "tis"
+    """Registered name of this correction."""
+    cap: float = 2.0
+    """Upper bound C of the weight."""
+    level: str = "token"
+    """'token', 'sequence' or 'geometric' (see the module docstring)."""
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.cap", self.cap, 0.0, strict=True)
+        one_of(f"{key}.level", self.level, LEVELS)
+
+
+@dataclass
+class MISConfig(CorrectionConfig):
+    """Masked IS: tokens whose ratio lies outside [low, high] are dropped (weight 0)."""
+
+    name: str = "mis"
+    """Registered name of this correction."""
+    low: float = 0.5
+    """Smallest ratio kept (inclusive); 0 = no lower bound."""
+    high: float = 2.0
+    """Largest ratio kept (inclusive)."""
+    level: str = "token"
+    """'token', 'sequence' (drops whole sequences) or 'geometric' (Geo-Mask)."""
+    reweight: bool = True
+    """Kept tokens are weighted by their ratio (MIS, IcePop); false = weight 1, a pure
+    rejection mask."""
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.low", self.low, 0.0)
+        at_least(f"{key}.high", self.high, self.low, strict=True)
+        one_of(f"{key}.level", self.level, LEVELS)
+
+
+@dataclass
+class IcePopConfig(MISConfig):
+    """IcePop (Ring-1T): masked IS at token level with the acceptance band [0.5, 5]."""
+
+    name: str = "icepop"
+    """Registered name of this correction."""
+    low: float = 0.5
+    """Smallest ratio kept (IcePop's alpha)."""
+    high: float = 5.0
+    """Largest ratio kept (IcePop's beta)."""
+    level: str = "token"
+    """IcePop masks single tokens; 'sequence' and 'geometric' are allowed as for mis."""
+    reweight: bool = True
+    """IcePop weights kept tokens by their ratio (its M(k) = k inside the band)."""
+
+
+@dataclass
+class TOPRConfig(CorrectionConfig):
+    """Tapered Off-Policy REINFORCE (Le Roux et al. 2025): weight 1 for tokens with
+    advantage >= 0, min(ratio, 1) for negative advantages. Pair with `algo/loss=reinforce`;
+    needs CorrectionInput.advantages_T."""
+
+    name: str = "topr"
+    """Registered name of this correction."""
+    level: str = "sequence"
+    """The paper truncates the trajectory ratio ('sequence'); 'token' and 'geometric' are
+    variants."""
+
+    def validate(self, key: str) -> None:
+        one_of(f"{key}.level", self.level, LEVELS)
+
+
+@dataclass
+class VersionGapConfig(CorrectionConfig):
+    """Drop tokens sampled by a policy more than `max_gap` versions behind the trainer."""
+
+    name: str = "version_gap"
+    """Registered name of this correction."""
+    max_gap: int = 1
+    """Largest accepted current_version - token version; 0 = strictly on-policy."""
+    level: str = "token"
+    """'token' drops the stale tokens only; 'sequence' drops every sequence holding one
+    (a partial rollout that spans weight updates)."""
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.max_gap", self.max_gap, 0)
+        one_of(f"{key}.level", self.level, ("token", "sequence"))
+
+
+@dataclass
+class CustomCorrectionConfig(CorrectionConfig):
+    """A correction outside moerl: `fn(CorrectionInput, **options) -> CorrectionOutput`."""
+
+    name: str = "custom"
+    """Marks the escape hatch; the function is found through `_target_`."""
+    _target_: str = ""
+    """Import path of the function, e.g. 'mylab.corrections.my_is'."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the function (`+correction.options.cap=3`)."""
+
+
+CORRECTION_OPTIONS: dict[str, type[CorrectionConfig]] = {
+    "none": CorrectionConfig,
+    "tis": TISConfig,
+    "mis": MISConfig,
+    "icepop": IcePopConfig,
+    "topr": TOPRConfig,
+    "version_gap": VersionGapConfig,
+    "custom": CustomCorrectionConfig,
+}

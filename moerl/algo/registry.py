@@ -1,0 +1,176 @@
+"""Name → function registries for the swappable pieces of the objective (DESIGN.md §6).
+
+A built-in is a function `fn(inp, cfg) -> out` registered with its options dataclass:
+
+    @CORRECTIONS.register("tis", TISConfig)
+    def tis(inp: CorrectionInput, cfg: TISConfig) -> CorrectionOutput: ...
+
+`Registry.build(spec)` turns a spec into a ready callable `inp -> out`. A spec is
+
+    "tis"                                  a name: the built-in with default options
+    TISConfig(cap=3.0)                     an options dataclass (what Hydra composes)
+    {"name": "tis", "cap": 3.0}            a mapping / DictConfig naming a built-in
+    {"_target_": "mylab.corr.my_is", ...}  the escape hatch: any importable function
+                                           `fn(inp, **options)`; the other keys (or the
+                                           `options` mapping) become keyword arguments
+
+so user code outside moerl plugs in without registering anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Keys of a mapping spec that are not keyword arguments of a `_target_` function.
+_RESERVED = ("_target_", "name", "options")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One registered built-in."""
+
+    name: str
+    """The name it is selected by."""
+    fn: Callable[..., Any]
+    """`fn(inp, cfg) -> out`."""
+    config: type
+    """Its options dataclass; `config()` gives the defaults."""
+
+
+class Registry(Generic[In, Out]):
+    """Built-ins of one slot (`kind`), configured under the config key `key`."""
+
+    def __init__(self, kind: str, key: str) -> None:
+        self.kind = kind
+        self.key = key
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, config: type) -> Callable[[F], F]:
+        """Decorator: register `fn(inp, cfg)` under `name` with options dataclass `config`."""
+        if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+            raise TypeError(f"{self.kind} {name!r}: config must be a dataclass type")
+
+        def deco(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = Entry(name, fn, config)
+            return fn
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def entry(self, name: str) -> Entry:
+        if name not in self._entries:
+            known = ", ".join(self.names())
+            raise ValueError(
+                f"{self.key}: unknown {self.kind} {name!r}; known: {known}. For a function "
+                f"outside moerl set {self.key}._target_ to its import path"
+            )
+        return self._entries[name]
+
+    def get(self, name: str) -> Callable[..., Any]:
+        """The registered function `fn(inp, cfg)`; ValueError listing the names if unknown."""
+        return self.entry(name).fn
+
+    def config_type(self, name: str) -> type:
+        """The options dataclass registered with `name`."""
+        return self.entry(name).config
+
+    def build(self, spec: Any) -> Callable[[In], Out]:
+        """A callable `inp -> out` for a name, options dataclass, mapping or `_target_`."""
+        if isinstance(spec, str):
+            entry = self.entry(spec)
+            return self._bind(entry, entry.config())
+        spec = _plain(spec)
+        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+            target = getattr(spec, "_target_", None)
+            if target is not None:
+                return self._target(target, dict(getattr(spec, "options", None) or {}))
+            return self._from_dataclass(spec)
+        if isinstance(spec, Mapping):
+            return self._from_mapping(dict(spec))
+        raise TypeError(
+            f"{self.key}: cannot build a {self.kind} from {type(spec).__name__}; give a name, "
+            "an options dataclass or a mapping with 'name' or '_target_'"
+        )
+
+    def _bind(self, entry: Entry, cfg: Any) -> Callable[[In], Out]:
+        validate = getattr(cfg, "validate", None)
+        if validate is not None:
+            validate(self.key)
+        return functools.partial(entry.fn, cfg=cfg)
+
+    def _from_dataclass(self, cfg: Any) -> Callable[[In], Out]:
+        name = getattr(cfg, "name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"{self.key}: {type(cfg).__name__} has no 'name' field")
+        entry = self.entry(name)
+        if isinstance(cfg, entry.config):
+            return self._bind(entry, cfg)
+        if issubclass(entry.config, type(cfg)):
+            # A bare slot base (e.g. AdvantageConfig(name="rloo")) means the named built-in
+            # with default options; carry over the fields the base has.
+            carried = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+            return self._bind(entry, entry.config(**carried))
+        raise ValueError(
+            f"{self.key}.name={name!r} but its options are a {type(cfg).__name__}, not a "
+            f"{entry.config.__name__}; select the option itself ({self.key}={name}) instead "
+            "of renaming another one"
+        )
+
+    def _from_mapping(self, spec: dict[str, Any]) -> Callable[[In], Out]:
+        if spec.get("_target_"):
+            options = {k: v for k, v in spec.items() if k not in _RESERVED}
+            options.update(spec.get("options") or {})
+            return self._target(spec["_target_"], options)
+        if "name" not in spec:
+            raise ValueError(
+                f"{self.key} needs 'name' (one of {', '.join(self.names())}) or '_target_'"
+            )
+        entry = self.entry(spec["name"])
+        known = {f.name for f in dataclasses.fields(entry.config)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(
+                f"{self.key}.{unknown[0]} is not an option of {self.kind} {spec['name']!r}; "
+                f"its options are {', '.join(sorted(known - {'name'})) or 'none'}"
+            )
+        return self._bind(entry, entry.config(**spec))
+
+    def _target(self, target: str, options: dict[str, Any]) -> Callable[[In], Out]:
+        from hydra.utils import get_method
+
+        if not target:
+            raise ValueError(
+                f"{self.key}._target_ is empty; set it to the import path of your "
+                f"{self.kind} function, e.g. {self.key}._target_=mylab.module.function"
+            )
+        try:
+            fn = get_method(target)
+        except Exception as err:  # hydra wraps import errors in its own types
+            reason = " ".join(str(err).split())  # hydra's message spans several lines
+            raise ValueError(
+                f"{self.key}._target_={target!r} could not be imported as a function: {reason}"
+            ) from err
+        return functools.partial(fn, **options) if options else fn
+
+
+def _plain(spec: Any) -> Any:
+    """A DictConfig becomes its dataclass (structured) or a plain dict; others pass through."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(spec, DictConfig):
+        return OmegaConf.to_object(spec)
+    return spec

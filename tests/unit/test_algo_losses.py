@@ -1,0 +1,344 @@
+"""Policy losses, the aggregation modes and the KL term against hand-computed references.
+
+Logprobs are logs of chosen probabilities so every ratio is a round number. With
+token_mean over N counted tokens, d loss / d logp_t = (per-token derivative) / N; for an
+unclipped PPO token the per-token derivative of -r·A is -r·A (dr/dlogp = r).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moerl.algo.config import CISPOConfig, GSPOConfig, KLConfig, PPOClipConfig, ReinforceConfig
+from moerl.algo.kl import KLInput, kl_penalty, kl_term
+from moerl.algo.losses import (
+    POLICY_LOSSES,
+    PolicyLossInput,
+    aggregate,
+    build_policy_loss,
+    cispo,
+    gspo,
+    ppo_clip,
+    reinforce,
+)
+
+F64 = torch.float64
+
+
+def _t(values, dtype=F64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def _logs(*probs: float) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+def _inp(logp, old, adv, mask=None, seq=None, num_seqs=None, **kw) -> PolicyLossInput:
+    n = len(logp)
+    mask = [True] * n if mask is None else mask
+    seq = list(range(n)) if seq is None else seq
+    return PolicyLossInput(
+        logprobs_T=_t(logp).requires_grad_(True),
+        old_logprobs_T=_t(old),
+        advantages_T=_t(adv),
+        loss_mask_T=torch.tensor(mask, dtype=torch.bool),
+        seq_ids_T=torch.tensor(seq, dtype=torch.int64),
+        num_seqs=max(seq) + 1 if num_seqs is None else num_seqs,
+        **kw,
+    )
+
+
+def _grad(out, inp: PolicyLossInput) -> list[float]:
+    (g,) = torch.autograd.grad(out.loss, inp.logprobs_T)
+    return g.tolist()
+
+
+# --- aggregation ---------------------------------------------------------------
+
+
+def test_aggregate_modes() -> None:
+    # Values [1, 2, 3, 4, inf]; the last token does not count; sequence 2 has no counted
+    # token. token_mean: 10/4. seq_mean_token_mean: (1.5 + 3.5 + 0)/3. seq_mean_token_sum:
+    # (3 + 7 + 0)/3. The inf in the masked token must not leak.
+    values = _t([1.0, 2.0, 3.0, 4.0, math.inf])
+    mask = torch.tensor([True, True, True, True, False])
+    seq = torch.tensor([0, 0, 1, 1, 2])
+    assert aggregate(values, mask, seq, 3, "token_mean").item() == pytest.approx(2.5)
+    assert aggregate(values, mask, seq, 3, "seq_mean_token_mean").item() == pytest.approx(5 / 3)
+    assert aggregate(values, mask, seq, 3, "seq_mean_token_sum").item() == pytest.approx(10 / 3)
+    with pytest.raises(ValueError, match="token_sum"):
+        aggregate(values, mask, seq, 3, "token_sum")
+
+
+def test_aggregate_nothing_counted_is_zero() -> None:
+    values, mask, seq = _t([5.0]), torch.tensor([False]), torch.tensor([0])
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        assert aggregate(values, mask, seq, 1, mode).item() == 0.0
+
+
+# --- ppo_clip ------------------------------------------------------------------
+
+# Ratios [1.5, 0.5, 0.5, 1.5, e^10] with advantages [+1, +1, -1, -1, +5], eps 0.2:
+#   t0  A>0, r=1.5 > 1.2   clipped high: loss -1.2, grad 0
+#   t1  A>0, r=0.5         unclipped (min picks r·A): loss -0.5, per-token grad -0.5
+#   t2  A<0, r=0.5 < 0.8   clipped low: loss +0.8, grad 0
+#   t3  A<0, r=1.5         unclipped: loss +1.5, per-token grad +1.5
+#   t4  masked (a prompt token): must not count
+PPO_CASE = dict(
+    logp=[math.log(1.5), math.log(0.5), math.log(0.5), math.log(1.5), 10.0],
+    old=[0.0] * 5,
+    adv=[1.0, 1.0, -1.0, -1.0, 5.0],
+    mask=[True, True, True, True, False],
+    seq=[0, 1, 1, 1, 1],
+)
+
+
+def test_ppo_clip_token_mean() -> None:
+    inp = _inp(**PPO_CASE)
+    out = ppo_clip(inp, PPOClipConfig())
+    # (-1.2 - 0.5 + 0.8 + 1.5) / 4 = 0.15; grads /4: [0, -0.125, 0, 0.375, 0].
+    assert out.loss.item() == pytest.approx(0.15)
+    assert _grad(out, inp) == pytest.approx([0.0, -0.125, 0.0, 0.375, 0.0])
+    assert out.metrics["loss/clip_frac"] == pytest.approx(0.5)
+    assert out.metrics["loss/clip_high_frac"] == pytest.approx(0.25)
+    assert out.metrics["loss/clip_low_frac"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    "agg, loss, grads",
+    [
+        # seq 0 = {t0}: -1.2; seq 1 = {t1, t2, t3}: sum 1.8, mean 0.6.
+        # seq_mean_token_mean: (-1.2 + 0.6)/2; t1, t3 grads: per-token / 3 / 2.
+        ("seq_mean_token_mean", -0.3, [0.0, -0.5 / 6, 0.0, 1.5 / 6, 0.0]),
+        # seq_mean_token_sum: (-1.2 + 1.8)/2; grads per-token / 2.
+        ("seq_mean_token_sum", 0.3, [0.0, -0.25, 0.0, 0.75, 0.0]),
+    ],
+)
+def test_ppo_clip_sequence_aggregations(agg: str, loss: float, grads: list[float]) -> None:
+    inp = _inp(**PPO_CASE)
+    out = ppo_clip(inp, PPOClipConfig(agg=agg))
+    assert out.loss.item() == pytest.approx(loss)
+    assert _grad(out, inp) == pytest.approx(grads)
+
+
+def test_ppo_clip_ratio_at_the_boundary_keeps_its_gradient() -> None:
+    # eps 0: the trust region is the single point r = 1. logp == old gives r = 1 exactly,
+    # on the boundary: inside, so the gradient -A·r = -A flows (÷2 tokens). A ratio just
+    # above it with A > 0 is clipped: gradient 0.
+    inp = _inp(logp=[0.0, 0.0, 1e-3], old=[0.0, 0.0, 0.0], adv=[1.0, -1.0, 1.0])
+    out = ppo_clip(inp, PPOClipConfig(eps_low=0.0, eps_high=0.0))
+    assert _grad(out, inp) == pytest.approx([-1 / 3, 1 / 3, 0.0])
+    assert out.metrics["loss/clip_frac"] == pytest.approx(1 / 3)
+
+
+def test_ppo_clip_higher() -> None:
+    # r = 1.25, A = +1: clipped at 1.2 with symmetric eps (loss -1.2, grad 0), inside the
+    # clip-higher bound 1.28 (loss -1.25, grad -1.25).
+    case = dict(logp=[math.log(1.25)], old=[0.0], adv=[1.0])
+    sym = _inp(**case)
+    out = ppo_clip(sym, PPOClipConfig(eps_low=0.2, eps_high=0.2))
+    assert out.loss.item() == pytest.approx(-1.2)
+    assert _grad(out, sym) == pytest.approx([0.0])
+    dapo = _inp(**case)
+    out = ppo_clip(dapo, PPOClipConfig(eps_low=0.2, eps_high=0.28))
+    assert out.loss.item() == pytest.approx(-1.25)
+    assert _grad(out, dapo) == pytest.approx([-1.25])
+
+
+def test_ppo_dual_clip() -> None:
+    # c = 3. A=-1, r=4: plain PPO leaves it unclipped (loss 4); dual clip caps it at
+    # -c·A = 3 with gradient 0. A=-1, r=2 < c: loss 2, per-token grad 2. A=+1, r=4:
+    # ordinary upper clip, loss -1.2, grad 0. token_mean: (3 + 2 - 1.2)/3.
+    inp = _inp(logp=_logs(4.0, 2.0, 4.0), old=[0.0] * 3, adv=[-1.0, -1.0, 1.0])
+    out = ppo_clip(inp, PPOClipConfig(dual_clip=3.0))
+    assert out.loss.item() == pytest.approx(3.8 / 3)
+    assert _grad(out, inp) == pytest.approx([0.0, 2 / 3, 0.0])
+    assert out.metrics["loss/dual_clip_frac"] == pytest.approx(1 / 3)
+    plain = ppo_clip(
+        _inp(logp=_logs(4.0, 2.0, 4.0), old=[0.0] * 3, adv=[-1.0, -1.0, 1.0]), PPOClipConfig()
+    )
+    assert plain.loss.item() == pytest.approx(4.8 / 3)
+
+
+# Decoupled PPO: behaviour μ (old), proximal π_prox, current π_θ, A = +1, eps 0.2.
+#   t0  μ=0.25, prox=0.5, θ=0.75: weight 0.5/0.25 = 2, r = 0.75/0.5 = 1.5 clipped →
+#       loss -2·1.2 = -2.4, grad 0
+#   t1  μ=0.5, prox=0.4, θ=0.44: weight 0.8, r = 1.1 unclipped → loss -0.88, grad -0.88
+DECOUPLED = dict(logp=_logs(0.75, 0.44), old=_logs(0.25, 0.5), adv=[1.0, 1.0])
+PROXIMAL = _logs(0.5, 0.4)
+
+
+def test_decoupled_ppo() -> None:
+    inp = _inp(**DECOUPLED, proximal_logprobs_T=_t(PROXIMAL))
+    out = ppo_clip(inp, PPOClipConfig(decoupled=True))
+    assert out.loss.item() == pytest.approx((-2.4 - 0.88) / 2)
+    assert _grad(out, inp) == pytest.approx([0.0, -0.44])
+    assert out.metrics["loss/behav_weight_mean"] == pytest.approx(1.4)
+
+
+def test_decoupled_weight_cap_drops_tokens() -> None:
+    # Cap 1.5: t0's weight 2 exceeds it → weight 0; only t1 remains (still ÷2 tokens).
+    inp = _inp(**DECOUPLED, proximal_logprobs_T=_t(PROXIMAL))
+    out = ppo_clip(inp, PPOClipConfig(decoupled=True, decoupled_weight_cap=1.5))
+    assert out.loss.item() == pytest.approx(-0.44)
+    assert out.metrics["loss/behav_dropped_frac"] == pytest.approx(0.5)
+
+
+def test_coupled_ppo_ignores_proximal() -> None:
+    # Against μ directly: t0 r = 3 clipped → -1.2; t1 r = 0.88, A>0 unclipped → -0.88.
+    inp = _inp(**DECOUPLED, proximal_logprobs_T=_t(PROXIMAL))
+    assert ppo_clip(inp, PPOClipConfig()).loss.item() == pytest.approx((-1.2 - 0.88) / 2)
+
+
+def test_decoupled_without_proximal_is_an_error() -> None:
+    with pytest.raises(ValueError, match="proximal_logprobs_T"):
+        ppo_clip(_inp(**DECOUPLED), PPOClipConfig(decoupled=True))
+
+
+def test_is_weights_multiply_per_token_loss() -> None:
+    # Two unclipped tokens r = 1, A = [1, -1] → per-token [-1, +1]; weights [2, 0.5] →
+    # [-2, 0.5]; token_mean -0.75; grads [-2, 0.5]/2.
+    inp = _inp(logp=[0.0, 0.0], old=[0.0, 0.0], adv=[1.0, -1.0], is_weights_T=_t([2.0, 0.5]))
+    out = ppo_clip(inp, PPOClipConfig())
+    assert out.loss.item() == pytest.approx(-0.75)
+    assert _grad(out, inp) == pytest.approx([-1.0, 0.25])
+    assert out.metrics["loss/is_weight_mean"] == pytest.approx(1.25)
+
+
+# --- gspo ----------------------------------------------------------------------
+
+# Three sequences, eps 0.25 both sides, old logprobs 0 so log r = logp.
+#   seq 0: log r [0.1, 0.3] → mean 0.2, s = e^0.2, A=+1: inside 1.25 → loss -e^0.2;
+#          each token's grad -A·s / (n=2) / (S=3)
+#   seq 1: log r [0.5, 0.3, 0.1] (+ a masked 5.0) → mean 0.3, s = e^0.3 = 1.3499 > 1.25,
+#          A=+1 → clipped as a whole: loss -1.25, grad 0 — although its last token's own
+#          ratio e^0.1 would be inside a token-level trust region
+#   seq 2: log r [-0.3], A=-1: s = e^-0.3 = 0.7408 < 0.75 → clipped: loss +0.75, grad 0
+GSPO_CASE = dict(
+    logp=[0.1, 0.3, 0.5, 0.3, 0.1, 5.0, -0.3],
+    old=[0.0] * 7,
+    adv=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0],
+    mask=[True, True, True, True, True, False, True],
+    seq=[0, 0, 1, 1, 1, 1, 2],
+)
+
+
+def test_gspo_sequence_level_clip() -> None:
+    inp = _inp(**GSPO_CASE)
+    out = gspo(inp, GSPOConfig(eps_low=0.25, eps_high=0.25))
+    s0 = math.exp(0.2)
+    assert out.loss.item() == pytest.approx((-s0 - 1.25 + 0.75) / 3)
+    g0 = -s0 / 2 / 3
+    assert _grad(out, inp) == pytest.approx([g0, g0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # Clipped tokens: the 3 counted of seq 1 (high) and seq 2's one (low), of 6.
+    assert out.metrics["loss/clip_high_frac"] == pytest.approx(3 / 6)
+    assert out.metrics["loss/clip_low_frac"] == pytest.approx(1 / 6)
+
+
+def test_gspo_default_bounds_are_tight() -> None:
+    # Paper bounds 3e-4 / 4e-4: s = e^0.2 is far outside, so seq 0 is clipped too.
+    inp = _inp(**GSPO_CASE)
+    out = gspo(inp, GSPOConfig())
+    assert _grad(out, inp) == pytest.approx([0.0] * 7)
+    assert out.loss.item() == pytest.approx((-(1 + 4e-4) * 2 + (1 - 3e-4)) / 3)
+
+
+# --- cispo ---------------------------------------------------------------------
+
+# eps_low 1.0 (no lower bound), eps_high 0.28.
+#   t0  r = 0.9/0.5 = 1.8 → weight 1.28, A=+1: loss -1.28·ln0.9, grad -1.28 (not 0: the
+#       clip bounds the weight, the token keeps its gradient)
+#   t1  r = 0.05/0.5 = 0.1 → weight 0.1, A=-2: loss -0.1·(-2)·ln0.05, grad -w·A = 0.2.
+#       Without the stop-gradient the grad would be -A·r·(ln0.05 + 1) ≈ -0.399.
+CISPO_CASE = dict(logp=_logs(0.9, 0.05), old=_logs(0.5, 0.5), adv=[1.0, -2.0])
+
+
+def test_cispo_stop_gradient_on_clipped_weight() -> None:
+    inp = _inp(**CISPO_CASE)
+    out = cispo(inp, CISPOConfig())
+    expected = (-1.28 * math.log(0.9) + 0.2 * math.log(0.05)) / 2
+    assert out.loss.item() == pytest.approx(expected)
+    assert _grad(out, inp) == pytest.approx([-0.64, 0.1])
+    assert out.metrics["loss/clip_high_frac"] == pytest.approx(0.5)
+
+
+def test_cispo_lower_bound() -> None:
+    # eps_low 0.5 → the weight of t1 is raised from 0.1 to 0.5: grad -0.5·(-2)/2 = 0.5.
+    inp = _inp(**CISPO_CASE)
+    out = cispo(inp, CISPOConfig(eps_low=0.5))
+    assert _grad(out, inp) == pytest.approx([-0.64, 0.5])
+    assert out.metrics["loss/clip_low_frac"] == pytest.approx(0.5)
+
+
+# --- reinforce -----------------------------------------------------------------
+
+
+def test_reinforce() -> None:
+    # -A·logp: -(2·ln0.5) - (-1·ln0.25) = 2ln2 - 2ln2 = 0; grads -A/2 = [-1, 0.5].
+    inp = _inp(logp=_logs(0.5, 0.25), old=[0.0, 0.0], adv=[2.0, -1.0])
+    out = reinforce(inp, ReinforceConfig())
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-12)
+    assert _grad(out, inp) == pytest.approx([-1.0, 0.5])
+
+
+def test_masked_tokens_get_no_gradient_in_every_loss() -> None:
+    for name in POLICY_LOSSES.names():
+        inp = _inp(**PPO_CASE)
+        grads = _grad(build_policy_loss(name)(inp), inp)
+        assert grads[4] == 0.0, name
+
+
+def test_input_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="advantages_T has 2 tokens"):
+        _inp(logp=[0.0, 0.0, 0.0], old=[0.0] * 3, adv=[1.0, 1.0], seq=[0, 0, 0])
+    with pytest.raises(ValueError, match="loss_mask_T must be bool"):
+        PolicyLossInput(_t([0.0]), _t([0.0]), _t([1.0]), _t([1.0]), torch.tensor([0]), 1)
+
+
+# --- KL estimators ---------------------------------------------------------------
+
+# Token 0: p = 0.5, ref = 0.25 → log(ref/p) = -ln2: k1 = ln2, k2 = (ln2)^2/2,
+#          k3 = (0.5 - 1) + ln2 = 0.193147
+# Token 1: p = 0.2, ref = 0.4  → log(ref/p) = +ln2: k1 = -ln2, k2 = (ln2)^2/2,
+#          k3 = (2 - 1) - ln2 = 0.306853
+LN2 = math.log(2.0)
+KL_P = [math.log(0.5), math.log(0.2)]
+KL_REF = [math.log(0.25), math.log(0.4)]
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("k1", [LN2, -LN2]),
+        ("k2", [LN2**2 / 2, LN2**2 / 2]),
+        ("k3", [LN2 - 0.5, 1 - LN2]),
+    ],
+)
+def test_kl_estimators(kind: str, expected: list[float]) -> None:
+    kl = kl_penalty(torch.tensor(KL_P, dtype=F64), torch.tensor(KL_REF, dtype=F64), kind)
+    assert kl.tolist() == pytest.approx(expected)
+
+
+def test_kl_term_and_k3_gradient() -> None:
+    logp = torch.tensor(KL_P, dtype=F64, requires_grad=True)
+    inp = KLInput(
+        logp, torch.tensor(KL_REF, dtype=F64), torch.tensor([True, True]), torch.tensor([0, 1]), 2
+    )
+    out = kl_term(inp, KLConfig(coef=0.1))
+    # k3 mean: (ln2 - 0.5 + 1 - ln2)/2 = 0.25; × 0.1.
+    assert out.loss.item() == pytest.approx(0.025)
+    assert out.metrics["kl/value"] == pytest.approx(0.25)
+    # d k3 / d logp = 1 - ref/p: [1 - 0.5, 1 - 2] → × 0.1 / 2.
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    assert grad.tolist() == pytest.approx([0.025, -0.05])
+    # clamp 0.2 caps token 1's 0.306853.
+    clamped = kl_term(inp, KLConfig(coef=1.0, clamp=0.2))
+    assert clamped.loss.item() == pytest.approx((LN2 - 0.5 + 0.2) / 2)
+
+
+def test_unknown_kl_kind() -> None:
+    with pytest.raises(ValueError, match="'k4'"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
