@@ -79,7 +79,12 @@ def _mla_kwargs(model: Any) -> dict[str, Any]:
 
 
 def build_transformer_config(
-    model: Any, parallel: ParallelConfig, dtype: str = "fp32", *, routing_replay: bool = False
+    model: Any,
+    parallel: ParallelConfig,
+    dtype: str = "fp32",
+    *,
+    routing_replay: bool = False,
+    per_token_loss: bool = False,
 ) -> Any:
     """The megatron-core (MLA)TransformerConfig for ``model`` (a ``ModelConfig``) under ``parallel``."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
@@ -127,6 +132,9 @@ def build_transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
+        # the RL step normalises by tokens/sequences of the whole global batch; DDP reads
+        # this when it is built to decide its gradient scaling
+        calculate_per_token_loss=per_token_loss,
         **extra,
     )
 
@@ -138,6 +146,7 @@ def build_model(
     *,
     use_te: bool | None = None,
     routing_replay: bool = False,
+    per_token_loss: bool = False,
 ) -> list[torch.nn.Module]:
     """This rank's ``GPTModel`` chunks (one per virtual pipeline stage)."""
     from megatron.core import parallel_state
@@ -145,7 +154,9 @@ def build_model(
 
     compat.activate()
     megatron_patches.fix_missing_te()
-    config = build_transformer_config(model, parallel, dtype, routing_replay=routing_replay)
+    config = build_transformer_config(
+        model, parallel, dtype, routing_replay=routing_replay, per_token_loss=per_token_loss
+    )
     chunks: list[torch.nn.Module] = []
     for vp in range(parallel.virtual_pp or 1):
         vp_stage = vp if parallel.virtual_pp else None

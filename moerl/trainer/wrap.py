@@ -39,6 +39,22 @@ def wrap_ddp(
     """megatron-core DDP around every chunk (fp32 grad buffers, no comm overlap)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from moerl.models.spec import have_transformer_engine
+
+    config = chunks[0].config
+    if (
+        config.multi_latent_attention
+        and config.tensor_model_parallel_size > 1
+        and not have_transformer_engine()
+    ):
+        # Found by tests/dist/test_rl_step.py: forward logits match the single process,
+        # but the down-projection gradients of megatron-core 0.16's local MLA path are
+        # ~0.5% off under TP (its gather of the compressed KV only splits the gradient).
+        raise ValueError(
+            f"training an MLA model with parallel.tp={config.tensor_model_parallel_size} needs "
+            "transformer-engine (megatron-core's local MLA computes wrong gradients under "
+            "tensor parallelism); use parallel.tp=1 with ep/etp/pp, or install moerl[te]"
+        )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

@@ -1,0 +1,162 @@
+"""One RL optimizer step on rollouts: Keep Routing, sampling-mask replay, an IS
+correction and a policy loss, over megatron-core's schedules, DDP and optimizer.
+
+Normalisation is global over the step: each micro-batch returns ``loss × units`` and its
+unit count (response tokens for ``token_mean``, sequences otherwise), and megatron-core's
+``calculate_per_token_loss`` divides the gradients by the units summed over micro-batches
+and data-parallel ranks. Every layout therefore optimises the same objective.
+"""
+
+# B sequences per micro-batch, S padded length, T counted tokens of a micro-batch
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moerl.algo.correction import CorrectionInput, CorrectionOutput
+from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
+from moerl.rollout.trajectory import Trajectory
+from moerl.trainer.batch import MicroBatch, build_microbatch, padded_length, split_for_rank
+from moerl.trainer.logprobs import token_logprobs
+from moerl.trainer.replay import RoutingReplay
+
+
+@dataclass
+class RLStepResult:
+    loss: float | None  # on the last pipeline stage: the step's normalised objective
+    grad_norm: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _micro_loss(
+    mb: MicroBatch,
+    logits_BSV: torch.Tensor,
+    *,
+    loss_fn: Callable[[PolicyLossInput], PolicyLossOutput],
+    correction_fn: Callable[[CorrectionInput], CorrectionOutput],
+    agg: str,
+    use_mask: bool,
+    current_version: int,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    b, s, v = logits_BSV.shape
+    lp_BS = token_logprobs(
+        logits_BSV.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
+        mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
+    ).reshape(b, s)  # fmt: skip
+    m = mb.loss_mask
+    lp_T = lp_BS[m]
+    old_T = (mb.sampling_logprobs if use_mask else mb.rollout_logprobs)[m]
+    adv_T = mb.advantages[m]
+    seq_T = torch.arange(b)[:, None].expand(b, s)[m]
+    counted_T = torch.ones_like(lp_T, dtype=torch.bool)
+    corr = correction_fn(
+        CorrectionInput(
+            trainer_logprobs_T=lp_T.detach(), rollout_logprobs_T=old_T, loss_mask_T=counted_T,
+            seq_ids_T=seq_T, num_seqs=b, versions_T=mb.versions[m],
+            current_version=current_version, advantages_T=adv_T,
+        )
+    )  # fmt: skip
+    out = loss_fn(
+        PolicyLossInput(
+            logprobs_T=lp_T, old_logprobs_T=old_T, advantages_T=adv_T, loss_mask_T=counted_T,
+            seq_ids_T=seq_T, num_seqs=b, is_weights_T=corr.weights_T,
+        )
+    )  # fmt: skip
+    units = int(m.sum()) if agg == "token_mean" else b
+    metrics = {k: torch.tensor(float(v)) for k, v in {**corr.metrics, **out.metrics}.items()}
+    metrics["loss"] = out.loss.detach()
+    metrics["mismatch/log_ratio_abs_max"] = (lp_T.detach() - old_T).abs().max()
+    metrics["units"] = torch.tensor(float(units))
+    return out.loss * units, torch.tensor(units, dtype=torch.int), metrics
+
+
+def rl_train_step(
+    chunks: list[Any],
+    optimizer: Any,
+    trajs: list[Trajectory],
+    advantages: list[float],
+    *,
+    loss_fn: Callable[[PolicyLossInput], PolicyLossOutput],
+    correction_fn: Callable[[CorrectionInput], CorrectionOutput],
+    agg: str = "token_mean",
+    replay: str = "all",
+    use_mask: bool = True,
+    micro_batch_size: int = 1,
+    num_layers: int,
+    topk: int,
+    num_experts: int | None = None,
+    current_version: int = 0,
+    recent_window: int = 0,
+    step: bool = True,
+) -> RLStepResult:
+    """Forward/backward over every trajectory of the global batch, then one optimizer step."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    modules = [getattr(c, "module", c) for c in chunks]
+    config = modules[0].config
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "the RL step normalises over the whole global batch: build the model with "
+            "build_model(..., per_token_loss=True) before wrapping it in DDP"
+        )
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    multiple = (
+        parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    )
+    seq_len = padded_length(trajs, multiple)
+    mbs = [
+        build_microbatch(
+            [trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers, num_experts=num_experts,
+            use_routes=replay != "none", use_mask=use_mask, advantages=[advantages[i] for i in g],
+        )
+        for g in split_for_rank(len(trajs), dp, dp_rank, micro_batch_size)
+    ]  # fmt: skip
+    replayer = RoutingReplay(modules, policy=replay, recent_window=recent_window)
+    chunk_of = {id(c): i for i, c in enumerate(chunks)}
+    loss_func = partial(
+        _micro_loss, loss_fn=loss_fn, correction_fn=correction_fn, agg=agg,
+        use_mask=use_mask, current_version=current_version,
+    )  # fmt: skip
+
+    def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
+        mb = next(data)
+        replayer.set_microbatch(chunk_of[id(model)], mb.routes, mb.versions, current_version)
+        return model(mb.tokens, mb.position_ids, None), partial(loss_func, mb)
+
+    for chunk in chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+        model=chunks,
+        num_microbatches=len(mbs),
+        seq_length=seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    replayer.finish()
+    grad_norm = optimizer.step()[1] if step else None
+    result = RLStepResult(loss=None, grad_norm=grad_norm)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and outputs:
+        units = sum(float(o["units"]) for o in outputs)
+        sums = {k: sum(float(o[k]) * float(o["units"]) for o in outputs) for k in outputs[0]}
+        totals = torch.tensor([units, *[sums[k] for k in sorted(sums)]], dtype=torch.float64)
+        group = parallel_state.get_data_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
+        names = sorted(sums)
+        result.metrics = {
+            k: float(totals[1 + i] / totals[0]) for i, k in enumerate(names) if k != "units"
+        }
+        result.loss = result.metrics["loss"]
+    return result
