@@ -7,11 +7,10 @@ written under ``DIR/.tmp_step_000042`` and renamed into place only when every ra
 finished, then ``DIR/latest`` is replaced atomically: a crash mid-save leaves the previous
 checkpoint as the latest, never a half-written one.
 
-Optimizer state is not saved yet: without TE/apex, megatron-core 0.16's
-DistributedOptimizer checkpoint formats do not round-trip on this path (the Adam moments
-came back empty in tests), and a resume that silently resets Adam would be worse than
-none. ``save``/``load`` therefore take the model only; a resumed run starts a fresh
-optimizer (documented in the run's progress record as ``optimizer_state: false``).
+Optimizer state (Adam moments, step count and the fp32 master shards) is saved per rank
+in ``optim_rank*.pt`` and resumes exactly in the same layout; another layout raises a
+clear error. (megatron-core 0.16's resharding DistributedOptimizer formats do not
+round-trip without TE/apex here: the Adam moments came back empty in tests.)
 """
 
 from __future__ import annotations
@@ -45,6 +44,45 @@ def _sharded(chunks: list[Any]) -> dict:
     return {"model": {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}}
 
 
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+    }
+
+
+def _optimizer_state(optimizer: Any) -> list[dict[str, Any]]:
+    """This rank's optimizer state: each (chained) torch optimizer's state dict and its
+    parameters' values (the fp32 master shards the distributed optimizer steps)."""
+    out = []
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        out.append(
+            {
+                "state": inner.state_dict(),
+                "main": [[p.detach().clone() for p in g["params"]] for g in inner.param_groups],
+            }
+        )
+    return out
+
+
+@torch.no_grad()
+def _load_optimizer_state(optimizer: Any, saved: list[dict[str, Any]]) -> None:
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if len(subs) != len(saved):
+        raise ValueError(f"checkpoint holds {len(saved)} optimizers, the trainer has {len(subs)}")
+    for sub, state in zip(subs, saved):
+        sub.optimizer.load_state_dict(state["state"])
+        for group, values in zip(sub.optimizer.param_groups, state["main"]):
+            for p, v in zip(group["params"], values):
+                p.copy_(v)
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -58,7 +96,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save(root: str | Path, step: int, chunks: list[Any], progress: dict[str, Any]) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    chunks: list[Any],
+    progress: dict[str, Any],
+    optimizer: Any | None = None,
+) -> Path:
     """Save step ``step`` under ``root`` on every rank; returns the final directory."""
     from megatron.core import dist_checkpointing
 
@@ -72,9 +116,16 @@ def save(root: str | Path, step: int, chunks: list[Any], progress: dict[str, Any
     _barrier()
     dist_checkpointing.save(_sharded(chunks), str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank():05d}.pt")
+    if optimizer is not None:
+        torch.save(_optimizer_state(optimizer), tmp / f"optim_rank{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
-        record = {"step": step, "optimizer_state": False, **progress}
+        record = {
+            "step": step,
+            "optimizer_state": optimizer is not None,
+            "layout": _layout(),
+            **progress,
+        }
         (tmp / PROGRESS).write_text(json.dumps(record, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -100,7 +151,7 @@ def latest(root: str | Path) -> Path | None:
     return None
 
 
-def load(root: str | Path, chunks: list[Any]) -> dict[str, Any]:
+def load(root: str | Path, chunks: list[Any], optimizer: Any | None = None) -> dict[str, Any]:
     """Restore the latest checkpoint into ``chunks`` (any layout);
     returns its progress record. Raises FileNotFoundError naming ``root`` if none."""
     from megatron.core import dist_checkpointing
@@ -118,7 +169,21 @@ def load(root: str | Path, chunks: list[Any]) -> dict[str, Any]:
     else:
         for i, m in enumerate(modules):
             m.load_state_dict(state["model"][f"model{i}"], strict=False)
+    progress = json.loads((path / PROGRESS).read_text())
+    if optimizer is not None:
+        if not progress.get("optimizer_state"):
+            raise ValueError(
+                f"{path} has no optimizer state; resume with a fresh optimizer (optimizer=None)"
+            )
+        if progress.get("layout") != _layout():
+            raise ValueError(
+                f"{path} holds optimizer state for layout {progress.get('layout')}, this run is "
+                f"{_layout()}: resume in the saved layout, or without the optimizer state"
+            )
+        _load_optimizer_state(
+            optimizer, torch.load(path / f"optim_rank{_rank():05d}.pt", weights_only=True)
+        )
     rng = path / f"rng_rank{_rank():05d}.pt"
     if rng.is_file():  # same world size: restore this rank's streams exactly
         _set_rng_state(torch.load(rng, weights_only=True))
-    return json.loads((path / PROGRESS).read_text())
+    return progress

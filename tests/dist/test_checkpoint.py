@@ -1,6 +1,5 @@
-"""Checkpoint and resume: the resumed model, RNG and progress continue bit for bit; a
-crash mid-save leaves the previous checkpoint as the latest. (Optimizer state is not
-checkpointed yet; see moerl/trainer/checkpoint.py.)"""
+"""Checkpoint and resume: model, optimizer, RNG and progress continue bit for bit; a
+crash mid-save leaves the previous checkpoint as the latest."""
 
 from __future__ import annotations
 
@@ -39,14 +38,14 @@ def _train(layout: str, root: str, out: str, seed: int, resume: bool) -> None:
         ).loss  # fmt: skip
 
     if resume:
-        progress = checkpoint.load(root, ddp)
+        progress = checkpoint.load(root, ddp, optimizer)
         assert progress["step"] == 1 and progress["version"] == 1 and progress["cursor"] == 8
-        assert progress["optimizer_state"] is False
+        assert progress["optimizer_state"] is True
     else:
         step()
-        checkpoint.save(root, 1, ddp, {"version": 1, "cursor": 8})
-    params = gather_full([c.module for c in ddp], "param")  # the weights the step starts from
+        checkpoint.save(root, 1, ddp, {"version": 1, "cursor": 8}, optimizer)
     loss = step()
+    params = gather_full([c.module for c in ddp], "param")  # after a step on restored Adam state
     losses: list = [None] * dist.get_world_size()
     dist.all_gather_object(losses, loss)
     if dist.get_rank() == 0:
@@ -85,3 +84,12 @@ def test_latest_skips_incomplete(tmp_path):
     (tmp_path / "latest").write_text("step_000002")
     assert latest(tmp_path) == good
     assert latest(tmp_path / "nothing") is None
+
+
+def test_optimizer_state_needs_the_saved_layout(tmp_path):
+    import pytest
+
+    root = tmp_path / "ckpt"
+    spawn(_train, 4, "dp2ep2", str(root), str(tmp_path), 1, False)
+    with pytest.raises(Exception, match="holds optimizer state for layout"):
+        spawn(_train, 2, "ep2", str(root), str(tmp_path), 1, True)
