@@ -119,7 +119,7 @@ def trainer_logprobs(
             valid = replayer._local(mb.valid())
             want = replayer._local(mb.routes)
             for number, inst in replayer.layers[chunk].items():
-                used = inst.get_recorded_indices() if replay == "none" else inst.target_topk_idx
+                used = inst.get_recorded_indices() if replay == "none" else inst.moerl_used
                 f, n = _count_flips(used, want[:, number - 1], valid)
                 flips[number - 1] += f
                 counts[number - 1] += n

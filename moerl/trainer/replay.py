@@ -71,12 +71,14 @@ class RoutingReplay:
             if keep is not None:  # 'recent': fresh routing for old tokens
                 _, fresh = default_compute_topk(scores, topk, num_groups, group_topk)
                 target = torch.where(keep[:, None].to(scores.device), target, fresh)
+            inst.moerl_used = target  # what the router actually used (for flip counting)
             return scores.gather(1, target), target
 
         inst.get_replay_topk = get_replay_topk
         inst.moerl_consumed = 0
         inst.moerl_expected = 0
         inst.moerl_keep = None
+        inst.moerl_used = None
         inst._moerl_wrapped = True
 
     def _local(self, x_BS: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,9 @@ def mismatch(trainer: np.ndarray, rollout: np.ndarray) -> tuple[float, float, fl
     return float(k3.mean()), float(np.abs(log_ratio).mean()), float(np.abs(log_ratio).max())
 
 
-def _worker(layout: str, hf_dir: str, rollouts: str, out: str, dtype: str) -> None:
+def _worker(
+    layout: str, hf_dir: str, rollouts: str, out: str, dtype: str, settings: list | None = None
+) -> None:
     import torch.distributed as dist
 
     from moerl.convert import HFCheckpoint, load_hf
@@ -118,10 +120,14 @@ def _worker(layout: str, hf_dir: str, rollouts: str, out: str, dtype: str) -> No
     trajs = load_jsonl(rollouts)
     moe_layers = [i for i in range(model.num_layers) if i >= model.first_k_dense_replace]
     results = []
-    for replay, mask in SETTINGS:
+    for setting in settings or SETTINGS:
+        replay, mask = setting[0], setting[1]
+        extra = setting[2] if len(setting) > 2 else {}
+        policy = {"on": "all", "off": "none"}.get(replay, replay)
         res = trainer_logprobs(
-            chunks, trajs, replay="all" if replay == "on" else "none", use_mask=mask == "on",
+            chunks, trajs, replay=policy, use_mask=mask == "on",
             num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
+            **extra,
         )  # fmt: skip
         if dist.get_rank() != 0:
             continue
@@ -147,8 +153,15 @@ def _worker(layout: str, hf_dir: str, rollouts: str, out: str, dtype: str) -> No
 
 
 def score(
-    layout: str, hf_dir: str | Path, rollouts: str | Path, out: str | Path, dtype: str = "fp32"
+    layout: str,
+    hf_dir: str | Path,
+    rollouts: str | Path,
+    out: str | Path,
+    dtype: str = "fp32",
+    settings: list | None = None,
 ) -> list[SettingResult]:
+    """Score rollouts under ``settings``: (replay, mask[, trainer_logprobs kwargs]) with
+    replay 'on' | 'off' | 'recent'; default: replay and mask each on and off."""
     _, world = parse_layout(layout)
-    spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype)
+    spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype, settings)
     return [SettingResult(**r) for r in json.loads(Path(out).read_text())]

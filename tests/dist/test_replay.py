@@ -47,3 +47,20 @@ def test_check_replay_cli_bf16():
     assert len(lines) == 4 and all("flip_rate=" in x and "mismatch_k3=" in x for x in lines)
     assert any(x.startswith("replay=on mask=on flip_rate=0.0000") for x in lines)
     assert any(x.startswith("reduction=") for x in proc.stdout.splitlines())
+
+
+def test_recent_policy_routes_old_tokens_freshly(tmp_path, tiny_checkpoints):
+    """replay=recent: tokens older than the window route freshly (a bf16 rollout's routes
+    then differ somewhere), tokens inside it are replayed (no flips)."""
+    hf = tiny_checkpoints["deepseek_moe"]
+    path = tmp_path / "bf16.jsonl"
+    collect_rollouts(hf, path, num_prompts=8, max_new_tokens=16, dtype="bfloat16")
+    settings = [
+        ("recent", "on", {"current_version": 3, "recent_window": 5}),  # all recent: replay
+        ("recent", "on", {"current_version": 3, "recent_window": 1}),  # all old: fresh
+        ("off", "on"),
+    ]
+    inside, outside, fresh = score("single", hf, path, tmp_path / "s.json", settings=settings)
+    assert inside.flip_rate == 0.0
+    assert outside.flip_rate == fresh.flip_rate  # old tokens route exactly as without replay
+    assert fresh.flip_rate > 0  # bf16 rollouts: some routing differs from the fp32 trainer
