@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
-    from moerl.trainer.replay_check import collect_rollouts, score
+    from moerl.telemetry.mismatch import Decomposition
+    from moerl.trainer.replay_check import collect_rollouts, decomposition, score
 
     with tempfile.TemporaryDirectory(prefix="moerl-replay-") as tmp:
         work = Path(tmp)
@@ -62,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         results = score(args.layout, hf, rollouts, work / "scores.json", dtype=args.trainer_dtype)
+        parts = decomposition(work / "scores.json")
     for r in results:
         print(r.line(), flush=True)
     by = {(r.replay, r.mask): r for r in results}
     both, neither = by[("on", "on")], by[("off", "off")]
     reduction = neither.mismatch_k3 / max(both.mismatch_k3, 1e-30)
     print(f"reduction={reduction:.1f}", flush=True)
+    if parts:
+        print(Decomposition(**parts).line(), flush=True)
     if both.flip_rate > 0 or by[("on", "off")].flip_rate > 0:
         print("FAIL: a replayed forward changed a router decision", file=sys.stderr)
         return 1

@@ -120,6 +120,7 @@ def _worker(
     trajs = load_jsonl(rollouts)
     moe_layers = [i for i in range(model.num_layers) if i >= model.first_k_dense_replace]
     results = []
+    scored: dict[tuple[str, str], np.ndarray] = {}
     for setting in settings or SETTINGS:
         replay, mask = setting[0], setting[1]
         extra = setting[2] if len(setting) > 2 else {}
@@ -135,6 +136,7 @@ def _worker(
         ref = np.concatenate([
             (t.sampling_logprobs if mask == "on" else t.response_logprobs) for t in trajs
         ])  # fmt: skip
+        scored[(replay, mask)] = trainer
         k3, mad, mx = mismatch(trainer, ref)
         rates = res.flip_rate()
         results.append(
@@ -149,7 +151,23 @@ def _worker(
             )  # fmt: skip
         )
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps([asdict(r) for r in results]))
+        payload: dict = {"settings": [asdict(r) for r in results]}
+        if all(k in scored for k in SETTINGS):
+            from moerl.telemetry.mismatch import decompose
+
+            versions = np.concatenate([t.versions for t in trajs])
+            payload["decomposition"] = asdict(
+                decompose(
+                    replay_mask_T=scored[("on", "on")],
+                    fresh_route_mask_T=scored[("off", "on")],
+                    replay_full_vocab_T=scored[("on", "off")],
+                    fresh_route_full_vocab_T=scored[("off", "off")],
+                    rollout_sampling_T=np.concatenate([t.sampling_logprobs for t in trajs]),
+                    rollout_full_T=np.concatenate([t.response_logprobs for t in trajs]),
+                    stale_T=versions < versions.max(),
+                )
+            )
+        Path(out).write_text(json.dumps(payload))
 
 
 def score(
@@ -164,4 +182,9 @@ def score(
     replay 'on' | 'off' | 'recent'; default: replay and mask each on and off."""
     _, world = parse_layout(layout)
     spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype, settings)
-    return [SettingResult(**r) for r in json.loads(Path(out).read_text())]
+    return [SettingResult(**r) for r in json.loads(Path(out).read_text())["settings"]]
+
+
+def decomposition(out: str | Path) -> dict | None:
+    """The mismatch decomposition written by the last ``score`` into ``out``."""
+    return json.loads(Path(out).read_text()).get("decomposition")

@@ -71,6 +71,11 @@ def _micro_loss(
     units = int(m.sum()) if agg == "token_mean" else b
     metrics = {k: torch.tensor(float(v)) for k, v in {**corr.metrics, **out.metrics}.items()}
     metrics["loss"] = out.loss.detach()
+    d_T = lp_T.detach().double() - old_T.double()
+    metrics["mismatch/k3"] = (torch.expm1(d_T) - d_T).mean().float()
+    gap_T = (current_version - mb.versions[m]).float()
+    metrics["staleness/mean"] = gap_T.mean()
+    metrics["staleness/stale_frac"] = (gap_T > 0).float().mean()
     metrics["mismatch/log_ratio_abs_max"] = (lp_T.detach() - old_T).abs().max()
     metrics["units"] = torch.tensor(float(units))
     return out.loss * units, torch.tensor(units, dtype=torch.int), metrics

@@ -115,7 +115,10 @@ def test_weight_update_through_client_tags_tokens(tiny_checkpoints, engine_facto
                     topk=4,
                 )
             )
-            await asyncio.sleep(0.2)
+            while not (await client.server_info())[eng.url]["running_requests"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            await client.pause_generation("in_place")  # deterministic whatever the load
             update = asyncio.create_task(
                 client.update_weights_from_distributed(
                     list(tensors), [dtype_name(t.dtype) for t in tensors.values()],
@@ -125,6 +128,7 @@ def test_weight_update_through_client_tags_tokens(tiny_checkpoints, engine_facto
             )  # fmt: skip
             await asyncio.to_thread(broadcast, box["g"], flatten(list(tensors.values())))
             await update
+            await client.continue_generation()
             traj = await long
             await client.destroy_weights_update_group("g1")
             return traj

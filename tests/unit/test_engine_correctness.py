@@ -294,9 +294,13 @@ def test_weight_update_mid_generation_gives_version_spans(updated_pair, tiny_che
         if info["running_requests"]:
             break
         threading.Event().wait(0.01)
+    # Pause in place so the swap lands mid-request whatever the machine's load (the
+    # never-stop path without a pause is measured by tools/bench/engine.py).
+    _post(engine.url, "/pause_generation", {"mode": "in_place"})
     a = _checkpoint_tensors(tiny_checkpoints["deepseek_moe"])
     result = trainer.send(a, version="2", bucketed=False)
     assert result["success"], result
+    _post(engine.url, "/continue_generation", {})
     t.join()
     meta = box["r"].json()["meta_info"]
     spans = meta["weight_versions"]

@@ -1,0 +1,1 @@
+"""Metrics: train/inference mismatch, staleness, and (later) run telemetry."""
