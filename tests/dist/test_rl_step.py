@@ -20,7 +20,7 @@ def _reward(t) -> float:  # type: ignore[no-untyped-def]
     return float(np.mean(t.response_ids % 2 == 0))
 
 
-def _step(layout: str, hf_dir: str, rollouts: str, out: str) -> None:
+def _step(layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deepseek_moe") -> None:
     from moerl.algo.advantages import AdvantageInput, build_advantage
     from moerl.algo.correction import build_correction
     from moerl.algo.losses import build_policy_loss
@@ -33,9 +33,15 @@ def _step(layout: str, hf_dir: str, rollouts: str, out: str) -> None:
     from moerl.trainer.rl_step import rl_train_step
     from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
-    model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
+    model = get_family(family).from_hf(HFCheckpoint(hf_dir).config())
     pcfg, _ = parse_layout(layout)
-    initialize_model_parallel(pcfg, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads, num_experts=model.num_experts)
+    initialize_model_parallel(
+        pcfg,
+        num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        num_experts=model.num_experts,
+    )
     chunks = build_model(model, pcfg, routing_replay=True, per_token_loss=True)
     load_hf(chunks, hf_dir, model)
     ddp = wrap_ddp(chunks, use_distributed_optimizer=True)
@@ -112,3 +118,24 @@ def _mla_tp(hf_dir: str) -> None:
 
 def test_mla_training_under_tp_needs_te(tiny_checkpoints):
     spawn(_mla_tp, 2, str(tiny_checkpoints["deepseek_moe"]))
+
+
+def _compare(tmp_path: Path, ref_name: str, got_name: str) -> None:
+    ref, got = (json.loads((tmp_path / f"{x}.json").read_text()) for x in (ref_name, got_name))
+    assert ref["mismatch/log_ratio_abs_max"] < 1e-5
+    ga, gb = torch.load(tmp_path / f"{ref_name}.grad.pt"), torch.load(tmp_path / f"{got_name}.grad.pt")
+    for key in ga:
+        err = (ga[key] - gb[key]).norm() / ga[key].norm()
+        assert err < 1e-5, (key, float(err))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2ep2", "pp2"])
+def test_rl_step_gqa_family_under_tp_and_pp(layout, tiny_checkpoints, tmp_path):
+    """Qwen3-MoE (GQA with q/k norm): the RL step under TP (sequence parallel) and PP."""
+    hf = tiny_checkpoints["qwen3_moe"]
+    path = tmp_path / "r.jsonl"
+    collect_rollouts(hf, path, num_prompts=8, max_new_tokens=12, dtype="float32")
+    for name in ("single", layout):
+        spawn(_step, parse_layout(name)[1], name, str(hf), str(path), str(tmp_path), "qwen3_moe")
+    _compare(tmp_path, "single", layout)
