@@ -96,18 +96,12 @@ def _worker(family: str, layout: str, hf_dir: str, workdir: str) -> None:
     from moerl.convert import HFCheckpoint, export_hf, load_hf
     from moerl.models.families import get_family
     from moerl.models.gpt import build_model
-    from moerl.parallel.state import initialize_model_parallel
+    from moerl.parallel.state import initialize_for_model
 
     ckpt = HFCheckpoint(hf_dir)
     model = get_family(family).from_hf(ckpt.config())
     pcfg, _ = parse_layout(layout)
-    initialize_model_parallel(
-        pcfg,
-        num_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        num_experts=model.num_experts,
-    )
+    initialize_for_model(pcfg, model)
     chunks = build_model(model, pcfg)
     load_hf(chunks, hf_dir, model)
     tokens = torch.load(Path(workdir) / "tokens.pt")

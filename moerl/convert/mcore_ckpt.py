@@ -38,16 +38,10 @@ SIDE_FILES = (
 
 def _setup(model: ModelConfig, layout: str) -> list[torch.nn.Module]:
     from moerl.models.gpt import build_model
-    from moerl.parallel.state import initialize_model_parallel
+    from moerl.parallel.state import initialize_for_model
 
     pcfg, _ = parse_layout(layout)
-    initialize_model_parallel(
-        pcfg,
-        num_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        num_experts=model.num_experts,
-    )
+    initialize_for_model(pcfg, model)
     return build_model(model, pcfg)
 
 

@@ -72,6 +72,18 @@ def initialize_model_parallel(
     model_parallel_cuda_manual_seed(seed)
 
 
+def initialize_for_model(cfg: ParallelConfig, model: object, seed: int = 1234) -> None:
+    """``initialize_model_parallel`` with the sizes of a ``ModelConfig``."""
+    initialize_model_parallel(
+        cfg,
+        num_layers=model.num_layers,  # type: ignore[attr-defined]
+        num_attention_heads=model.num_attention_heads,  # type: ignore[attr-defined]
+        num_query_groups=model.num_query_groups,  # type: ignore[attr-defined]
+        num_experts=model.num_experts,  # type: ignore[attr-defined]
+        seed=seed,
+    )
+
+
 def destroy() -> None:
     from megatron.core import parallel_state
 

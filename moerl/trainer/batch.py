@@ -151,3 +151,38 @@ def split_for_rank(num: int, dp_size: int, dp_rank: int, micro_batch_size: int) 
     per_rank = num // dp_size
     mine = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+
+
+def step_microbatches(
+    config: object,
+    trajs: list[Trajectory],
+    *,
+    micro_batch_size: int,
+    use_routes: bool,
+    use_mask: bool,
+    topk: int,
+    num_layers: int,
+    num_experts: int | None = None,
+    advantages: list[float] | None = None,
+) -> tuple[list[MicroBatch], int]:
+    """This DP rank's micro-batches of a step and their padded length (a multiple of TP
+    when sequence parallelism splits the sequence)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    seq_len = padded_length(trajs, tp if getattr(config, "sequence_parallel", False) else 1)
+    groups = split_for_rank(
+        len(trajs),
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+        micro_batch_size,
+    )
+    mbs = [
+        build_microbatch(
+            [trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers,
+            num_experts=num_experts, use_routes=use_routes, use_mask=use_mask,
+            advantages=None if advantages is None else [advantages[i] for i in g],
+        )
+        for g in groups
+    ]  # fmt: skip
+    return mbs, seq_len

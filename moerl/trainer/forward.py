@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.rollout.trajectory import Trajectory
-from moerl.trainer.batch import MicroBatch, build_microbatch, padded_length, split_for_rank
+from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.logprobs import token_logprobs
 from moerl.trainer.replay import RoutingReplay
 
@@ -35,16 +35,6 @@ class LogprobResult:
         if self.flips_L is None or self.tokens_L is None:
             return np.zeros(0)
         return self.flips_L / np.maximum(self.tokens_L, 1)
-
-
-def _groups() -> tuple[int, int, bool]:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_data_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-    )
 
 
 def _count_flips(
@@ -76,20 +66,13 @@ def trainer_logprobs(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    dp, dp_rank, last_stage = _groups()
+    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     config = getattr(chunks[0], "module", chunks[0]).config
-    multiple = (
-        parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    )
-    seq_len = padded_length(trajs, multiple)
-    groups = split_for_rank(len(trajs), dp, dp_rank, micro_batch_size)
     have_routes = all(t.routed_experts is not None for t in trajs)
-    mbs = [
-        build_microbatch([trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers,
-                         num_experts=num_experts, use_routes=replay != "none" or have_routes,
-                         use_mask=use_mask)
-        for g in groups
-    ]  # fmt: skip
+    mbs, seq_len = step_microbatches(
+        config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none" or have_routes,
+        use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
+    )  # fmt: skip
     replayer = RoutingReplay(chunks, policy=replay, recent_window=recent_window)
     flips = np.zeros(num_layers, dtype=np.int64)
     counts = np.zeros(num_layers, dtype=np.int64)

@@ -104,17 +104,14 @@ def _worker(
     from moerl.convert import HFCheckpoint, load_hf
     from moerl.models.families import get_family
     from moerl.models.gpt import build_model
-    from moerl.parallel.state import initialize_model_parallel
+    from moerl.parallel.state import initialize_for_model
     from moerl.trainer.forward import trainer_logprobs
 
     ckpt = HFCheckpoint(hf_dir)
     family = {"deepseek_v3": "deepseek_moe", "qwen3_moe": "qwen3_moe"}[ckpt.config()["model_type"]]
     model = get_family(family).from_hf(ckpt.config())
     pcfg, _ = parse_layout(layout)
-    initialize_model_parallel(
-        pcfg, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups, num_experts=model.num_experts,
-    )  # fmt: skip
+    initialize_for_model(pcfg, model)
     chunks = build_model(model, pcfg, dtype, routing_replay=True)
     load_hf(chunks, hf_dir, model)
     trajs = load_jsonl(rollouts)

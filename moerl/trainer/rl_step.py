@@ -22,7 +22,7 @@ import torch.distributed as dist
 from moerl.algo.correction import CorrectionInput, CorrectionOutput
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.rollout.trajectory import Trajectory
-from moerl.trainer.batch import MicroBatch, build_microbatch, padded_length, split_for_rank
+from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.logprobs import token_logprobs
 from moerl.trainer.replay import RoutingReplay
 
@@ -111,19 +111,11 @@ def rl_train_step(
             "the RL step normalises over the whole global batch: build the model with "
             "build_model(..., per_token_loss=True) before wrapping it in DDP"
         )
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    multiple = (
-        parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    )
-    seq_len = padded_length(trajs, multiple)
-    mbs = [
-        build_microbatch(
-            [trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers, num_experts=num_experts,
-            use_routes=replay != "none", use_mask=use_mask, advantages=[advantages[i] for i in g],
-        )
-        for g in split_for_rank(len(trajs), dp, dp_rank, micro_batch_size)
-    ]  # fmt: skip
+    mbs, seq_len = step_microbatches(
+        config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none",
+        use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
+        advantages=advantages,
+    )  # fmt: skip
     replayer = RoutingReplay(modules, policy=replay, recent_window=recent_window)
     chunk_of = {id(c): i for i, c in enumerate(chunks)}
     loss_func = partial(
