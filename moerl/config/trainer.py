@@ -27,3 +27,12 @@ class TrainerConfig:
     """Where checkpoints are written and read; None = no checkpoints."""
     resume: bool = False
     """Continue from the latest checkpoint in checkpoint_dir instead of starting fresh."""
+    replay: str = "all"
+    """Keep Routing: 'all' replays the engine's routes for every token, 'recent' only for
+    tokens within recent_window versions of the trainer, 'none' routes freshly."""
+    recent_window: int = 1
+    """With replay='recent': the largest version gap whose routes are still replayed."""
+    sampling_mask: bool = True
+    """Restrict training logprobs to the sampler's recorded kept set (top-k/top-p/min-p)."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""

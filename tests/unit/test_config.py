@@ -216,3 +216,8 @@ def test_every_model_option_composes_and_validates(name: str) -> None:
 def test_unknown_family_is_rejected() -> None:
     with pytest.raises(ValueError, match="model.family='llama'"):
         validate_config(_compose("model.family=llama"), world_size=1)
+
+
+def test_trainer_replay_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="trainer.replay='sometimes'"):
+        validate_config(_compose("trainer.replay=sometimes"), world_size=1)

@@ -1,0 +1,128 @@
+"""The RL trainer: megatron-core model, optimizer and objective built from config.
+
+``Trainer`` owns one rank's model chunks (with Keep Routing), its DDP wrapper and
+optimizer, and the configured advantage estimator, policy loss and IS correction.
+``step(trajectories)`` turns rewards into advantages, runs one RL step and publishes the
+next policy version; ``save()`` / resume checkpoint everything. The asynchronous loop
+(orchestrator, buffer, weight sync) drives it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerl.config.model import ModelConfig
+from moerl.config.parallel import ParallelConfig
+from moerl.config.trainer import TrainerConfig
+from moerl.rollout.trajectory import Trajectory
+
+REPLAY_POLICIES = ("all", "recent", "none")
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        trainer: TrainerConfig,
+        algo: Any,
+        correction: Any,
+        *,
+        hf_dir: str | Path | None = None,
+    ) -> None:
+        from moerl.algo.advantages import build_advantage
+        from moerl.algo.correction import build_correction
+        from moerl.algo.losses import build_policy_loss
+        from moerl.models.gpt import build_model
+        from moerl.parallel.state import initialize_for_model
+        from moerl.trainer import checkpoint
+        from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
+
+        if trainer.replay not in REPLAY_POLICIES:
+            raise ValueError(f"trainer.replay={trainer.replay!r}: choose one of {REPLAY_POLICIES}")
+        if getattr(algo.kl, "coef", 0.0):
+            raise ValueError(
+                "algo.kl.coef > 0 needs a reference policy, which the trainer does not hold yet; set algo.kl.coef=0"
+            )
+        self.model, self.cfg = model, trainer
+        initialize_for_model(parallel, model, seed=trainer.seed)
+        chunks = build_model(
+            model,
+            parallel,
+            trainer.dtype,
+            routing_replay=trainer.replay != "none",
+            per_token_loss=True,
+        )
+        if hf_dir is not None:
+            from moerl.convert import load_hf
+
+            load_hf(chunks, hf_dir, model)
+        self.chunks = wrap_ddp(chunks, trainer.use_distributed_optimizer)
+        self.optimizer = build_optimizer(
+            self.chunks,
+            OptimConfig(
+                lr=trainer.lr,
+                adam_eps=trainer.adam_eps,
+                use_distributed_optimizer=trainer.use_distributed_optimizer,
+            ),
+        )
+        attach_schedule_hooks(self.chunks, self.optimizer)
+        self.micro_batch_size = parallel.micro_batch_size
+        self.advantage_fn = build_advantage(algo.advantage)
+        self.loss_fn = build_policy_loss(algo.loss)
+        self.correction_fn = build_correction(correction)
+        self.agg = getattr(algo.loss, "agg", "token_mean")
+        self.version = 0
+        self.progress: dict[str, Any] = {}
+        if trainer.resume:
+            if not trainer.checkpoint_dir:
+                raise ValueError("trainer.resume=true needs trainer.checkpoint_dir")
+            self.progress = checkpoint.load(trainer.checkpoint_dir, self.chunks, self.optimizer)
+            self.version = int(self.progress["version"])
+
+    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One optimizer step on ``trajs`` (rewards set); returns metrics, bumps the version."""
+        from moerl.algo.advantages import AdvantageInput
+        from moerl.trainer.rl_step import rl_train_step
+
+        missing = [f"{t.group_id}/{t.index}" for t in trajs if t.reward is None]
+        if missing:
+            raise ValueError(
+                f"trajectories {missing[:5]} have no reward: score them before training"
+            )
+        rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
+        groups = torch.tensor(
+            [int(t.group_id if t.group_id is not None else i) for i, t in enumerate(trajs)]
+        )
+        adv = self.advantage_fn(AdvantageInput(rewards_S=rewards, group_ids_S=groups))
+        result = rl_train_step(
+            self.chunks, self.optimizer, trajs, adv.advantages_S.tolist(),
+            loss_fn=self.loss_fn, correction_fn=self.correction_fn, agg=self.agg,
+            replay=self.cfg.replay, use_mask=self.cfg.sampling_mask,
+            micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
+            topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
+            current_version=self.version, recent_window=self.cfg.recent_window,
+        )  # fmt: skip
+        self.version += 1
+        metrics = {**result.metrics, **{f"advantage/{k}": float(v) for k, v in adv.metrics.items()}}
+        metrics.update(version=float(self.version), reward_mean=float(rewards.mean()))
+        if result.grad_norm is not None:
+            metrics["grad_norm"] = float(result.grad_norm)
+        return metrics
+
+    def save(self, **progress: Any) -> Path:
+        """Checkpoint model, optimizer, RNG and progress (version, plus ``progress``)."""
+        from moerl.trainer import checkpoint
+
+        if not self.cfg.checkpoint_dir:
+            raise ValueError("trainer.checkpoint_dir is not set: nowhere to save")
+        return checkpoint.save(
+            self.cfg.checkpoint_dir,
+            self.version,
+            self.chunks,
+            {"version": self.version, **progress},
+            self.optimizer,
+        )
