@@ -113,6 +113,31 @@ class Trainer:
             metrics["grad_norm"] = float(result.grad_norm)
         return metrics
 
+    def router_flip_rates(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
+        """Per-layer router flip rate on a sample of ``trajs``: a forward without replay,
+        compared with the engine's recorded routes (MoE layers; dense layers report 0)."""
+        from megatron.core import parallel_state
+
+        from moerl.trainer.forward import trainer_logprobs
+
+        unit = parallel_state.get_data_parallel_world_size() * self.micro_batch_size
+        count = min(len(trajs), max(unit, -(-sample // unit) * unit))
+        count -= count % unit
+        picked = [t for t in trajs[:count] if t.routed_experts is not None]
+        if len(picked) < unit:
+            return {}
+        picked = picked[: len(picked) - len(picked) % unit]
+        res = trainer_logprobs(
+            self.chunks, picked, replay="none", use_mask=False, micro_batch_size=self.micro_batch_size,
+            num_layers=self.model.num_layers, topk=self.model.moe_router_topk,
+            num_experts=self.model.num_experts,
+        )  # fmt: skip
+        rates = res.flip_rate()
+        moe = [i for i in range(self.model.num_layers) if i >= self.model.first_k_dense_replace]
+        out = {f"router_flip/layer{i}": float(rates[i]) for i in moe}
+        out["router_flip/mean"] = float(rates[moe].mean()) if moe else 0.0
+        return out
+
     def save(self, **progress: Any) -> Path:
         """Checkpoint model, optimizer, RNG and progress (version, plus ``progress``)."""
         from moerl.trainer import checkpoint

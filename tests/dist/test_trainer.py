@@ -36,7 +36,8 @@ def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:
         first = trainer.step(trajs)
         second = trainer.step(trajs)
         trainer.save(cursor=len(trajs))
-        record = {"first": first, "second": second, "version": trainer.version}
+        flips = trainer.router_flip_rates(trajs, sample=4)
+        record = {"first": first, "second": second, "version": trainer.version, "flips": flips}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(record))
 
@@ -52,5 +53,9 @@ def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
     assert a["first"]["mismatch/log_ratio_abs_max"] < 1e-5
     assert a["second"]["mismatch/log_ratio_abs_max"] > 1e-4
     assert a["second"]["staleness/mean"] == 1.0  # the rollouts are one version old now
+    # after two updates the trainer's fresh routing differs from the rollouts' on some tokens
+    flips = a["flips"]
+    assert set(flips) == {"router_flip/layer1", "router_flip/layer2", "router_flip/layer3", "router_flip/mean"}
+    assert 0.0 < flips["router_flip/mean"] < 1.0
     spawn(_run, 1, str(hf), str(rollouts), str(tmp_path / "ckpt"), str(tmp_path / "b.json"), True)
     assert json.loads((tmp_path / "b.json").read_text())["version_after_resume"] == 2
