@@ -120,13 +120,7 @@ def trainer_logprobs(
             micro_batch_size=micro_batch_size,
             forward_only=True,
         )
-    if replay != "none":
-        replayer.finish()
-    else:
-        for layers in replayer.layers:
-            for inst in layers.values():
-                inst.clear_indices()
-                inst.clear_router_replay_action()
+    replayer.finish()  # with replay='none' nothing was targeted; it just clears RECORD state
 
     totals = torch.from_numpy(np.stack([flips, counts]))
     if dist.is_initialized() and dist.get_world_size() > 1:

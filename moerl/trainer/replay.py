@@ -127,7 +127,8 @@ class RoutingReplay:
             inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def finish(self) -> None:
-        """Check every target was consumed exactly once, then clear all replay state."""
+        """Check every target was consumed exactly once, then clear all replay state
+        (targets, recorded indices and actions; for every policy, 'none' included)."""
         bad = []
         for chunk in self.layers:
             for number, inst in chunk.items():
