@@ -39,6 +39,27 @@ def fix_missing_te() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
+def fix_expert_bias_padding_mask() -> None:
+    """megatron-core 0.16 bug on every machine: ``TopKRouter._apply_expert_bias`` masks the
+    [tokens, experts] routing map with the flattened [tokens] padding mask without a
+    trailing axis, which fails to broadcast (the aux-loss paths unsqueeze it). The
+    trainer passes a padding mask so padding stays out of expert-bias load counts; we
+    give the mask its expert axis before the original runs."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter._apply_expert_bias
+    if getattr(original, "_moerl_fixed", False):
+        return
+
+    def _apply_expert_bias(self: Any, routing_map: Any, padding_mask: Any = None) -> Any:
+        if padding_mask is not None and padding_mask.dim() == routing_map.dim() - 1:
+            padding_mask = padding_mask.unsqueeze(-1)
+        return original(self, routing_map, padding_mask=padding_mask)
+
+    _apply_expert_bias._moerl_fixed = True  # type: ignore[attr-defined]
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
 def _move_tensor_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """CPU twin of ``moe_utils.maybe_move_tensor_to_cpu``.
 

@@ -36,3 +36,11 @@ class TrainerConfig:
     """Restrict training logprobs to the sampler's recorded kept set (top-k/top-p/min-p)."""
     adam_eps: float = 1.0e-8
     """Adam epsilon."""
+    packing: str = "padded"
+    """How sequences become rows: 'padded' (one per row, padded to the step's longest) or
+    'packed' (first-fit several per row, block-diagonal attention; less padding)."""
+    pack_length: int = 0
+    """With packing='packed': tokens per row; 0 = the step's longest sequence."""
+    recompute: str = "none"
+    """Activation recompute: 'none', 'full' (every layer) or 'moe' (MoE layers only).
+    Keep Routing replays the same routes in the recomputed forward."""

@@ -78,6 +78,23 @@ def _mla_kwargs(model: Any) -> dict[str, Any]:
     return out
 
 
+RECOMPUTE = ("none", "full", "moe")
+
+
+def recompute_kwargs(recompute: str) -> dict[str, Any]:
+    """Activation recompute: 'full' recomputes every transformer layer in backward,
+    'moe' only the MoE layers (megatron's selective recompute of module "moe")."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"trainer.recompute={recompute!r}: choose one of {RECOMPUTE}")
+    if recompute == "full":
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    if recompute == "moe":
+        return dict(recompute_granularity="selective", recompute_modules=["moe"])
+    return {}
+
+
 def build_transformer_config(
     model: Any,
     parallel: ParallelConfig,
@@ -85,6 +102,7 @@ def build_transformer_config(
     *,
     routing_replay: bool = False,
     per_token_loss: bool = False,
+    recompute: str = "none",
 ) -> Any:
     """The megatron-core (MLA)TransformerConfig for ``model`` (a ``ModelConfig``) under ``parallel``."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
@@ -99,6 +117,7 @@ def build_transformer_config(
     if model.multi_latent_attention:
         cls = MLATransformerConfig
         extra.update(_mla_kwargs(model))
+    extra.update(recompute_kwargs(recompute))
     return cls(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -147,6 +166,7 @@ def build_model(
     use_te: bool | None = None,
     routing_replay: bool = False,
     per_token_loss: bool = False,
+    recompute: str = "none",
 ) -> list[torch.nn.Module]:
     """This rank's ``GPTModel`` chunks (one per virtual pipeline stage)."""
     from megatron.core import parallel_state
@@ -154,9 +174,11 @@ def build_model(
 
     compat.activate()
     megatron_patches.fix_missing_te()
+    megatron_patches.fix_expert_bias_padding_mask()
     config = build_transformer_config(
-        model, parallel, dtype, routing_replay=routing_replay, per_token_loss=per_token_loss
-    )
+        model, parallel, dtype, routing_replay=routing_replay, per_token_loss=per_token_loss,
+        recompute=recompute,
+    )  # fmt: skip
     chunks: list[torch.nn.Module] = []
     for vp in range(parallel.virtual_pp or 1):
         vp_stage = vp if parallel.virtual_pp else None

@@ -12,6 +12,7 @@ exchange fixed shapes. Tokens are flattened batch-major: index = b · S + s.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from moerl.rollout.trajectory import Trajectory
 class MicroBatch:
     tokens: torch.Tensor  # int64 [B, S]
     labels: torch.Tensor  # int64 [B, S]
-    position_ids: torch.Tensor  # int64 [B, S]
+    position_ids: torch.Tensor  # int64 [B, S] position within its own sequence
     loss_mask: torch.Tensor  # bool [B, S]: the position predicts a response token
     rollout_logprobs: torch.Tensor  # fp32 [B, S] engine logprob (full vocabulary)
     sampling_logprobs: torch.Tensor  # fp32 [B, S] engine logprob over the kept set (or = rollout)
@@ -34,20 +35,62 @@ class MicroBatch:
     mask_pos: torch.Tensor | None  # int64 [N] flattened token index
     mask_ids: torch.Tensor | None  # int64 [N]
     seq_index: list[int]  # which trajectories (indices into the step's list)
-    lengths: torch.Tensor  # int64 [B] input tokens per sequence (the rest is padding)
+    lengths: torch.Tensor  # int64 [B] real tokens per row (the rest is padding)
+    seq_ids: torch.Tensor  # int64 [B, S] position of the token's trajectory in seq_index; -1 = pad
+    attention_mask: torch.Tensor | None = None  # bool [B, 1, S, S], True = masked (packed rows)
+    ref_logprobs: torch.Tensor | None = None  # fp32 [B, S] reference policy (KL term)
 
     def valid(self) -> torch.Tensor:
         """bool [B, S]: real (non-padding) input tokens."""
-        return self.position_ids < self.lengths[:, None]
+        return self.seq_ids >= 0
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def padding_mask(self, model: Any) -> torch.Tensor:
+        """bool [B, S] (True = padding) for ``model``'s MoE routers, so padding tokens stay
+        out of expert-bias load counts and auxiliary losses. megatron-core splits it for
+        sequence parallelism only on the first pipeline stage; later stages get it split."""
+        pad_BS = ~self.valid()
+        module = getattr(model, "module", model)
+        if module.pre_process or not module.config.sequence_parallel:
+            return pad_BS
+        from megatron.core import parallel_state
 
-def padded_length(trajs: list[Trajectory], multiple: int) -> int:
-    longest = max(t.prompt_len + t.response_len - 1 for t in trajs)
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        per = pad_BS.shape[1] // size
+        return pad_BS[:, rank * per : (rank + 1) * per].contiguous()
+
+
+PACKING = ("padded", "packed")
+
+
+def input_len(t: Trajectory) -> int:
+    return t.prompt_len + t.response_len - 1
+
+
+def padded_length(trajs: list[Trajectory], multiple: int, at_least: int = 0) -> int:
+    longest = max(max(input_len(t) for t in trajs), at_least)
     return -(-longest // multiple) * multiple
+
+
+def pack_rows(lengths: list[int], row_len: int) -> list[list[int]]:
+    """First-fit packing of sequences (in order) into rows of ``row_len`` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > row_len:
+            raise ValueError(f"a sequence of {n} tokens does not fit trainer.pack_length={row_len}")
+        slot = next((r for r, f in enumerate(free) if f >= n), None)
+        if slot is None:
+            rows.append([])
+            free.append(row_len)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        free[slot] -= n
+    return rows
 
 
 def build_microbatch(
@@ -61,65 +104,95 @@ def build_microbatch(
     use_routes: bool = False,
     use_mask: bool = False,
     advantages: list[float] | None = None,
+    ref_logprobs: list[np.ndarray] | None = None,
+    rows: list[list[int]] | None = None,
 ) -> MicroBatch:
-    b = len(trajs)
+    """``rows[b]`` lists the trajectories (positions in ``trajs``) packed one after the
+    other into row b; by default one per row (padded). Packed rows get a block-diagonal
+    causal attention mask, so each sequence sees only itself; RoPE is relative, so a
+    sequence's offset in its row does not change its attention."""
+    packed = rows is not None
+    if rows is None:
+        rows = [[i] for i in range(len(trajs))]
+    b = len(rows)
     tokens = torch.zeros(b, seq_len, dtype=torch.long)
     labels = torch.zeros(b, seq_len, dtype=torch.long)
+    position_ids = torch.zeros(b, seq_len, dtype=torch.long)
+    seq_ids = torch.full((b, seq_len), -1, dtype=torch.long)
     loss_mask = torch.zeros(b, seq_len, dtype=torch.bool)
     rollout = torch.zeros(b, seq_len)
     sampling = torch.zeros(b, seq_len)
     versions = torch.zeros(b, seq_len, dtype=torch.long)
     temperature = torch.ones(b, seq_len)
     adv = torch.zeros(b, seq_len)
+    ref = torch.zeros(b, seq_len) if ref_logprobs is not None else None
     routes = None
     if use_routes:
         # Padding positions route to experts 0..K-1 (valid, distinct); they carry no loss.
         routes = torch.arange(topk).expand(b, seq_len, num_layers, topk).clone()
     pos_parts, id_parts = [], []
     lengths = torch.zeros(b, dtype=torch.long)
-    for i, t in enumerate(trajs):
-        if use_routes and t.routed_experts is None:
-            raise ValueError(
-                f"trajectory group={t.group_id} index={t.index} has no routed_experts but "
-                "routing replay is on: generate with return_routed_experts (server flag "
-                "--enable-return-routed-experts) or set replay=none"
+    for row, members in enumerate(rows):
+        for i in members:
+            t = trajs[i]
+            if use_routes and t.routed_experts is None:
+                raise ValueError(
+                    f"trajectory group={t.group_id} index={t.index} has no routed_experts but "
+                    "routing replay is on: generate with return_routed_experts (server flag "
+                    "--enable-return-routed-experts) or set replay=none"
+                )
+            # wrong layer count / top-k / expert ids / mask offsets: an error naming it
+            t.validate(
+                num_layers=num_layers if use_routes else None,
+                topk=topk if use_routes else None,
+                num_experts=num_experts if use_routes else None,
             )
-        # wrong layer count / top-k / expert ids / mask offsets: an error naming the trajectory
-        t.validate(
-            num_layers=num_layers if use_routes else None,
-            topk=topk if use_routes else None,
-            num_experts=num_experts if use_routes else None,
-        )
-        full = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
-        n, p, r = len(full) - 1, t.prompt_len, t.response_len
-        if n > seq_len:
-            raise ValueError(
-                f"trajectory {t.group_id}/{t.index} has {n} input tokens > seq_len {seq_len}"
+            full = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
+            n, p, r = len(full) - 1, t.prompt_len, t.response_len
+            o = int(lengths[row])  # this sequence's offset in its row
+            if o + n > seq_len:
+                raise ValueError(
+                    f"trajectory {t.group_id}/{t.index} has {n} input tokens > {seq_len - o} "
+                    f"free in a row of seq_len {seq_len}"
+                )
+            lengths[row] = o + n
+            span = slice(o, o + n)
+            tokens[row, span] = torch.from_numpy(full[:-1])
+            labels[row, span] = torch.from_numpy(full[1:])
+            position_ids[row, span] = torch.arange(n)
+            seq_ids[row, span] = i
+            resp = slice(o + p - 1, o + p - 1 + r)  # positions whose label is a response token
+            loss_mask[row, resp] = True
+            rollout[row, resp] = torch.from_numpy(t.response_logprobs.astype(np.float32))
+            sl = (
+                t.sampling_logprobs
+                if (use_mask and t.sampling_logprobs is not None)
+                else t.response_logprobs
             )
-        lengths[i] = n
-        tokens[i, :n] = torch.from_numpy(full[:-1])
-        labels[i, :n] = torch.from_numpy(full[1:])
-        resp = slice(p - 1, p - 1 + r)  # positions whose label is a response token
-        loss_mask[i, resp] = True
-        rollout[i, resp] = torch.from_numpy(t.response_logprobs.astype(np.float32))
-        sl = (
-            t.sampling_logprobs
-            if (use_mask and t.sampling_logprobs is not None)
-            else t.response_logprobs
-        )
-        sampling[i, resp] = torch.from_numpy(np.asarray(sl, dtype=np.float32))
-        versions[i, resp] = torch.from_numpy(t.versions.astype(np.int64))
-        temperature[i, :] = float(t.temperature)
-        if advantages is not None:
-            adv[i, resp] = float(advantages[i])
-        if use_routes:
-            assert routes is not None
-            routes[i, :n] = torch.from_numpy(np.asarray(t.routed_experts, dtype=np.int64))
-        if use_mask and t.mask_ids is not None and t.mask_offsets is not None:
-            counts = np.diff(t.mask_offsets).astype(np.int64)
-            pos_parts.append(i * seq_len + (p - 1) + np.repeat(np.arange(r), counts))
-            id_parts.append(np.asarray(t.mask_ids, dtype=np.int64))
-    position_ids = torch.arange(seq_len).expand(b, seq_len).clone()
+            sampling[row, resp] = torch.from_numpy(np.asarray(sl, dtype=np.float32))
+            versions[row, resp] = torch.from_numpy(t.versions.astype(np.int64))
+            temperature[row, span] = float(t.temperature)
+            if advantages is not None:
+                adv[row, resp] = float(advantages[i])
+            if ref is not None:
+                assert ref_logprobs is not None
+                ref[row, resp] = torch.from_numpy(np.asarray(ref_logprobs[i], dtype=np.float32))
+            if use_routes:
+                assert routes is not None
+                routes[row, span] = torch.from_numpy(np.asarray(t.routed_experts, dtype=np.int64))
+            if use_mask and t.mask_ids is not None and t.mask_offsets is not None:
+                counts = np.diff(t.mask_offsets).astype(np.int64)
+                pos_parts.append(row * seq_len + o + (p - 1) + np.repeat(np.arange(r), counts))
+                id_parts.append(np.asarray(t.mask_ids, dtype=np.int64))
+    if not packed:
+        position_ids = torch.arange(seq_len).expand(b, seq_len).clone()
+    attention_mask = None
+    if packed:
+        # True = masked (megatron's convention): other sequences and the future. Padding
+        # (seq id -1) sees only padding: a fully masked row would give NaN in SDPA.
+        same = seq_ids[:, :, None] == seq_ids[:, None, :]
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+        attention_mask = ~(same & causal)[:, None]
     mask_pos = torch.from_numpy(np.concatenate(pos_parts)) if pos_parts else None
     mask_ids = torch.from_numpy(np.concatenate(id_parts)) if id_parts else None
     return MicroBatch(
@@ -137,6 +210,9 @@ def build_microbatch(
         mask_ids=mask_ids,
         seq_index=seq_index,
         lengths=lengths,
+        seq_ids=seq_ids,
+        attention_mask=attention_mask,
+        ref_logprobs=ref,
     )
 
 
@@ -153,6 +229,42 @@ def split_for_rank(num: int, dp_size: int, dp_rank: int, micro_batch_size: int) 
     return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
 
 
+def _packed_groups(
+    trajs: list[Trajectory], row_len: int, micro_batch_size: int
+) -> list[tuple[list[int], list[list[int]]]]:
+    """This DP rank's share of ``trajs`` packed into rows; every DP rank gets the same
+    number of micro-batches of ``micro_batch_size`` rows (short ranks add empty rows), as
+    the pipeline schedule and expert-parallel collectives need."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    if len(trajs) % dp:
+        raise ValueError(
+            f"{len(trajs)} trajectories do not split evenly over data-parallel size {dp}; "
+            f"choose a global batch divisible by {dp}"
+        )
+    per_rank = len(trajs) // dp
+    start = parallel_state.get_data_parallel_rank() * per_rank
+    mine = list(range(start, start + per_rank))
+    rows = pack_rows([input_len(trajs[i]) for i in mine], row_len)
+    count = torch.tensor([len(rows)])
+    if dp > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    total = -(-int(count) // micro_batch_size) * micro_batch_size
+    rows += [[] for _ in range(total - len(rows))]
+    groups = []
+    for first in range(0, total, micro_batch_size):
+        chunk = rows[first : first + micro_batch_size]
+        members = [mine[j] for row in chunk for j in row]
+        local, k = [], 0
+        for row in chunk:
+            local.append(list(range(k, k + len(row))))
+            k += len(row)
+        groups.append((members, local))
+    return groups
+
+
 def step_microbatches(
     config: object,
     trajs: list[Trajectory],
@@ -164,25 +276,42 @@ def step_microbatches(
     num_layers: int,
     num_experts: int | None = None,
     advantages: list[float] | None = None,
+    ref_logprobs: list[np.ndarray] | None = None,
+    packing: str = "padded",
+    pack_length: int = 0,
 ) -> tuple[list[MicroBatch], int]:
-    """This DP rank's micro-batches of a step and their padded length (a multiple of TP
-    when sequence parallelism splits the sequence)."""
+    """This DP rank's micro-batches of a step and their row length (a multiple of TP when
+    sequence parallelism splits the sequence). ``padded``: one sequence per row, rows as
+    long as the step's longest sequence. ``packed``: sequences first-fit into rows of
+    ``pack_length`` tokens (at least the longest sequence); ``micro_batch_size`` then
+    counts rows."""
     from megatron.core import parallel_state
 
+    if packing not in PACKING:
+        raise ValueError(f"trainer.packing={packing!r}: choose one of {PACKING}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    seq_len = padded_length(trajs, tp if getattr(config, "sequence_parallel", False) else 1)
-    groups = split_for_rank(
-        len(trajs),
-        parallel_state.get_data_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(),
-        micro_batch_size,
-    )
+    multiple = tp if getattr(config, "sequence_parallel", False) else 1
+    seq_len = padded_length(trajs, multiple, at_least=pack_length if packing == "packed" else 0)
+    if packing == "packed":
+        groups = _packed_groups(trajs, seq_len, micro_batch_size)
+    else:
+        groups = [
+            (g, None)
+            for g in split_for_rank(
+                len(trajs),
+                parallel_state.get_data_parallel_world_size(),
+                parallel_state.get_data_parallel_rank(),
+                micro_batch_size,
+            )
+        ]
     mbs = [
         build_microbatch(
             [trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers,
             num_experts=num_experts, use_routes=use_routes, use_mask=use_mask,
             advantages=None if advantages is None else [advantages[i] for i in g],
+            ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in g],
+            rows=rows,
         )
-        for g in groups
+        for g, rows in groups
     ]  # fmt: skip
     return mbs, seq_len

@@ -59,6 +59,8 @@ def trainer_logprobs(
     num_experts: int | None = None,
     current_version: int = 0,
     recent_window: int = 0,
+    packing: str = "padded",
+    pack_length: int = 0,
 ) -> LogprobResult:
     """Forward every trajectory once; rank 0 returns the logprobs of all response tokens
     and the per-layer flip counts (the routes the trainer used vs the rollout's)."""
@@ -72,6 +74,7 @@ def trainer_logprobs(
     mbs, seq_len = step_microbatches(
         config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none" or have_routes,
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
+        packing=packing, pack_length=pack_length,
     )  # fmt: skip
     replayer = RoutingReplay(chunks, policy=replay, recent_window=recent_window)
     flips = np.zeros(num_layers, dtype=np.int64)
@@ -85,8 +88,9 @@ def trainer_logprobs(
             logits_BSV.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
             mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
         ).reshape(b, s)  # fmt: skip
-        for row, index in enumerate(mb.seq_index):
-            result.logprobs[index] = lp[row][mb.loss_mask[row]].detach().numpy().copy()
+        for i, index in enumerate(mb.seq_index):
+            mine = (mb.seq_ids == i) & mb.loss_mask
+            result.logprobs[index] = lp[mine].detach().numpy().copy()
         return logits_BSV.sum() * 0.0, {}
 
     def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
@@ -97,7 +101,9 @@ def trainer_logprobs(
                 inst.set_router_replay_action(RouterReplayAction.RECORD)
         else:
             replayer.set_microbatch(chunk, mb.routes, mb.versions, current_version)
-        output = model(mb.tokens, mb.position_ids, None)
+        output = model(
+            mb.tokens, mb.position_ids, mb.attention_mask, padding_mask=mb.padding_mask(model)
+        )
         if mb.routes is not None:
             valid = replayer._local(mb.valid())
             want = replayer._local(mb.routes)

@@ -5,7 +5,10 @@ For each MoE layer built in this process (dense layers have no router), the rout
 the SGLang rows: the micro-batch's [B, S, L, K] routes are put in the router's token
 order (sequence-major, [S, B]), cut to this rank's sequence-parallel slice, and the
 layer's column is picked by global layer number − 1. Each target must be consumed by
-exactly one router forward; ``finish()`` checks that and clears everything.
+exactly one router forward; ``finish()`` checks that and clears everything. Under
+activation recompute (``trainer.recompute``), the router runs again inside backward;
+there it replays the routes its micro-batch's forward used (megatron's REPLAY_BACKWARD
+case, detected as a forward running inside an autograd graph task).
 
 Policies: ``all`` replays every token; ``recent`` replays only tokens whose policy
 version is within ``recent_window`` of the trainer's, routing the rest freshly;
@@ -47,6 +50,7 @@ class RoutingReplay:
                 self._instrument(router.router_replay)
             self.layers.append(found)
         self.config = getattr(chunks[0], "module", chunks[0]).config
+        self.modules = [getattr(c, "module", c) for c in chunks]
 
     @staticmethod
     def _instrument(inst: Any) -> None:
@@ -61,6 +65,17 @@ class RoutingReplay:
 
             if inst.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
                 return original(scores, topk, num_groups, group_topk, default_compute_topk)
+            if torch._C._current_graph_task_id() != -1:
+                # a forward inside backward is activation recompute (megatron's
+                # REPLAY_BACKWARD case): reuse the routes this micro-batch's forward used,
+                # in forward order (megatron's schedules run backwards FIFO per chunk)
+                if not inst.moerl_backward:
+                    raise RuntimeError(
+                        "activation recompute asked for routes that no forward recorded"
+                    )
+                target = inst.moerl_backward.pop(0).to(scores.device)
+                inst.moerl_recomputed += 1
+                return scores.gather(1, target), target
             inst.moerl_consumed += 1
             target = inst.target_topk_idx.to(scores.device)
             if target.shape != (scores.shape[0], topk):
@@ -72,6 +87,8 @@ class RoutingReplay:
                 _, fresh = default_compute_topk(scores, topk, num_groups, group_topk)
                 target = torch.where(keep[:, None].to(scores.device), target, fresh)
             inst.moerl_used = target  # what the router actually used (for flip counting)
+            if inst.moerl_recompute:
+                inst.moerl_backward.append(target)
             return scores.gather(1, target), target
 
         inst.get_replay_topk = get_replay_topk
@@ -79,6 +96,9 @@ class RoutingReplay:
         inst.moerl_expected = 0
         inst.moerl_keep = None
         inst.moerl_used = None
+        inst.moerl_recompute = False  # this forward's activations will be recomputed
+        inst.moerl_backward = []  # routes used by forwards, awaiting their recompute
+        inst.moerl_recomputed = 0
         inst._moerl_wrapped = True
 
     def _local(self, x_BS: torch.Tensor) -> torch.Tensor:
@@ -120,9 +140,12 @@ class RoutingReplay:
             if versions_BS is None:
                 raise ValueError("replay=recent needs per-token versions")
             keep = self._local(current_version - versions_BS <= self.recent_window)
+        # activation recompute re-runs the router in backward: it must see the same routes
+        recompute = self.config.recompute_granularity is not None and self.modules[chunk].training
         for number, inst in layers.items():
             inst.set_target_indices(local[:, number - 1].contiguous())
             inst.moerl_keep = keep
+            inst.moerl_recompute = recompute
             inst.moerl_expected += 1
             inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
@@ -136,7 +159,13 @@ class RoutingReplay:
                     bad.append(
                         f"layer {number}: {inst.moerl_expected} targets, {inst.moerl_consumed} uses"
                     )
-                inst.moerl_expected = inst.moerl_consumed = 0
+                if inst.moerl_recomputed and inst.moerl_backward:
+                    bad.append(
+                        f"layer {number}: {len(inst.moerl_backward)} forwards never recomputed"
+                    )
+                inst.moerl_expected = inst.moerl_consumed = inst.moerl_recomputed = 0
+                inst.moerl_backward = []
+                inst.moerl_recompute = False
                 inst.moerl_keep = None
                 inst.clear_indices()
                 inst.clear_router_replay_action()

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moerl.algo.config import KLConfig
 from moerl.algo.correction import CorrectionInput, CorrectionOutput
+from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
@@ -43,34 +45,50 @@ def _micro_loss(
     agg: str,
     use_mask: bool,
     current_version: int,
+    kl: KLConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     b, s, v = logits_BSV.shape
+    m = mb.loss_mask
+    if not bool(m.any()):  # only padding rows (packed ranks with fewer sequences)
+        return logits_BSV.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
     lp_BS = token_logprobs(
         logits_BSV.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
         mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
     ).reshape(b, s)  # fmt: skip
-    m = mb.loss_mask
     lp_T = lp_BS[m]
     old_T = (mb.sampling_logprobs if use_mask else mb.rollout_logprobs)[m]
     adv_T = mb.advantages[m]
-    seq_T = torch.arange(b)[:, None].expand(b, s)[m]
+    seq_T = mb.seq_ids[m]
+    n = len(mb.seq_index)
     counted_T = torch.ones_like(lp_T, dtype=torch.bool)
     corr = correction_fn(
         CorrectionInput(
             trainer_logprobs_T=lp_T.detach(), rollout_logprobs_T=old_T, loss_mask_T=counted_T,
-            seq_ids_T=seq_T, num_seqs=b, versions_T=mb.versions[m],
+            seq_ids_T=seq_T, num_seqs=n, versions_T=mb.versions[m],
             current_version=current_version, advantages_T=adv_T,
         )
     )  # fmt: skip
     out = loss_fn(
         PolicyLossInput(
             logprobs_T=lp_T, old_logprobs_T=old_T, advantages_T=adv_T, loss_mask_T=counted_T,
-            seq_ids_T=seq_T, num_seqs=b, is_weights_T=corr.weights_T,
+            seq_ids_T=seq_T, num_seqs=n, is_weights_T=corr.weights_T,
         )
     )  # fmt: skip
-    units = int(m.sum()) if agg == "token_mean" else b
-    metrics = {k: torch.tensor(float(v)) for k, v in {**corr.metrics, **out.metrics}.items()}
-    metrics["loss"] = out.loss.detach()
+    loss, extra = out.loss, {}
+    if kl is not None and kl.coef > 0:
+        if mb.ref_logprobs is None:
+            raise ValueError("algo.kl.coef > 0 but the step has no reference logprobs")
+        term = kl_term(
+            KLInput(logprobs_T=lp_T, ref_logprobs_T=mb.ref_logprobs[m], loss_mask_T=counted_T,
+                    seq_ids_T=seq_T, num_seqs=n),
+            kl,
+        )  # fmt: skip
+        loss, extra = loss + term.loss, term.metrics
+    units = int(m.sum()) if agg == "token_mean" else n
+    metrics = {
+        k: torch.tensor(float(v)) for k, v in {**corr.metrics, **out.metrics, **extra}.items()
+    }
+    metrics["loss"] = loss.detach()
     d_T = lp_T.detach().double() - old_T.double()
     metrics["mismatch/k3"] = (torch.expm1(d_T) - d_T).mean().float()
     gap_T = (current_version - mb.versions[m]).float()
@@ -78,7 +96,7 @@ def _micro_loss(
     metrics["staleness/stale_frac"] = (gap_T > 0).float().mean()
     metrics["mismatch/log_ratio_abs_max"] = (lp_T.detach() - old_T).abs().max()
     metrics["units"] = torch.tensor(float(units))
-    return out.loss * units, torch.tensor(units, dtype=torch.int), metrics
+    return loss * units, torch.tensor(units, dtype=torch.int), metrics
 
 
 def rl_train_step(
@@ -98,9 +116,16 @@ def rl_train_step(
     num_experts: int | None = None,
     current_version: int = 0,
     recent_window: int = 0,
+    packing: str = "padded",
+    pack_length: int = 0,
     step: bool = True,
+    kl: KLConfig | None = None,
+    ref_logprobs: list[Any] | None = None,
 ) -> RLStepResult:
-    """Forward/backward over every trajectory of the global batch, then one optimizer step."""
+    """Forward/backward over every trajectory of the global batch, then one optimizer step.
+
+    With ``kl`` (coef > 0), ``ref_logprobs`` holds each trajectory's reference-policy
+    logprobs of its response tokens ([R] each) and ``kl``'s term joins the loss."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -114,19 +139,23 @@ def rl_train_step(
     mbs, seq_len = step_microbatches(
         config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none",
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
-        advantages=advantages,
+        advantages=advantages, ref_logprobs=ref_logprobs, packing=packing,
+        pack_length=pack_length,
     )  # fmt: skip
     replayer = RoutingReplay(modules, policy=replay, recent_window=recent_window)
     chunk_of = {id(c): i for i, c in enumerate(chunks)}
     loss_func = partial(
         _micro_loss, loss_fn=loss_fn, correction_fn=correction_fn, agg=agg,
-        use_mask=use_mask, current_version=current_version,
+        use_mask=use_mask, current_version=current_version, kl=kl,
     )  # fmt: skip
 
     def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
         mb = next(data)
         replayer.set_microbatch(chunk_of[id(model)], mb.routes, mb.versions, current_version)
-        return model(mb.tokens, mb.position_ids, None), partial(loss_func, mb)
+        output = model(
+            mb.tokens, mb.position_ids, mb.attention_mask, padding_mask=mb.padding_mask(model)
+        )
+        return output, partial(loss_func, mb)
 
     for chunk in chunks:
         chunk.train()
@@ -144,6 +173,7 @@ def rl_train_step(
     replayer.finish()
     grad_norm = optimizer.step()[1] if step else None
     result = RLStepResult(loss=None, grad_norm=grad_norm)
+    outputs = [o for o in outputs or [] if o]  # padding-only micro-batches report nothing
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and outputs:
         units = sum(float(o["units"]) for o in outputs)
         sums = {k: sum(float(o[k]) * float(o["units"]) for o in outputs) for k in outputs[0]}

@@ -37,15 +37,18 @@ class Trainer:
         from moerl.algo.correction import build_correction
         from moerl.algo.losses import build_policy_loss
         from moerl.models.gpt import build_model
+        from moerl.models.spec import have_transformer_engine
         from moerl.parallel.state import initialize_for_model
         from moerl.trainer import checkpoint
         from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
         if trainer.replay not in REPLAY_POLICIES:
             raise ValueError(f"trainer.replay={trainer.replay!r}: choose one of {REPLAY_POLICIES}")
-        if getattr(algo.kl, "coef", 0.0):
+        if trainer.packing == "packed" and have_transformer_engine():
             raise ValueError(
-                "algo.kl.coef > 0 needs a reference policy, which the trainer does not hold yet; set algo.kl.coef=0"
+                "trainer.packing=packed relies on a block-diagonal attention mask, which "
+                "transformer-engine's causal attention does not take (THD packed_seq_params "
+                "are not wired yet); use trainer.packing=padded with transformer-engine"
             )
         self.model, self.cfg = model, trainer
         initialize_for_model(parallel, model, seed=trainer.seed)
@@ -55,11 +58,14 @@ class Trainer:
             trainer.dtype,
             routing_replay=trainer.replay != "none",
             per_token_loss=True,
+            recompute=trainer.recompute,
         )
         if hf_dir is not None:
             from moerl.convert import load_hf
 
             load_hf(chunks, hf_dir, model)
+        self.kl = algo.kl
+        self.reference = self._reference(chunks, model, parallel) if algo.kl.coef > 0 else None
         self.chunks = wrap_ddp(chunks, trainer.use_distributed_optimizer)
         self.optimizer = build_optimizer(
             self.chunks,
@@ -83,6 +89,38 @@ class Trainer:
             self.progress = checkpoint.load(trainer.checkpoint_dir, self.chunks, self.optimizer)
             self.version = int(self.progress["version"])
 
+    def _reference(
+        self, chunks: list[Any], model: ModelConfig, parallel: ParallelConfig
+    ) -> list[Any]:
+        """A frozen copy of the initial policy (same layout) for the KL term. It is taken
+        before any checkpoint loads, so a resumed run gets the same reference."""
+        from moerl.models.gpt import build_model
+
+        ref = build_model(
+            model, parallel, self.cfg.dtype, routing_replay=self.cfg.replay != "none",
+            per_token_loss=True,
+        )  # fmt: skip
+        for mine, theirs in zip(ref, chunks):
+            mine.load_state_dict(theirs.state_dict())
+            mine.eval()
+            mine.requires_grad_(False)
+        return ref
+
+    def reference_logprobs(self, trajs: list[Trajectory]) -> list[Any]:
+        """Each trajectory's response-token logprobs under the reference policy, with the
+        same routing replay and sampling mask as the policy's forward."""
+        from moerl.trainer.forward import trainer_logprobs
+
+        assert self.reference is not None
+        res = trainer_logprobs(
+            self.reference, trajs, replay=self.cfg.replay, use_mask=self.cfg.sampling_mask,
+            micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
+            topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
+            current_version=self.version, recent_window=self.cfg.recent_window,
+            packing=self.cfg.packing, pack_length=self.cfg.pack_length,
+        )  # fmt: skip
+        return [res.logprobs[i] for i in range(len(trajs))]
+
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One optimizer step on ``trajs`` (rewards set); returns metrics, bumps the version."""
         from moerl.algo.advantages import AdvantageInput
@@ -98,6 +136,7 @@ class Trainer:
             [int(t.group_id if t.group_id is not None else i) for i, t in enumerate(trajs)]
         )
         adv = self.advantage_fn(AdvantageInput(rewards_S=rewards, group_ids_S=groups))
+        ref = self.reference_logprobs(trajs) if self.reference is not None else None
         result = rl_train_step(
             self.chunks, self.optimizer, trajs, adv.advantages_S.tolist(),
             loss_fn=self.loss_fn, correction_fn=self.correction_fn, agg=self.agg,
@@ -105,6 +144,8 @@ class Trainer:
             micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
             topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
             current_version=self.version, recent_window=self.cfg.recent_window,
+            kl=self.kl, ref_logprobs=ref, packing=self.cfg.packing,
+            pack_length=self.cfg.pack_length,
         )  # fmt: skip
         self.version += 1
         metrics = {**result.metrics, **{f"advantage/{k}": float(v) for k, v in adv.metrics.items()}}

@@ -20,7 +20,10 @@ def _reward(t) -> float:  # type: ignore[no-untyped-def]
     return float(np.mean(t.response_ids % 2 == 0))
 
 
-def _step(layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deepseek_moe") -> None:
+def _step(
+    layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deepseek_moe",
+    recompute: str = "none", name: str | None = None, packing: str = "padded",
+) -> None:  # fmt: skip
     from moerl.algo.advantages import AdvantageInput, build_advantage
     from moerl.algo.correction import build_correction
     from moerl.algo.losses import build_policy_loss
@@ -42,19 +45,21 @@ def _step(layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deep
         num_query_groups=model.num_query_groups,
         num_experts=model.num_experts,
     )
-    chunks = build_model(model, pcfg, routing_replay=True, per_token_loss=True)
+    chunks = build_model(model, pcfg, routing_replay=True, per_token_loss=True, recompute=recompute)
     load_hf(chunks, hf_dir, model)
     ddp = wrap_ddp(chunks, use_distributed_optimizer=True)
     optimizer = build_optimizer(ddp, OptimConfig(lr=1e-3, adam_eps=1e-6))
     attach_schedule_hooks(ddp, optimizer)
     trajs = load_jsonl(rollouts)
     rewards = torch.tensor([_reward(t) for t in trajs])
-    adv = build_advantage("reinforce_pp")(AdvantageInput(rewards_S=rewards, group_ids_S=torch.arange(len(trajs))))
+    adv = build_advantage("reinforce_pp")(
+        AdvantageInput(rewards_S=rewards, group_ids_S=torch.arange(len(trajs)))
+    )
     result = rl_train_step(
         ddp, optimizer, trajs, adv.advantages_S.tolist(),
         loss_fn=build_policy_loss("ppo_clip"), correction_fn=build_correction("tis"),
         num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
-        step=False,
+        step=False, packing=packing, pack_length=64, micro_batch_size=2 if packing == "packed" else 1,
     )  # fmt: skip
     from moerl.parallel.full_state import allgather_sharded_grads
 
@@ -63,18 +68,24 @@ def _step(layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deep
     result.grad_norm = optimizer.step()[1]
     params = gather_full([c.module for c in ddp], "param")
     results: list = [None] * dist.get_world_size()
-    dist.all_gather_object(results, ({**result.metrics, "grad_norm": float(result.grad_norm)} if result.metrics else None))
+    dist.all_gather_object(
+        results,
+        ({**result.metrics, "grad_norm": float(result.grad_norm)} if result.metrics else None),
+    )
     if dist.get_rank() == 0:
+        name = name or layout
         metrics = next(r for r in results if r)
-        torch.save(params.tensors, Path(out) / f"{layout}.pt")
-        torch.save(grads.tensors, Path(out) / f"{layout}.grad.pt")
-        (Path(out) / f"{layout}.json").write_text(json.dumps(metrics))
+        torch.save(params.tensors, Path(out) / f"{name}.pt")
+        torch.save(grads.tensors, Path(out) / f"{name}.grad.pt")
+        (Path(out) / f"{name}.json").write_text(json.dumps(metrics))
 
 
 @pytest.fixture(scope="module")
 def rollouts(tiny_checkpoints, tmp_path_factory):
     path = tmp_path_factory.mktemp("rl") / "r.jsonl"
-    collect_rollouts(tiny_checkpoints["deepseek_moe"], path, num_prompts=8, max_new_tokens=12, dtype="float32")
+    collect_rollouts(
+        tiny_checkpoints["deepseek_moe"], path, num_prompts=8, max_new_tokens=12, dtype="float32"
+    )
     return tiny_checkpoints["deepseek_moe"], path
 
 
@@ -101,6 +112,62 @@ def test_rl_step_same_objective_in_every_layout(rollouts, tmp_path):
         assert err < 1e-5, (key, float(err))
 
 
+def _shifted_routes(src: Path, dst: Path, num_experts: int) -> None:
+    """Rollouts whose recorded routes differ from what the router would choose (each
+    expert id shifted by one): replay then changes the forward, so a recompute that
+    routed freshly would give different gradients."""
+    from moerl.rollout.trajectory import load_jsonl, save_jsonl
+
+    trajs = load_jsonl(src)
+    for t in trajs:
+        t.routed_experts = (np.asarray(t.routed_experts) + 1) % num_experts
+    save_jsonl(dst, trajs)
+
+
+def test_recompute_replays_the_forward_routes(rollouts, tmp_path):
+    """Activation recompute (full, and MoE-only under ep2) re-runs the router inside
+    backward; replay must hand it the forward's routes, so gradients equal the run
+    without recompute."""
+    from moerl.convert import HFCheckpoint
+    from moerl.models.families import get_family
+
+    hf, path = rollouts
+    experts = get_family("deepseek_moe").from_hf(HFCheckpoint(hf).config()).num_experts
+    shifted = tmp_path / "shifted.jsonl"
+    _shifted_routes(path, shifted, experts)
+    runs = [("single", "none", "plain"), ("single", "full", "full"), ("ep2", "moe", "moe")]
+    for layout, recompute, name in runs:
+        spawn(_step, parse_layout(layout)[1], layout, str(hf), str(shifted), str(tmp_path),
+              "deepseek_moe", recompute, name)  # fmt: skip
+    ref = torch.load(tmp_path / "plain.grad.pt")
+    for name in ("full", "moe"):
+        got = torch.load(tmp_path / f"{name}.grad.pt")
+        for key in ref:
+            err = (ref[key] - got[key]).norm() / ref[key].norm()
+            assert err < 1e-5, (name, key, float(err))
+
+
+def test_packed_rows_give_the_padded_objective(rollouts, tmp_path):
+    """Sequences packed several to a row (block-diagonal attention, routes and masks at
+    their packed offsets) optimise the same objective as one sequence per row, on one
+    process and under ep2 (where ranks pack different numbers of rows)."""
+    hf, path = rollouts
+    runs = [("single", "padded"), ("single", "packed"), ("ep2", "packed")]
+    for layout, packing in runs:
+        spawn(_step, parse_layout(layout)[1], layout, str(hf), str(path), str(tmp_path),
+              "deepseek_moe", "none", f"{layout}-{packing}", packing)  # fmt: skip
+    ref = json.loads((tmp_path / "single-padded.json").read_text())
+    grads = torch.load(tmp_path / "single-padded.grad.pt")
+    for name in ("single-packed", "ep2-packed"):
+        got = json.loads((tmp_path / f"{name}.json").read_text())
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), name
+        assert got["mismatch/log_ratio_abs_max"] < 1e-5  # on-policy with packing too
+        other = torch.load(tmp_path / f"{name}.grad.pt")
+        for key in grads:
+            err = (grads[key] - other[key]).norm() / grads[key].norm()
+            assert err < 1e-5, (name, key, float(err))
+
+
 def _mla_tp(hf_dir: str) -> None:
     from moerl.convert import HFCheckpoint
     from moerl.models.families import get_family
@@ -110,7 +177,12 @@ def _mla_tp(hf_dir: str) -> None:
 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
     pcfg, _ = parse_layout("tp2")
-    initialize_model_parallel(pcfg, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads, num_experts=model.num_experts)
+    initialize_model_parallel(
+        pcfg,
+        num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_experts=model.num_experts,
+    )
     chunks = build_model(model, pcfg)
     with pytest.raises(ValueError, match="needs transformer-engine"):
         wrap_ddp(chunks, use_distributed_optimizer=True)
@@ -123,7 +195,10 @@ def test_mla_training_under_tp_needs_te(tiny_checkpoints):
 def _compare(tmp_path: Path, ref_name: str, got_name: str) -> None:
     ref, got = (json.loads((tmp_path / f"{x}.json").read_text()) for x in (ref_name, got_name))
     assert ref["mismatch/log_ratio_abs_max"] < 1e-5
-    ga, gb = torch.load(tmp_path / f"{ref_name}.grad.pt"), torch.load(tmp_path / f"{got_name}.grad.pt")
+    ga, gb = (
+        torch.load(tmp_path / f"{ref_name}.grad.pt"),
+        torch.load(tmp_path / f"{got_name}.grad.pt"),
+    )
     for key in ga:
         err = (ga[key] - gb[key]).norm() / ga[key].norm()
         assert err < 1e-5, (key, float(err))

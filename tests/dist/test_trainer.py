@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch.distributed as dist
 
 from moerl.parallel import spawn
@@ -26,7 +27,9 @@ def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
     cfg = TrainerConfig(lr=1e-3, checkpoint_dir=ckpt, resume=resume, use_distributed_optimizer=True)
     algo = AlgoConfig(advantage=ReinforcePPConfig())
-    trainer = Trainer(model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir)
+    trainer = Trainer(
+        model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir
+    )
     trajs = load_jsonl(rollouts)
     for t in trajs:
         t.reward = float(np.mean(t.response_ids % 2 == 0))
@@ -42,6 +45,64 @@ def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:
         Path(out).write_text(json.dumps(record))
 
 
+def _kl(hf_dir: str, rollouts: str, ckpt: str, out: str) -> None:
+    from moerl.algo.config import AlgoConfig, KLConfig, ReinforcePPConfig
+    from moerl.algo.correction_config import CorrectionConfig
+    from moerl.config.parallel import ParallelConfig
+    from moerl.config.trainer import TrainerConfig
+    from moerl.convert import HFCheckpoint
+    from moerl.models.families import get_family
+    from moerl.rollout.trajectory import load_jsonl
+    from moerl.trainer.forward import trainer_logprobs
+    from moerl.trainer.trainer import Trainer
+
+    model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
+    algo = AlgoConfig(advantage=ReinforcePPConfig(), kl=KLConfig(coef=0.5, kind="k3"))
+
+    def make(resume: bool) -> Trainer:
+        cfg = TrainerConfig(lr=1e-3, checkpoint_dir=ckpt, resume=resume)
+        return Trainer(
+            model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir
+        )
+
+    trainer = make(False)
+    trajs = load_jsonl(rollouts)
+    for t in trajs:
+        t.reward = float(np.mean(t.response_ids % 2 == 0))
+    first = trainer.step(trajs)
+    policy = trainer_logprobs(
+        trainer.chunks, trajs, num_layers=model.num_layers, topk=model.moe_router_topk
+    ).logprobs
+    ref = trainer.reference_logprobs(trajs)
+    second = trainer.step(trajs)
+    trainer.save()
+    d = np.concatenate([ref[i] - policy[i] for i in range(len(trajs))]).astype(np.float64)
+    expected = float(np.mean(np.expm1(d) - d))  # k3, token mean, by hand
+    resumed = make(True).reference_logprobs(trajs)
+    record = {
+        "first_kl": first["kl/value"], "second_kl": second["kl/value"], "expected": expected,
+        "ref_vs_rollout": max(float(np.abs(ref[i] - t.sampling_logprobs).max()) for i, t in enumerate(trajs)),
+        "resumed_vs_ref": max(float(np.abs(resumed[i] - ref[i]).max()) for i in range(len(trajs))),
+    }  # fmt: skip
+    Path(out).write_text(json.dumps(record))
+
+
+def test_kl_to_reference_policy(tiny_checkpoints, tmp_path):
+    """algo.kl: the reference is the initial policy (also after resume); the KL term is 0
+    on the first step and equals the hand-computed k3 of the moved policy later."""
+    hf = tiny_checkpoints["deepseek_moe"]
+    rollouts = tmp_path / "r.jsonl"
+    collect_rollouts(hf, rollouts, num_prompts=4, max_new_tokens=8, dtype="float32")
+    spawn(_kl, 1, str(hf), str(rollouts), str(tmp_path / "ckpt"), str(tmp_path / "kl.json"))
+    r = json.loads((tmp_path / "kl.json").read_text())
+    assert abs(r["first_kl"]) < 1e-9
+    # fresh fp32 rollouts were sampled by the reference (logprobs over the kept set)
+    assert r["ref_vs_rollout"] < 1e-5
+    assert r["second_kl"] > 1e-7
+    assert r["second_kl"] == pytest.approx(r["expected"], rel=1e-4)
+    assert r["resumed_vs_ref"] == 0.0
+
+
 def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
     hf = tiny_checkpoints["deepseek_moe"]
     rollouts = tmp_path / "r.jsonl"
@@ -55,7 +116,12 @@ def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
     assert a["second"]["staleness/mean"] == 1.0  # the rollouts are one version old now
     # after two updates the trainer's fresh routing differs from the rollouts' on some tokens
     flips = a["flips"]
-    assert set(flips) == {"router_flip/layer1", "router_flip/layer2", "router_flip/layer3", "router_flip/mean"}
+    assert set(flips) == {
+        "router_flip/layer1",
+        "router_flip/layer2",
+        "router_flip/layer3",
+        "router_flip/mean",
+    }
     assert 0.0 < flips["router_flip/mean"] < 1.0
     spawn(_run, 1, str(hf), str(rollouts), str(tmp_path / "ckpt"), str(tmp_path / "b.json"), True)
     assert json.loads((tmp_path / "b.json").read_text())["version_after_resume"] == 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moerl.rollout.trajectory import Trajectory
-from moerl.trainer.batch import build_microbatch, split_for_rank
+from moerl.trainer.batch import build_microbatch, pack_rows, split_for_rank
 
 
 def _traj(
@@ -80,3 +80,32 @@ def test_split_for_rank():
     assert split_for_rank(8, 2, 1, 2) == [[4, 5], [6, 7]]
     with pytest.raises(ValueError, match="do not split evenly"):
         split_for_rank(6, 4, 0, 1)
+
+
+def test_pack_rows_first_fit():
+    assert pack_rows([5, 3, 4, 2, 6], 8) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="pack_length=4"):
+        pack_rows([5], 4)
+
+
+def test_packed_row_by_hand():
+    """Two sequences in one row: each at its offset, its own positions, and attention
+    only within itself (causal)."""
+    a, b = _traj(p=3, r=2), _traj(p=2, r=2)
+    mb = build_microbatch(
+        [a, b], [7, 9], seq_len=8, topk=2, num_layers=2, num_experts=4, use_routes=True,
+        use_mask=True, rows=[[0, 1]],
+    )  # fmt: skip
+    assert mb.tokens[0].tolist() == [10, 11, 12, 50, 10, 11, 50, 0]
+    assert mb.labels[0, :7].tolist() == [11, 12, 50, 51, 11, 50, 51]
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert mb.seq_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, -1]
+    assert mb.loss_mask[0].tolist() == [False, False, True, True, False, True, True, False]
+    assert np.array_equal(mb.routes[0, 4:7].numpy(), b.routed_experts)
+    # b's kept sets sit at its response positions 5, 6 (flattened row-major)
+    assert mb.mask_pos.tolist() == [2, 2, 3, 5, 5, 6]
+    allowed = ~mb.attention_mask[0, 0]
+    assert allowed[5].tolist() == [False] * 4 + [True, True, False, False]
+    assert allowed[3].tolist() == [True] * 4 + [False] * 4
+    # padding attends only to padding (a fully masked row would give NaN in SDPA)
+    assert allowed[7].tolist() == [False] * 7 + [True] and not allowed[:7, 7].any()
