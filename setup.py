@@ -58,6 +58,7 @@ setup(
         "fastapi",
         "uvicorn",
         "rich",
+        "matplotlib>=3.6",  # moerl.telemetry.plots, tools/plot_run.py (Figure API, no pyplot)
         # moerl.rollout.client: async HTTP to the engines (SGLang native API).
         "httpx",
     ],
