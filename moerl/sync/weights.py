@@ -1,0 +1,345 @@
+"""Full-weight sync, trainer side: stream every HF-named tensor to the engines in buckets.
+
+Every trainer rank calls ``connect()``, ``push(version)`` and ``close()`` together.
+Global rank 0 alone talks HTTP and owns the custom group (trainer = rank 0, engines
+at rank offsets 1, 2, …; ``moerl.sync.group``). Each pipeline stage's ranks iterate
+``export_hf`` in lockstep (it gathers TP/EP shards collectively); the stage's lowest
+global rank packs the tensors into buckets of at most ``bucket_mb`` (a larger tensor
+goes alone) and, for stages other than rank 0's, sends them to rank 0 point-to-point
+over the default group, one bucket at a time (``moerl.sync.stream``); other stages
+wait their turn, blocked in that send. Rank 0 forwards each bucket to every
+engine as one ``flattened_bucket`` broadcast, issuing the engines'
+``/update_weights_from_distributed`` concurrently with its own blocking broadcast (the
+HTTP call returns only once the engine has received and loaded the bucket). The last
+bucket carries ``weight_version``, so the version changes with the last swap.
+
+The engines' HTTP calls are coroutines. A synchronous trainer runs them through
+``run_coro(coro) -> concurrent.futures.Future``; by default a private event-loop
+thread on rank 0 (``asyncio.run_coroutine_threadsafe``). An orchestrator that already
+runs an event loop passes its own ``client`` and ``run_coro`` bound to that loop.
+
+Buckets are applied by the engines as they arrive (SGLang does the same): between two
+buckets an engine serves a mix of old and new tensors unless it was paused first.
+An error on rank 0 mid-push leaves other stages' leads blocked in their send until the
+default group's timeout: treat it as fatal for the job (torchrun stops the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moerl import device
+from moerl.rollout.client import EngineClient
+from moerl.sync.bucket import dtype_of
+from moerl.sync.group import init_custom_process_group
+from moerl.sync.stream import (
+    Bucket,
+    bucketize,
+    receive_buckets,
+    send_bucket,
+    stage_leads,
+)
+
+RunCoro = Callable[[Coroutine[Any, Any, Any]], "concurrent.futures.Future[Any]"]
+
+_GROUP_FIX = (
+    "every engine must reach master_address:master_port of trainer rank 0 (set "
+    "master_address to an address of that host the engines can route to, and open the port)"
+)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync could not start or an engine refused a bucket; says which and why."""
+
+
+class _LoopThread:
+    """A private asyncio loop on a daemon thread, for trainers without one."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="moerl-weight-sync", daemon=True
+        )
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class WeightSync:
+    """Trainer side of full-weight sync; every trainer rank builds one and calls its methods.
+
+    Args:
+        chunks: this rank's model chunks (``build_model``).
+        model_cfg: the ``ModelConfig`` they were built from (names and layouts for export).
+        client: an ``EngineClient`` for the engines (rank 0 only); else one is made from ``urls``.
+        urls: engine base URLs, when no ``client`` is given (ignored on other ranks).
+        bucket_mb: bucket size in MiB; a tensor bigger than a bucket is sent alone.
+        dtype: cast tensors to this dtype before sending (e.g. "bfloat16" for a bf16
+            engine: half the bytes); None sends the trainer parameters' own dtype.
+        backend: the custom group's backend, "gloo" (CPU tensors) or "nccl" (GPU tensors).
+        master_address: an address of trainer rank 0 that every engine can reach.
+        master_port: the custom group's TCP store port on rank 0; None picks a free one.
+        group_name: the engines' name for the group (several syncs can coexist).
+        run_coro: schedules a coroutine on the event loop ``client`` lives on and returns a
+            ``concurrent.futures.Future``; None starts a private loop thread on rank 0.
+        timeout_s: how long joining the group or one broadcast may take.
+    """
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        model_cfg: Any,
+        *,
+        client: EngineClient | None = None,
+        urls: Sequence[str] | None = None,
+        bucket_mb: float = 64,
+        dtype: str | torch.dtype | None = None,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = "moerl_weights",
+        run_coro: RunCoro | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be positive (64 is a good default)")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: choose 'gloo' or 'nccl'")
+        self.chunks, self.model_cfg = chunks, model_cfg
+        self.limit_bytes = max(1, int(bucket_mb * 2**20))
+        self.dtype = None if dtype is None else dtype_of(dtype)
+        self.backend, self.group_name, self.timeout_s = backend, group_name, timeout_s
+        self.master_address, self.master_port = master_address, master_port
+        self.rank = _rank()
+        self.client: EngineClient | None = None
+        self._own_client = False
+        self._loop: _LoopThread | None = None
+        self._run = run_coro
+        self._group: Any = None
+        self._broken = False
+        self._leads: dict[int, int] | None = None
+        if self.rank != 0:
+            return
+        if client is None:
+            if not urls:
+                raise ValueError("WeightSync needs client= or urls= (the engines) on rank 0")
+            client, self._own_client = EngineClient(list(urls), max_retries=2), True
+        self.client = client
+        if self._run is None:
+            self._loop = _LoopThread()
+            self._run = self._loop.submit
+
+    # ---- connect / close ------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Collective: rank 0 joins the custom group with every engine; other ranks learn
+        whether that worked (every rank raises the same error if not)."""
+        error = None
+        if self.rank == 0:
+            try:
+                self._connect()
+            except Exception as err:  # raised on every rank below, with rank 0's words
+                error = err
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(box, src=0)
+            if error is None and box[0] is not None:
+                raise WeightSyncError(f"weight sync could not connect on rank 0: {box[0]}")
+        if error is not None:
+            raise error
+
+    def _connect(self) -> None:
+        from moerl.parallel.spawn import free_port
+
+        if self._group is not None:
+            raise WeightSyncError(f"group {self.group_name!r} is already connected")
+        assert self.client is not None and self._run is not None
+        urls = self.client.urls
+        try:  # fail fast, naming the URL, before anyone waits on the group
+            info = self._run(self.client.server_info()).result(timeout=self.timeout_s)
+        except Exception as err:
+            raise WeightSyncError(f"weight sync cannot reach its engines: {err}") from err
+        # an SGLang server with tensor parallelism joins as tp_size ranks
+        sizes = [int(info[u].get("tp_size", 1) or 1) for u in urls]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
+        world = 1 + sum(sizes)
+        port = self.master_port or free_port()
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["group"] = init_custom_process_group(
+                    self.backend, self.master_address, port, 0, world, self.timeout_s
+                )
+            except Exception as err:
+                box["error"] = err
+
+        joiner = threading.Thread(target=join, name="moerl-weight-group", daemon=True)
+        joiner.start()
+        http = self._run(
+            self.client.init_weights_update_group(
+                self.master_address, port, offsets, world, self.group_name, self.backend
+            )
+        )
+        try:
+            http.result(timeout=self.timeout_s + 30)
+        except Exception as err:
+            raise WeightSyncError(
+                f"engines could not join weight group {self.group_name!r} at "
+                f"{self.master_address}:{port} ({urls}): {err}. Fix: {_GROUP_FIX}"
+            ) from err
+        joiner.join(timeout=self.timeout_s)
+        if "group" not in box:
+            raise WeightSyncError(
+                f"trainer rank 0 could not host weight group {self.group_name!r} on "
+                f"{self.master_address}:{port}: {box.get('error', 'timed out')}. Fix: {_GROUP_FIX}"
+            )
+        self._group = box["group"]
+
+    def close(self) -> None:
+        """Destroy the group on the engines and stop the private loop (rank 0; not collective)."""
+        if self.rank != 0:
+            return
+        error = None
+        if self._group is not None and self.client is not None and self._run is not None:
+            self._group, self._broken = None, False
+            try:
+                self._run(self.client.destroy_weights_update_group(self.group_name)).result(60)
+            except Exception as err:  # still stop the loop; report afterwards
+                error = err
+        if self._own_client and self.client is not None and self._run is not None:
+            self._run(self.client.aclose()).result(60)
+            self._own_client = False
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
+        if error is not None:
+            raise WeightSyncError(f"destroying weight group {self.group_name!r}: {error}")
+
+    def __enter__(self) -> WeightSync:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- push -----------------------------------------------------------------------------
+
+    def push(
+        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> dict[str, float]:
+        """Collective: send every weight to every engine; tokens after the last bucket carry
+        ``str(version)``. ``named`` replaces this rank's ``export_hf`` stream with other
+        ``(hf_name, tensor)`` pairs (tools, tests). Returns ``{"bytes", "buckets",
+        "tensors", "seconds"}``: totals on rank 0, this rank's own sends elsewhere."""
+        from moerl.convert.exporter import export_hf
+
+        start = time.perf_counter()
+        if self.rank == 0 and (self._group is None or self._broken):
+            raise WeightSyncError(
+                "push() needs a connected, intact group: call connect() on every rank first"
+                + (" (the last push broke it: close() and connect() again)" if self._broken else "")
+            )
+        if self._leads is None:
+            self._leads = stage_leads()
+        leads = sorted(self._leads.values())
+        stats = {"bytes": 0, "buckets": 0, "tensors": 0, "seconds": 0.0}
+        stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
+        if self.rank == 0:
+            # rank 0's own stage first, then each other stage from its lead rank
+            sent_version = False
+            for lead in leads:
+                if lead == 0:
+                    buckets = bucketize(stream, self.limit_bytes, self.dtype)
+                else:
+                    buckets = receive_buckets(lead)
+                for bucket, last in buckets:
+                    if bucket.names:
+                        tag = version if last and lead == leads[-1] else None
+                        self._to_engines(bucket, tag, stats)
+                        sent_version |= tag is not None
+            if not sent_version:  # the last stage exported nothing: bump the version alone
+                assert self.client is not None and self._run is not None
+                self._run(self.client.update_weight_version(str(version))).result(60)
+        elif self.rank in leads:
+            for bucket, last in bucketize(stream, self.limit_bytes, self.dtype):
+                send_bucket(bucket, last, dst=0)
+                stats["bytes"] += bucket.nbytes
+                stats["buckets"] += 1 if bucket.names else 0
+                stats["tensors"] += len(bucket.names)
+        else:
+            for _ in stream:  # take part in the stage's gathers
+                pass
+        stats["seconds"] = time.perf_counter() - start
+        return stats
+
+    def _to_engines(self, bucket: Bucket, version: int | None, stats: dict[str, float]) -> None:
+        """One flattened_bucket broadcast, with the engines' HTTP call running beside it."""
+        assert self.client is not None and self._run is not None
+        comm = torch.device("cpu") if self.backend == "gloo" else device.device()
+        flat = bucket.flattened().to(comm)
+        http = self._run(
+            self.client.update_weights_from_distributed(
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
+                group_name=self.group_name,
+                flush_cache=version is not None,
+                weight_version=None if version is None else str(version),
+                load_format="flattened_bucket",
+            )
+        )
+        work = self._group.broadcast(flat, 0)
+        deadline = time.monotonic() + self.timeout_s
+        what = (
+            f"bucket {int(stats['buckets'])} ({len(bucket.names)} tensors from {bucket.names[0]})"
+        )
+        while not work.is_completed():
+            if http.done() and http.exception() is not None:
+                # the engine answered without receiving: the group is out of step for good
+                self._broken = True
+                raise WeightSyncError(
+                    f"engines refused {what} before receiving it: {http.exception()}; "
+                    "close() and connect() again"
+                ) from http.exception()
+            if time.monotonic() > deadline:
+                self._broken = True
+                raise WeightSyncError(f"broadcast of {what} took over {self.timeout_s:.0f}s")
+            time.sleep(0.0005)
+        try:
+            work.wait()
+        except Exception as err:  # an engine left the group: its answer says why
+            self._broken = True
+            try:
+                reason = f"engine said: {http.result(timeout=10)}"
+            except Exception as answer:
+                reason = f"engine said: {answer}"
+            raise WeightSyncError(
+                f"broadcast of {what} failed ({err}); {reason}; close() and connect() again"
+            ) from err
+        try:
+            http.result(timeout=self.timeout_s)
+        except Exception as err:
+            raise WeightSyncError(f"engines rejected {what}: {err}") from err
+        stats["bytes"] += bucket.nbytes
+        stats["buckets"] += 1
+        stats["tensors"] += len(bucket.names)

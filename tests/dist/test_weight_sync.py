@@ -1,0 +1,202 @@
+"""Full-weight sync from a parallel trainer into a running embedded engine.
+
+The trainer (spawned gloo ranks, any layout) loads the tiny DeepSeek checkpoint, scales
+every weight by SCALE, and pushes; the engine must then serve exactly what a second
+engine started from the scaled HF checkpoint serves. Scaling commutes with every
+HF ⇄ Megatron layout change, so the reference checkpoint is written without Megatron.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from moerl.parallel import spawn
+
+SCALE = 1.01
+PROMPT = [5, 17, 3, 99, 42, 8]
+BODY = {
+    "input_ids": PROMPT,
+    "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+    "return_logprob": True,
+}
+
+
+def _generate(url: str) -> dict:
+    r = httpx.post(f"{url}/generate", json=BODY, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got["output_ids"] == want["output_ids"]
+    pairs = zip(
+        got["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]
+    )
+    for (lp_a, tok_a, _), (lp_b, tok_b, _) in pairs:
+        assert tok_a == tok_b and abs(lp_a - lp_b) < 1e-5, (lp_a, lp_b)
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    a, b = got["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]
+    return max(abs(x[0] - y[0]) for x, y in zip(a, b))
+
+
+def _scaled_checkpoint(src: Path, out: Path, scale: float) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v * scale for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints, engine_factory, tmp_path_factory):
+    """(engine A on the original weights, engine B on the scaled ones, A's first answer)."""
+    src = tiny_checkpoints["deepseek_moe"]
+    scaled = _scaled_checkpoint(src, tmp_path_factory.mktemp("scaled") / "hf", SCALE)
+    a = engine_factory(src)
+    b = engine_factory(scaled)
+    return a, b, _generate(a.url)
+
+
+def _trainer(
+    hf_dir: str, url: str, layout: str, scale: float, version: int, bucket_mb: float, out: str
+) -> None:
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.full_state import local_shards
+    from moerl.parallel.state import initialize_for_model
+    from moerl.sync.weights import WeightSync
+
+    model = tiny_config("deepseek_moe")
+    pcfg, _ = parse_layout(layout)
+    initialize_for_model(pcfg, model)
+    chunks = build_model(model, pcfg)
+    load_hf(chunks, hf_dir, model)
+    with torch.no_grad():
+        for shard in local_shards(chunks):
+            shard.data.mul_(scale)
+    sync = WeightSync(chunks, model, urls=[url], bucket_mb=bucket_mb)
+    sync.connect()
+    try:
+        stats = sync.push(version=version)
+    finally:
+        sync.close()
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(stats))
+
+
+def _push(engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb) -> dict:
+    from moerl.parallel import parse_layout
+
+    out = tmp_path / "stats.json"
+    hf = str(tiny_checkpoints["deepseek_moe"])
+    _, world = parse_layout(layout)
+    spawn(_trainer, world, hf, engines[0].url, layout, scale, version, bucket_mb, str(out))
+    return json.loads(out.read_text())
+
+
+def _check_pushed(engines, tiny_checkpoints, stats: dict, version: int, scaled: bool) -> None:
+    a, b, before = engines
+    got = _generate(a.url)
+    _assert_same(got, _generate(b.url) if scaled else before)
+    if scaled:  # the update really changed what the engine serves
+        assert _max_diff(got, before) > 1e-4
+    assert got["meta_info"]["weight_version"] == str(version)
+    info = httpx.get(f"{a.url}/model_info", timeout=10).json()
+    assert info["weight_version"] == str(version)
+    hf_bytes = (tiny_checkpoints["deepseek_moe"] / "model.safetensors").stat().st_size
+    assert 0.9 * hf_bytes < stats["bytes"] <= hf_bytes  # every tensor once (fp32 as stored)
+
+
+@pytest.mark.parametrize("layout, buckets", [("pp2", 2), ("tp2ep2", 1)])
+def test_push_matches_fresh_engine(engines, tiny_checkpoints, tmp_path, layout, buckets):
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 7, bucket_mb=64)
+    _check_pushed(engines, tiny_checkpoints, stats, 7, scaled=True)
+    assert stats["buckets"] == buckets  # the tiny model fits one bucket per pipeline stage
+
+
+def test_small_buckets(engines, tiny_checkpoints, tmp_path):
+    """Many buckets (a tensor bigger than a bucket goes alone); pushes the original weights
+    back, so the engine serves what it served before any push."""
+    stats = _push(engines, tiny_checkpoints, tmp_path, "pp2", 1.0, 8, bucket_mb=0.02)
+    _check_pushed(engines, tiny_checkpoints, stats, 8, scaled=False)
+    assert stats["buckets"] > 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2ep2"])
+def test_push_other_layouts(engines, tiny_checkpoints, tmp_path, layout):
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 9, bucket_mb=0.05)
+    _check_pushed(engines, tiny_checkpoints, stats, 9, scaled=True)
+
+
+def test_engine_rejection_surfaces_its_message(engines):
+    """Names the engine does not have: its message reaches the trainer, the model and
+    version stay as they were, and the group stays usable."""
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    a, _, _ = engines
+    before = _generate(a.url)
+    good = ("model.norm.weight", torch.ones(64))
+    with WeightSync([], None, urls=[a.url], bucket_mb=64) as sync:
+        with pytest.raises(WeightSyncError) as info:
+            sync.push(3, named=[good, ("model.nope.weight", torch.zeros(2))])
+        assert "model.nope.weight" in str(info.value) and "model unchanged" in str(info.value)
+    after = _generate(a.url)
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
+
+
+def test_engine_without_the_group_fails_without_hanging(engines):
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    a, _, _ = engines
+    sync = WeightSync([], None, urls=[a.url], timeout_s=30)
+    sync.connect()
+    gone = httpx.post(f"{a.url}/destroy_weights_update_group", json={"group_name": sync.group_name})
+    assert gone.json()["success"]
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="no weight-update group"):
+        sync.push(4, named=[("model.norm.weight", torch.ones(64))])
+    assert time.monotonic() - start < 10
+    with pytest.raises(WeightSyncError, match="no weight-update group"):
+        sync.close()  # the engine has no group left to destroy: said, not hidden
+
+
+def test_bucketize_bounds_and_casts():
+    from moerl.sync.stream import bucketize
+
+    sizes = [10, 10, 40, 5, 5, 5]  # fp32 elements: 40, 40, 160, 20, 20, 20 bytes
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    out = [(b.names, b.nbytes, last) for b, last in bucketize(named, 100, None)]
+    assert out == [(["t0", "t1"], 80, False), (["t2"], 160, False), (["t3", "t4", "t5"], 60, True)]
+    half = [(b.names, b.nbytes) for b, _ in bucketize(named, 100, torch.bfloat16)]
+    assert half == [(["t0", "t1"], 40), (["t2", "t3", "t4"], 100), (["t5"], 10)]
+    assert {d for b, _ in bucketize(named, 100, torch.bfloat16) for d in b.dtypes} == {"bfloat16"}
+    assert [(b.names, last) for b, last in bucketize([], 100, None)] == [([], True)]
+
+
+def test_unreachable_engine_fails_fast_and_names_it():
+    from moerl.parallel.spawn import free_port
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    url = f"http://127.0.0.1:{free_port()}"
+    sync = WeightSync([], None, urls=[url])
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as info:
+        sync.connect()
+    sync.close()
+    assert time.monotonic() - start < 10
+    assert url in str(info.value) and "curl" in str(info.value)
