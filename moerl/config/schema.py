@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 
 from moerl.algo.config import AlgoConfig
 from moerl.algo.correction_config import CorrectionConfig
+from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
+from moerl.config.sync import SyncConfig
+from moerl.config.telemetry import TelemetryConfig
 from moerl.config.trainer import TrainerConfig
 
 
@@ -31,3 +34,12 @@ class MoerlConfig:
     """The RL objective: advantage estimator, policy loss, KL term (group `algo`)."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """Importance-sampling correction of the rollout/trainer mismatch (group `correction`)."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """Rollout buffer: capacity and the order the trainer takes groups in (group `buffer`)."""
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    """How stale a consumed group may be; whether generation waits for the trainer
+    (group `staleness`)."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight sync to the engines (group `sync`)."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Progress line, metrics and timeline files, optional TensorBoard/W&B."""

@@ -22,11 +22,13 @@ from omegaconf import OmegaConf
 
 from moerl.algo.config import AlgoConfig, register_algo_configs
 from moerl.algo.correction_config import CorrectionConfig
+from moerl.config.buffer import BufferConfig, StalenessConfig, register_buffer_configs
 from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
+from moerl.config.sync import SyncConfig
 from moerl.config.trainer import TrainerConfig
 
 RECIPE_PACKAGE = "moerl.recipes"
@@ -40,6 +42,9 @@ GROUP_SCHEMAS: dict[str, type] = {
     "launcher": LauncherConfig,
     "algo": AlgoConfig,
     "correction": CorrectionConfig,
+    "buffer": BufferConfig,
+    "staleness": StalenessConfig,
+    "sync": SyncConfig,
 }
 
 
@@ -84,4 +89,5 @@ def register_configs() -> None:
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=schema, provider="moerl")
     register_algo_configs(cs)
+    register_buffer_configs(cs)
     register_recipes(cs)

@@ -179,6 +179,17 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
         _one_of("launcher.backend", lc.backend, BACKENDS)
 
 
+def _check_rollout(cfg: MoerlConfig) -> None:
+    from moerl.rollout.buffer_policies import build_sampling, build_staleness
+
+    cfg.buffer.validate("buffer")
+    cfg.staleness.validate("staleness")
+    build_staleness(cfg.staleness)
+    build_sampling(cfg.buffer.sampling)
+    cfg.sync.validate("sync")
+    cfg.telemetry.validate("telemetry")
+
+
 def _check_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
     """Reject keys that `+key=value` forced past the schema (Hydra allows adding them)."""
     hints = typing.get_type_hints(schema)
@@ -232,4 +243,5 @@ def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None
     _check_engine(cfg.engine)
     _check_launcher(cfg.launcher, world_size)
     check_algo_config(cfg.algo, cfg.correction)
+    _check_rollout(cfg)
     return cfg

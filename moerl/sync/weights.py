@@ -26,7 +26,6 @@ default group's timeout: treat it as fatal for the job (torchrun stops the other
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moerl import device
+from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
 from moerl.sync.bucket import dtype_of
 from moerl.sync.group import init_custom_process_group
@@ -58,26 +58,6 @@ _GROUP_FIX = (
 
 class WeightSyncError(RuntimeError):
     """A weight sync could not start or an engine refused a bucket; says which and why."""
-
-
-class _LoopThread:
-    """A private asyncio loop on a daemon thread, for trainers without one."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="moerl-weight-sync", daemon=True
-        )
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def _rank() -> int:
@@ -132,7 +112,7 @@ class WeightSync:
         self.rank = _rank()
         self.client: EngineClient | None = None
         self._own_client = False
-        self._loop: _LoopThread | None = None
+        self._loop: EventLoopThread | None = None
         self._run = run_coro
         self._group: Any = None
         self._broken = False
@@ -145,7 +125,7 @@ class WeightSync:
             client, self._own_client = EngineClient(list(urls), max_retries=2), True
         self.client = client
         if self._run is None:
-            self._loop = _LoopThread()
+            self._loop = EventLoopThread("moerl-weight-sync")
             self._run = self._loop.submit
 
     # ---- connect / close ------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""What the run reports: console progress, metrics.jsonl, timeline, optional mirrors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TelemetryConfig:
+    """Run telemetry; files go to the run directory (Hydra's hydra.run.dir)."""
+
+    progress_interval_s: float = 10.0
+    """Seconds between progress lines when stdout is not a terminal (CI, SLURM logs)."""
+    flip_every: int = 5
+    """Measure the router flip rate (a no-replay forward on a sample) every this many
+    steps; 0 = never."""
+    flip_sample: int = 8
+    """Trajectories in that sample."""
+    timeline: bool = True
+    """Record generation / training / sync spans per process (timeline.*.jsonl) for
+    tools/plot_run.py."""
+    tensorboard: bool = False
+    """Mirror metrics to TensorBoard (run_dir/tensorboard; needs the tensorboard package)."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases (needs the wandb package and a login)."""
+    wandb_project: str | None = None
+    """W&B project name; None = 'moerl'."""
+
+    def validate(self, key: str = "telemetry") -> None:
+        if self.flip_every < 0 or self.flip_sample < 1:
+            raise ValueError(
+                f"{key}.flip_every={self.flip_every} must be >= 0 and "
+                f"{key}.flip_sample={self.flip_sample} >= 1"
+            )
