@@ -12,6 +12,7 @@ from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.sync import SyncConfig
+from moerl.config.task import TaskConfig
 from moerl.config.telemetry import TelemetryConfig
 from moerl.config.trainer import TrainerConfig
 
@@ -43,3 +44,5 @@ class MoerlConfig:
     """Weight sync to the engines (group `sync`)."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """Progress line, metrics and timeline files, optional TensorBoard/W&B."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and the verifiable reward (group `task`)."""

@@ -29,6 +29,7 @@ from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import SyncConfig
+from moerl.config.task import TaskConfig, register_task_configs
 from moerl.config.trainer import TrainerConfig
 
 RECIPE_PACKAGE = "moerl.recipes"
@@ -45,6 +46,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "buffer": BufferConfig,
     "staleness": StalenessConfig,
     "sync": SyncConfig,
+    "task": TaskConfig,
 }
 
 
@@ -90,4 +92,5 @@ def register_configs() -> None:
         cs.store(group=group, name=f"base_{group}", node=schema, provider="moerl")
     register_algo_configs(cs)
     register_buffer_configs(cs)
+    register_task_configs(cs)
     register_recipes(cs)

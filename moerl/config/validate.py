@@ -187,6 +187,9 @@ def _check_rollout(cfg: MoerlConfig) -> None:
     build_staleness(cfg.staleness)
     build_sampling(cfg.buffer.sampling)
     cfg.sync.validate("sync")
+    from moerl.tasks import check_task_config
+
+    check_task_config(cfg.task)
     cfg.telemetry.validate("telemetry")
 
 
