@@ -1,13 +1,25 @@
 """The moerl entry point: `python -m moerl.launch [+recipe=NAME] [key=value ...]`.
 
-Composes the config from `pkg://moerl.conf` (and a recipe, if given), validates it
-once for this job's world size, and starts the roles. `--help` lists the config
-groups and the composed config; `--cfg job` prints the config without running.
+Composes the config from `pkg://moerl.conf` (and a recipe, if given), validates it once
+for this job's world size, then runs the job:
+
+- run plainly, it spawns `launcher.nproc` local trainer ranks (gloo on CPU);
+- under torchrun (WORLD_SIZE set), this process is one of the ranks.
+
+Trainer rank 0 prepares the initial HF checkpoint (a local `model.path`, or a random
+model built from the config and written into the run directory), starts the embedded
+engines (`engine=embedded`) or attaches to SGLang servers (`engine.urls=[...]`), and
+every rank runs `moerl.loop.run_training`. Engines die with the process that started
+them; Ctrl-C stops the ranks and the engines. `--help` lists the groups; `--cfg job`
+prints the config without running.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -18,17 +30,130 @@ from moerl.config.validate import validate_config
 register_configs()
 
 
+def prepare_checkpoint(cfg: Any, run_dir: Path) -> Path:
+    """The HF checkpoint the run starts from: ``model.path``, else a random model from
+    the config (seeded by trainer.seed), written once into the run directory."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path={path} has no config.json: point it at a local Hugging Face "
+                "checkpoint directory (nothing is downloaded)"
+            )
+        return path
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+
+    out = run_dir / "init_hf"
+    if not (out / "config.json").is_file():
+        print(f"moerl: writing a random {cfg.model.family} model to {out}", flush=True)
+        save_tiny_checkpoint(cfg.model, out, seed=cfg.trainer.seed)
+    return out
+
+
+def model_from_checkpoint(model: Any) -> Any:
+    """The architecture of ``model.path`` (its config.json), keeping the configured
+    sequence length."""
+    from moerl.convert import HFCheckpoint
+    from moerl.models.families import get_family
+
+    path = Path(model.path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(
+            f"moerl: model.path={path} has no config.json: point it at a local Hugging Face "
+            "checkpoint directory (nothing is downloaded)"
+        )
+    loaded = get_family(model.family).from_hf(HFCheckpoint(path).config())
+    loaded.path, loaded.seq_length = model.path, model.seq_length
+    return loaded
+
+
+def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], list[Any]]:
+    """Engine URLs and the processes moerl owns (embedded engines only)."""
+    if cfg.engine.kind == "sglang":
+        return list(cfg.engine.urls), []
+    from moerl.engine.process import EngineProcess
+
+    flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
+    flags += ["--max-running-requests", str(cfg.engine.max_running_requests)]
+    procs = []
+    for i in range(cfg.engine.count()):
+        print(f"moerl: starting embedded engine {i} on {hf_dir}", flush=True)
+        procs.append(
+            EngineProcess(
+                hf_dir,
+                *flags,
+                threads=cfg.engine.threads,
+                log_path=run_dir / f"engine{i}.log",
+                startup_timeout_s=cfg.engine.startup_timeout_s,
+            )  # fmt: skip
+        )
+    return [p.url for p in procs], procs
+
+
+def run_rank(cfg: Any, run_dir: str) -> None:
+    """One trainer rank (its process group is up): rank 0 prepares the checkpoint and
+    engines and tells the others where they are."""
+    import torch.distributed as dist
+
+    from moerl.loop import RunContext, run_training
+
+    root = Path(run_dir)
+    procs: list[Any] = []
+    try:
+        info: list[Any] = [None]
+        if dist.get_rank() == 0:
+            hf_dir = prepare_checkpoint(cfg, root)
+            urls, procs = start_engines(cfg, hf_dir, root)
+            info = [(str(hf_dir), urls)]
+        dist.broadcast_object_list(info, src=0)
+        hf, urls = info[0]
+        last = run_training(cfg, RunContext(run_dir=root, hf_dir=Path(hf), engine_urls=urls))
+        if dist.get_rank() == 0 and last:
+            print(
+                f"moerl: done, step {int(last.get('version', 0))}, reward_mean "
+                f"{last.get('reward_mean', float('nan')):.3f}; run dir {root}",
+                flush=True,
+            )
+    finally:
+        for proc in procs:
+            proc.close()
+
+
 @hydra.main(config_path="pkg://moerl.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     try:
         typed = validate_config(cfg)
     except ValueError as err:
         # A user error: one readable line, no traceback, non-zero exit.
         print(f"moerl: invalid config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(OmegaConf.to_yaml(cfg, resolve=True), end="")
-    print(f"moerl: config is valid for world size {typed.launcher.world_size()}.")
-    print("moerl: the training loop is not implemented yet (a later issue); nothing was started.")
+    if typed.model.path:
+        typed.model = model_from_checkpoint(typed.model)
+    run_dir = HydraConfig.get().runtime.output_dir
+    world = typed.launcher.world_size()
+    if typed.launcher.dry_run:
+        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+        print(f"moerl: config is valid for world size {world}; dry run, nothing started.")
+        return
+    print(f"moerl: run dir {run_dir}, {world} trainer rank(s), engine={typed.engine.kind}")
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun: we are a rank
+        from moerl.parallel.state import destroy, init_process_group
+
+        init_process_group(typed.launcher.backend)
+        try:
+            run_rank(typed, run_dir)
+        finally:
+            destroy()
+        return
+    from moerl.parallel.spawn import spawn
+
+    try:
+        spawn(run_rank, world, typed, run_dir)
+    except KeyboardInterrupt:
+        print("moerl: interrupted; ranks and engines stopped", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -51,8 +51,24 @@ def activate(force: bool = False) -> bool:
 
     megatron_patches.install()
     device_mode.enter()
+    _disable_dynamo()
     _active = True
     return True
+
+
+_dynamo_was_disabled: bool | None = None
+
+
+def _disable_dynamo() -> None:
+    """megatron-core wraps small fused functions in ``torch.compile`` (``jit_fuser``).
+    Under the CPU device mode dynamo traces into the mode's ``__torch_function__`` and
+    recompiles on every new call shape until its limit, warning each time; compiled
+    code gains nothing on this path, so dynamo is switched off while the layer is on."""
+    global _dynamo_was_disabled
+    import torch._dynamo
+
+    _dynamo_was_disabled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
 
 
 def deactivate() -> None:
@@ -63,6 +79,10 @@ def deactivate() -> None:
     from moerl.compat import megatron_patches
 
     device_mode.exit_()
+    if _dynamo_was_disabled is not None:
+        import torch._dynamo
+
+        torch._dynamo.config.disable = _dynamo_was_disabled
     megatron_patches.uninstall()
     rng.uninstall()
     cuda_shim.uninstall()

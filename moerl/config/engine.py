@@ -21,6 +21,15 @@ class EngineConfig:
     """Engines to use: for 'embedded', processes to start (None = 1); for 'sglang', None =
     every server in urls, a number must equal len(urls)."""
 
+    dtype: str = "float32"
+    """Embedded engines' weight and compute dtype: 'float32', 'bfloat16' or 'float16'."""
+    threads: int = 1
+    """CPU threads of each embedded engine process."""
+    max_running_requests: int = 64
+    """Requests an embedded engine decodes together (continuous batching)."""
+    startup_timeout_s: float = 300.0
+    """How long an engine may take to become healthy before the run fails."""
+
     def count(self) -> int:
         """Engines this config asks for."""
         if self.num_engines is not None:

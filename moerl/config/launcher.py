@@ -14,6 +14,8 @@ class LauncherConfig:
 
     nproc: int | None = None
     """Trainer processes (the world size); None = WORLD_SIZE from torchrun, else 1."""
+    dry_run: bool = False
+    """Validate the config, print it and exit without starting anything."""
     backend: str | None = None
     """torch.distributed backend: 'gloo' or 'nccl'; None = nccl with CUDA, gloo without."""
 

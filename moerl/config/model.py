@@ -16,6 +16,10 @@ class ModelConfig:
     family: str = "gpt"
     """Model family key in `moerl.models`, which picks the layer spec and the HF name map
     (e.g. 'gpt' for plain megatron layers, later 'deepseek_v3' or 'qwen3_moe')."""
+    path: str | None = None
+    """A local Hugging Face checkpoint to start from (trainer and engines); its config.json
+    then defines the architecture. None = random weights from this config (tiny models),
+    written into the run directory. Nothing is downloaded."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64

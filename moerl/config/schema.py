@@ -11,6 +11,7 @@ from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
+from moerl.config.rollout import RolloutConfig
 from moerl.config.sync import SyncConfig
 from moerl.config.task import TaskConfig
 from moerl.config.telemetry import TelemetryConfig
@@ -46,3 +47,5 @@ class MoerlConfig:
     """Progress line, metrics and timeline files, optional TensorBoard/W&B."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Prompts and the verifiable reward (group `task`)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Group sampling, filtering, partial rollouts (group `rollout`)."""

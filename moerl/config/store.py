@@ -27,6 +27,7 @@ from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
+from moerl.config.rollout import RolloutConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import SyncConfig
 from moerl.config.task import TaskConfig, register_task_configs
@@ -47,6 +48,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "staleness": StalenessConfig,
     "sync": SyncConfig,
     "task": TaskConfig,
+    "rollout": RolloutConfig,
 }
 
 

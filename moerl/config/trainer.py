@@ -25,6 +25,8 @@ class TrainerConfig:
     """Shard optimizer state over data-parallel ranks (megatron-core DistributedOptimizer)."""
     checkpoint_dir: str | None = None
     """Where checkpoints are written and read; None = no checkpoints."""
+    save_every: int = 0
+    """Checkpoint every this many steps (and always after the last); 0 = only at the end."""
     resume: bool = False
     """Continue from the latest checkpoint in checkpoint_dir instead of starting fresh."""
     replay: str = "all"

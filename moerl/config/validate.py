@@ -187,6 +187,7 @@ def _check_rollout(cfg: MoerlConfig) -> None:
     build_staleness(cfg.staleness)
     build_sampling(cfg.buffer.sampling)
     cfg.sync.validate("sync")
+    cfg.rollout.validate("rollout")
     from moerl.tasks import check_task_config
 
     check_task_config(cfg.task)

@@ -18,6 +18,16 @@ import httpx
 from moerl.parallel.spawn import free_port
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): get SIGTERM when the process that started the
+    engine dies, even by SIGKILL, so a killed run leaves no orphan engines."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class EngineProcess:
     """One embedded engine on a loopback port; ``close()`` (or context exit) stops it."""
 
@@ -46,7 +56,11 @@ class EngineProcess:
         self._log = self.log_path.open("ab")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen(
-            [*args, *extra], env=env, stdout=self._log, stderr=subprocess.STDOUT
+            [*args, *extra],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._wait_healthy(startup_timeout_s)
 

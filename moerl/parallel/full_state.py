@@ -54,12 +54,14 @@ def _flatten(tree: object) -> Iterator[object]:
 
 
 def local_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
-    """This rank's tensors of all model chunks, as ``Shard``s (extra states skipped)."""
+    """This rank's tensors of all model chunks (DDP wrappers are looked through), as
+    ``Shard``s (extra states skipped)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     shards: list[Shard] = []
     for chunk in chunks:
-        for item in _flatten(chunk.sharded_state_dict()):
+        module = getattr(chunk, "module", chunk)
+        for item in _flatten(module.sharded_state_dict()):
             built = item.build() if isinstance(item, ShardedTensorFactory) else item
             for sh in _flatten(built):
                 if not isinstance(sh, ShardedTensor):

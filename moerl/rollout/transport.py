@@ -108,6 +108,8 @@ class EngineTransport:
         self._down_until = dict.fromkeys(self.urls, 0.0)
         self._rotation = 0
         self._rid_url: dict[str, str] = {}
+        self.retries = 0
+        """/generate attempts re-sent after a failed one, over this client's life (metrics)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             headers=headers,
@@ -149,6 +151,8 @@ class EngineTransport:
         failures: list[str] = []
         for _ in range(self.max_retries + 1):
             url = self._pick(exclude=tried)
+            if tried:
+                self.retries += 1
             repeats = tried.count(url)
             if repeats:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (repeats - 1))

@@ -82,6 +82,9 @@ class WeightSync:
         run_coro: schedules a coroutine on the event loop ``client`` lives on and returns a
             ``concurrent.futures.Future``; None starts a private loop thread on rank 0.
         timeout_s: how long joining the group or one broadcast may take.
+        flush_cache: ask the engines to flush their prefix cache with the last bucket; False
+            while requests stay in flight through the update (in-place partial rollouts:
+            SGLang refuses a flush with running requests).
     """
 
     def __init__(
@@ -99,11 +102,13 @@ class WeightSync:
         group_name: str = "moerl_weights",
         run_coro: RunCoro | None = None,
         timeout_s: float = 300.0,
+        flush_cache: bool = True,
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be positive (64 is a good default)")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: choose 'gloo' or 'nccl'")
+        self.flush_cache = flush_cache
         self.chunks, self.model_cfg = chunks, model_cfg
         self.limit_bytes = max(1, int(bucket_mb * 2**20))
         self.dtype = None if dtype is None else dtype_of(dtype)
@@ -283,7 +288,7 @@ class WeightSync:
                 bucket.dtypes,
                 bucket.shapes,
                 group_name=self.group_name,
-                flush_cache=version is not None,
+                flush_cache=version is not None and self.flush_cache,
                 weight_version=None if version is None else str(version),
                 load_format="flattened_bucket",
             )

@@ -95,8 +95,39 @@ def _micro_loss(
     metrics["staleness/mean"] = gap_T.mean()
     metrics["staleness/stale_frac"] = (gap_T > 0).float().mean()
     metrics["mismatch/log_ratio_abs_max"] = (lp_T.detach() - old_T).abs().max()
+    # sequences sampled entirely by the current policy: with replay and mask in fp32 their
+    # log ratio is numerics only (the on-policy anchor check, step after step)
+    stale_S = torch.zeros(n).index_add_(0, seq_T, (gap_T > 0).float()) > 0
+    onpolicy_T = ~stale_S[seq_T]
+    metrics["mismatch/onpolicy_log_ratio_abs_max"] = (
+        (lp_T.detach() - old_T)[onpolicy_T].abs().max()
+        if bool(onpolicy_T.any())
+        else torch.tensor(0.0)
+    )
+    metrics["mismatch/onpolicy_frac"] = onpolicy_T.float().mean()
     metrics["units"] = torch.tensor(float(units))
     return loss * units, torch.tensor(units, dtype=torch.int), metrics
+
+
+def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], group: Any) -> dict[str, float]:
+    """Unit-weighted means over micro-batches and DP ranks; keys ending in ``_max`` are
+    maxima instead."""
+    names = sorted(outputs[0])
+    maxima = [k for k in names if k.endswith("_max")]
+    means = [k for k in names if k not in maxima and k != "units"]
+    units = sum(float(o["units"]) for o in outputs)
+    totals = torch.tensor(
+        [units, *[sum(float(o[k]) * float(o["units"]) for o in outputs) for k in means]],
+        dtype=torch.float64,
+    )
+    peaks = torch.tensor([max(float(o[k]) for o in outputs) for k in maxima], dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+        if maxima:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+    out = {k: float(totals[1 + i] / totals[0]) for i, k in enumerate(means)}
+    out.update({k: float(peaks[i]) for i, k in enumerate(maxima)})
+    return out
 
 
 def rl_train_step(
@@ -175,15 +206,6 @@ def rl_train_step(
     result = RLStepResult(loss=None, grad_norm=grad_norm)
     outputs = [o for o in outputs or [] if o]  # padding-only micro-batches report nothing
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and outputs:
-        units = sum(float(o["units"]) for o in outputs)
-        sums = {k: sum(float(o[k]) * float(o["units"]) for o in outputs) for k in outputs[0]}
-        totals = torch.tensor([units, *[sums[k] for k in sorted(sums)]], dtype=torch.float64)
-        group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(totals, group=group)
-        names = sorted(sums)
-        result.metrics = {
-            k: float(totals[1 + i] / totals[0]) for i, k in enumerate(names) if k != "units"
-        }
+        result.metrics = _reduce_metrics(outputs, parallel_state.get_data_parallel_group())
         result.loss = result.metrics["loss"]
     return result

@@ -1,0 +1,139 @@
+"""Options of the rollout orchestrator (group `rollout`): group sampling, dynamic filtering,
+over-sampling, partial rollouts across weight updates, and fault handling.
+
+Torch-free, like moerl.config.buffer. The semantics behind each option are documented in
+moerl/rollout/orchestrator.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from moerl.algo.config import at_least
+
+PARTIAL_ROLLOUT_MODES = ("in_place", "abort_resume", "drain")
+
+
+@dataclass
+class RolloutConfig:
+    """How the orchestrator turns prompts into scored groups for the rollout buffer."""
+
+    group_size: int = 8
+    """Completions sampled per prompt (G of GRPO); they share advantages' baseline."""
+    max_inflight_groups: int = 16
+    """Groups generating at once with oversample_factor=1; with over-sampling, the groups
+    kept per round (see oversample_factor)."""
+    oversample_factor: float = 1.0
+    """>= 1. Prompts are launched in rounds of ceil(oversample_factor * max_inflight_groups)
+    groups; once max_inflight_groups groups of a round reached the buffer, the round's other
+    groups (stragglers, or groups still scoring) are cancelled and their prompts consumed
+    (counted in rollout/groups_cancelled). 1 = never cancel."""
+    filter_uniform_groups: bool = False
+    """Dynamic filtering (DAPO): drop groups whose rewards are all equal; their advantages
+    are zero, so they carry no policy-gradient signal. Counted in rollout/groups_filtered."""
+
+    max_new_tokens: int = 128
+    """Most response tokens per completion (SGLang sampling_params.max_new_tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer reproduces the distribution at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = all."""
+    min_p: float = 0.0
+    """Keep tokens with at least min_p times the top token's probability; 0 = off."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a completion (the model's EOS always does, unless
+    ignore_eos)."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS until max_new_tokens (benchmarks, tests)."""
+    return_routed_experts: bool = True
+    """Record the experts every token was routed to (needed by Keep Routing replay)."""
+    return_sampling_mask: bool = True
+    """Record the kept token set per position (needed by sampling-mask replay)."""
+
+    partial_rollout: str = "in_place"
+    """What happens to completions in flight when the trainer pushes new weights:
+    'in_place' (they keep going; later tokens carry the new version), 'abort_resume'
+    (aborted, then continued from prompt + partial response under the new weights, spliced
+    into one trajectory) or 'drain' (no new groups; the update waits for in-flight groups)."""
+    in_place_pause: bool = True
+    """With partial_rollout=in_place: pause the engines in place (requests and KV caches
+    kept) during the push, so no token is sampled from half-loaded weights; SGLang needs it
+    to swap weights under running requests. False: engines decode throughout (moerl.engine
+    only; tokens between buckets see a mix of old and new tensors)."""
+
+    max_retries: int = 3
+    """Times one /generate request is re-sent, on another engine when there is one, after
+    a connection error, timeout or HTTP 5xx (EngineClient max_retries)."""
+    request_timeout_s: float = 600.0
+    """Bound on one /generate attempt (requests wait while engines are paused)."""
+    engine_cooldown_s: float = 5.0
+    """An engine that failed a request gets no new requests for this long while others are
+    up."""
+    max_group_attempts: int = 5
+    """A group whose request still fails after max_retries is generated again from
+    scratch; after this many attempts of the same prompt the orchestrator stops with the
+    error."""
+    group_retry_backoff_s: float = 1.0
+    """Wait before re-generating a failed group, doubled per attempt (at most 30 s)."""
+    reward_workers: int = 4
+    """Threads running synchronous reward functions (async ones run on the event loop)."""
+
+    def validate(self, key: str = "rollout") -> None:
+        """Raise ValueError naming `key.field` for an out-of-range option."""
+        for name in ("group_size", "max_inflight_groups", "max_new_tokens", "reward_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{key}.{name}={value!r} must be an integer >= 1")
+            at_least(f"{key}.{name}", value, 1)
+        at_least(f"{key}.oversample_factor", self.oversample_factor, 1.0)
+        at_least(f"{key}.temperature", self.temperature, 0.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"{key}.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"{key}.top_k={self.top_k} must be -1 (off) or >= 1")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"{key}.min_p={self.min_p} must be in [0, 1)")
+        if self.partial_rollout not in PARTIAL_ROLLOUT_MODES:
+            raise ValueError(
+                f"{key}.partial_rollout={self.partial_rollout!r}; choose one of "
+                f"{', '.join(PARTIAL_ROLLOUT_MODES)}"
+            )
+        if self.filter_uniform_groups and self.group_size < 2:
+            raise ValueError(
+                f"{key}.filter_uniform_groups=true with {key}.group_size={self.group_size} "
+                "would drop every group (one reward is always uniform); set group_size >= 2 "
+                "or turn the filter off"
+            )
+        at_least(f"{key}.max_retries", self.max_retries, 0)
+        at_least(f"{key}.max_group_attempts", self.max_group_attempts, 1)
+        at_least(f"{key}.request_timeout_s", self.request_timeout_s, 0.0, strict=True)
+        at_least(f"{key}.engine_cooldown_s", self.engine_cooldown_s, 0.0)
+        at_least(f"{key}.group_retry_backoff_s", self.group_retry_backoff_s, 0.0)
+
+    @property
+    def groups_per_round(self) -> int:
+        """Groups launched per over-sampling round: ceil(oversample_factor * max_inflight)."""
+        # the epsilon keeps 1.1 * 10 at 11 despite floating point
+        return max(
+            self.max_inflight_groups,
+            math.ceil(self.oversample_factor * self.max_inflight_groups - 1e-9),
+        )
+
+    def sampling_params(self) -> dict[str, Any]:
+        """SGLang sampling_params for one completion."""
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        return params

@@ -1,0 +1,282 @@
+"""Partial rollouts: continue an aborted completion and splice it into one Trajectory.
+
+# P prompt tokens, R response tokens (R1 before the abort, R2 after), L hidden layers,
+# K experts per token, N mask nnz
+
+A completion aborted by `pause_generation("abort")` (a weight update in
+partial_rollout=abort_resume) comes back with the R1 tokens sampled so far. It is continued
+by a new request whose input is prompt ++ partial response, with max_new_tokens reduced by
+R1, and the two parts become one trajectory: response ids, logprobs, sampling logprobs,
+versions (the old part keeps the old version) and the sampling-mask CSR are concatenated.
+
+Routed experts. Row t of a trajectory's routes holds the experts token t was routed to in
+the forward that first processed it. That forward is also the one that sampled response
+token t - P + 1 (the prompt rows, from the prefill, sampled token 0), so
+
+    row t was routed under versions[clip(t - P + 1, 0, R - 1)]           (route_versions)
+
+in every partial-rollout mode. The continuation re-prefills the prefix under the new
+weights, which routes rows [0, P + R1 - 1) a second time. Those new routes are dropped and
+the recorded ones kept: they are the routes of the forwards that sampled the old tokens,
+which Keep Routing must replay for the old tokens' logprobs to match the engine's (and the
+IS correction compares against exactly those logprobs). The continuation asks only for
+rows from routed_experts_start_len = P + R1 - 1 on: the last old token, never fed back
+before the abort, first routed in the resumed prefill that sampled new token R1. This is
+the layout SGLang's and moerl.engine's `retract` pause and in-place updates produce (each
+token routed once, by the first forward that saw it). What it cannot express: the new
+tokens were sampled after the prefix was re-routed under the new weights, so replaying old
+routes for the prefix in their forward is an approximation, the same one a KV cache kept
+across an in-place update makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any
+
+import numpy as np
+
+from moerl.rollout.client import ENGINE_URL_KEY, EngineClient
+from moerl.rollout.decode import ROUTED_EXPERTS_FIX, decode_routed_experts, trajectory_from_response
+from moerl.rollout.errors import EngineError, RoutedExpertsMissing
+from moerl.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def route_versions(traj: Trajectory) -> np.ndarray:
+    """int32 [P+R-1]: the policy version each routed-experts row was computed under (-1
+    without response tokens: no version was reported)."""
+    P, R = traj.prompt_len, traj.response_len
+    if R == 0:
+        return np.full(max(P - 1, 0), -1, dtype=np.int32)
+    rows_T = np.arange(max(P + R - 1, 0))
+    return traj.versions[np.clip(rows_T - P + 1, 0, R - 1)].astype(np.int32)
+
+
+def version_spans(versions_R: np.ndarray) -> list[dict[str, Any]]:
+    """SGLang-style weight_versions spans [{version, start, end}] of a versions array."""
+    spans: list[dict[str, Any]] = []
+    for t, v in enumerate(versions_R.tolist()):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = t + 1
+        else:
+            spans.append({"version": str(v), "start": t, "end": t + 1})
+    return spans
+
+
+def _segment(traj: Trajectory, start: int) -> dict[str, Any]:
+    return {
+        "start": start,
+        "end": start + traj.response_len,
+        "rid": traj.meta.get("rid"),
+        "engine_url": traj.meta.get("engine_url"),
+        "finish_reason": traj.finish_reason,
+    }
+
+
+def splice(head: Trajectory, tail: Trajectory, tail_routes: np.ndarray | None) -> Trajectory:
+    """One trajectory from an aborted head and its continuation `tail` (whose prompt is
+    head's prompt ++ head's response). tail_routes: the continuation's rows from
+    routed_experts_start_len = P + R1 - 1 on ([R2, L, K]); None when routes are off."""
+    P, R1 = head.prompt_len, head.response_len
+    if R1 == 0:
+        raise ValueError(f"{head.name()}: nothing to splice onto, restart it instead")
+    routes = None
+    if head.routed_experts is not None:
+        if tail_routes is None:
+            raise ValueError(f"{head.name()} has routes but its continuation has none")
+        routes = np.concatenate([head.routed_experts[: P + R1 - 1], tail_routes], axis=0)
+    mask_ids = mask_offsets = None
+    if head.mask_ids is not None and head.mask_offsets is not None:
+        if tail.mask_ids is None or tail.mask_offsets is None:
+            raise ValueError(f"{head.name()} has a sampling mask but its continuation has none")
+        mask_ids = np.concatenate([head.mask_ids, tail.mask_ids])
+        mask_offsets = np.concatenate(
+            [head.mask_offsets, tail.mask_offsets[1:] + head.mask_offsets[-1]]
+        )
+    sampling_logprobs = None
+    if head.sampling_logprobs is not None and tail.sampling_logprobs is not None:
+        sampling_logprobs = np.concatenate([head.sampling_logprobs, tail.sampling_logprobs])
+    versions = np.concatenate([head.versions, tail.versions])
+    segments = list(head.meta.get("segments") or [_segment(head, 0)])
+    segments.append(_segment(tail, R1))
+    meta = {
+        **head.meta,
+        "segments": segments,
+        "resumed": len(segments) - 1,
+        "weight_versions": version_spans(versions),
+        "completion_tokens": R1 + tail.response_len,
+        "finish_reason": tail.meta.get("finish_reason"),
+    }
+    return Trajectory(
+        prompt_ids=head.prompt_ids,
+        response_ids=np.concatenate([head.response_ids, tail.response_ids]),
+        response_logprobs=np.concatenate([head.response_logprobs, tail.response_logprobs]),
+        versions=versions,
+        sampling_logprobs=sampling_logprobs,
+        routed_experts=routes,
+        mask_ids=mask_ids,
+        mask_offsets=mask_offsets,
+        temperature=head.temperature,
+        finish_reason=tail.finish_reason,
+        reward=head.reward,
+        group_id=head.group_id,
+        index=head.index,
+        meta=meta,
+    )
+
+
+async def continue_trajectory(
+    client: EngineClient,
+    head: Trajectory,
+    sampling_params: Mapping[str, Any],
+    *,
+    routed_experts: bool,
+    sampling_mask: bool,
+    num_layers: int | None,
+    topk: int | None,
+    rid: str | None = None,
+) -> Trajectory:
+    """Continue the aborted `head` (R1 >= 1 tokens) for the tokens it has left and return
+    the spliced, validated trajectory (which may itself end in another abort)."""
+    P, R1 = head.prompt_len, head.response_len
+    remaining = int(sampling_params["max_new_tokens"]) - R1
+    if remaining <= 0:  # aborted on its last token: nothing left to sample
+        head.finish_reason = "length"
+        return head
+    prefix = np.concatenate([head.prompt_ids, head.response_ids])
+    params = {**sampling_params, "max_new_tokens": remaining}
+    response = await client.generate(
+        prefix,
+        params,
+        return_logprob=True,
+        return_routed_experts=routed_experts,
+        routed_experts_start_len=P + R1 - 1 if routed_experts else None,
+        return_sampling_mask=sampling_mask,
+        sampling_logprobs_mode="selected" if sampling_mask else None,
+        rid=rid,
+    )
+    if isinstance(response, list):
+        raise EngineError("engine answered a single /generate with a list")
+    url = response.get(ENGINE_URL_KEY)
+    tail = trajectory_from_response(response, prefix, params, sampling_mask=sampling_mask, url=url)
+    tail_routes = None
+    if routed_experts:
+        b64 = response["meta_info"].get("routed_experts")
+        if b64 is None:
+            raise RoutedExpertsMissing(
+                f"routed experts were requested but the continuation response (engine "
+                f"{url}) has none: {ROUTED_EXPERTS_FIX}",
+                urls=[url] if url else None,
+            )
+        tail_routes = decode_routed_experts(
+            b64, rows=tail.response_len, num_layers=num_layers, topk=topk
+        )
+    return splice(head, tail, tail_routes).validate(num_layers=num_layers, topk=topk)
+
+
+MAX_RESUMES = 64
+"""Continuations of one completion before it counts as a failed request."""
+
+
+async def sample_completion(
+    client: EngineClient,
+    prompt_ids: Any,
+    sampling_params: Mapping[str, Any],
+    *,
+    routed_experts: bool,
+    sampling_mask: bool,
+    num_layers: int | None,
+    topk: int | None,
+    group_id: int | str | None = None,
+    index: int | None = None,
+    rid: str | None = None,
+    gate: asyncio.Event | None = None,
+    on_resume: Callable[[], None] | None = None,
+) -> Trajectory:
+    """One completion that survives aborts: each time it comes back with finish_reason
+    abort it waits for `gate` (set while the engines generate) and continues from where it
+    stopped (from scratch when nothing was sampled yet). Continuation rids are
+    f"{rid}r{k}", so an abort of the prefix `rid` reaches them too."""
+    kwargs: dict[str, Any] = {
+        "routed_experts": routed_experts,
+        "sampling_mask": sampling_mask,
+        "num_layers": num_layers,
+        "topk": topk,
+    }
+    if gate is not None:
+        await gate.wait()
+    traj = await client.generate_trajectory(
+        prompt_ids, sampling_params, group_id=group_id, index=index, rid=rid, **kwargs
+    )
+    resumes = 0
+    while traj.finish_reason == "abort":
+        if resumes == MAX_RESUMES:
+            raise EngineError(f"{traj.name()} was aborted {resumes} times; giving up")
+        resumes += 1
+        if on_resume is not None:
+            on_resume()
+        if gate is not None:
+            await gate.wait()
+        sub_rid = None if rid is None else f"{rid}r{resumes}"
+        if traj.response_len == 0:
+            traj = await client.generate_trajectory(
+                prompt_ids, sampling_params, group_id=group_id, index=index, rid=sub_rid, **kwargs
+            )
+        else:
+            traj = await continue_trajectory(client, traj, sampling_params, rid=sub_rid, **kwargs)
+    return traj
+
+
+class UpdateGate:
+    """What generation does around a weight update, per rollout.partial_rollout mode
+    (moerl.rollout.orchestrator): `launch_open` is clear while no group may start,
+    `engines_open` while no request may be sent (aborted completions wait on it)."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        mode: str,
+        in_place_pause: bool,
+        on_control_error: Callable[[], None] | None = None,
+    ) -> None:
+        self.client, self.mode, self.in_place_pause = client, mode, in_place_pause
+        self.on_control_error = on_control_error
+        self.launch_open = asyncio.Event()
+        self.engines_open = asyncio.Event()
+        self.open()
+
+    def open(self) -> None:
+        self.launch_open.set()
+        self.engines_open.set()
+
+    async def before(self, wait_idle: Callable[[], Awaitable[None]]) -> None:
+        """Before the push. wait_idle: returns once no group is generating (drain)."""
+        if self.mode == "drain":
+            self.launch_open.clear()
+            await wait_idle()
+        elif self.mode == "abort_resume":
+            self.launch_open.clear()
+            self.engines_open.clear()
+            await self._control(self.client.pause_generation("abort"))
+        elif self.in_place_pause:
+            await self._control(self.client.pause_generation("in_place"))
+
+    async def after(self) -> None:
+        """Every engine serves the new weights: requests and launches go on."""
+        if self.mode == "abort_resume" or (self.mode == "in_place" and self.in_place_pause):
+            await self._control(self.client.continue_generation())
+        self.open()
+
+    async def _control(self, call: Coroutine[Any, Any, Any]) -> None:
+        # A dead engine must not stop the trainer: it serves nothing, and requests that
+        # reach it fail over. Count it and go on.
+        try:
+            await call
+        except EngineError as err:
+            if self.on_control_error is not None:
+                self.on_control_error()
+            log.warning("engine control call failed: %s", err)

@@ -1,0 +1,88 @@
+"""Scoring a group off the critical path, and the all-or-nothing gather a group needs.
+
+A task's reward is a plain function (run on a private thread pool, so a slow verifier never
+blocks the event loop that keeps other groups generating) or a coroutine function (a remote
+verifier or reward model, awaited on the loop).
+"""
+
+# G completions per group
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from moerl.rollout.trajectory import Trajectory
+from moerl.tasks.base import Prompt, Task
+
+T = TypeVar("T")
+
+
+async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run concurrently; on the first error (or a cancel) cancel the rest, wait for them
+    and raise it. asyncio.gather would leave the others running."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    # the first error in order (each one retrieved, so none is logged as never retrieved)
+    errors = [t.exception() for t in tasks if not t.cancelled()]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [t.result() for t in tasks]
+
+
+def uniform(rewards: Sequence[float]) -> bool:
+    """All rewards equal: GRPO-style advantages are zero, the group teaches nothing."""
+    return max(rewards) == min(rewards)
+
+
+class RewardRunner:
+    """Calls task.reward for every completion of a group, concurrently."""
+
+    def __init__(self, task: Task, workers: int) -> None:
+        self.task = task
+        self.workers = workers
+        self._is_async = inspect.iscoroutinefunction(task.reward)
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def score(self, prompt: Prompt, group: Sequence[Trajectory]) -> list[float]:
+        """One float per completion, in order; ValueError for a non-finite reward."""
+        return await gather_or_cancel([self._one(prompt, traj) for traj in group])
+
+    async def _one(self, prompt: Prompt, traj: Trajectory) -> float:
+        if self._is_async:
+            value = await self.task.reward(prompt, traj)  # type: ignore[misc]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="moerl-reward")
+            loop = asyncio.get_running_loop()
+            value = await loop.run_in_executor(self._pool, self.task.reward, prompt, traj)
+            if inspect.isawaitable(value):  # a plain function that returned a coroutine
+                value = await value
+        try:
+            reward = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            reward = math.nan
+        if not math.isfinite(reward):
+            raise ValueError(
+                f"{type(self.task).__name__}.reward returned {value!r} for prompt "
+                f"{prompt.prompt_id} ({traj.name()}); a reward must be a finite number"
+            )
+        return reward
+
+    def close(self) -> None:
+        """Stop the thread pool; rewards still running finish in the background."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,378 @@
+"""The rollout orchestrator against real embedded engines, a real RolloutBuffer and real
+tasks: groups reach the buffer scored, the cursor resumes exactly, the filter drops
+uniform groups, each partial-rollout mode around a weight-version bump, failover."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from moerl.config.buffer import BufferConfig, StalenessConfig
+from moerl.config.rollout import RolloutConfig
+from moerl.parallel.spawn import free_port
+from moerl.rollout import EngineClient
+from moerl.rollout.buffer import RolloutBuffer
+from moerl.rollout.decode import decode_routed_experts
+from moerl.rollout.errors import EngineError
+from moerl.rollout.orchestrator import Orchestrator, make_client
+from moerl.rollout.partial import route_versions
+from moerl.tasks.base import Prompt
+from moerl.telemetry.timeline import Timeline, load_timeline
+
+L, K = 4, 4  # the tiny DeepSeek model: 4 hidden layers, top-4 routing
+CFG = RolloutConfig(group_size=2, max_inflight_groups=2, max_new_tokens=8, top_k=20)
+LONG = 96  # tokens of a completion that is still running when the test intervenes
+
+
+class EvenTokens:
+    """Prompt i is 4 tokens derived from i; reward = fraction of even response ids."""
+
+    def __init__(self, num_prompts: int | None = None) -> None:
+        self.num_prompts = num_prompts
+
+    def prompts(self, start: int = 0) -> Iterator[Prompt]:
+        i = start
+        while self.num_prompts is None or i < self.num_prompts:
+            yield Prompt(i, np.array([3 + (7 * i + j) % 100 for j in range(4)], np.int32))
+            i += 1
+
+    def reward(self, prompt: Prompt, traj) -> float:  # type: ignore[no-untyped-def]
+        return float(np.mean(traj.response_ids % 2 == 0)) if traj.response_len else 0.0
+
+
+class HalfUniform(EvenTokens):
+    """Async reward: the same for every completion of an even prompt (a uniform group)."""
+
+    async def reward(self, prompt: Prompt, traj) -> float:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0)
+        return 0.5 if prompt.prompt_id % 2 == 0 else float(traj.index)
+
+
+class SlowOdd(EvenTokens):
+    """Odd prompts take a second to score, so the even one of each pair finishes first."""
+
+    async def reward(self, prompt: Prompt, traj) -> float:  # type: ignore[no-untyped-def]
+        if prompt.prompt_id % 2:
+            await asyncio.sleep(1.0)
+        return super().reward(prompt, traj)
+
+
+class RecordingClient(EngineClient):
+    """An EngineClient that keeps every /generate response it received."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.responses: list[dict] = []
+
+    async def generate(self, input_ids, sampling_params, **kwargs):  # type: ignore[no-untyped-def]
+        out = await super().generate(input_ids, sampling_params, **kwargs)
+        self.responses.append({"input_ids": list(np.asarray(input_ids)), **out})
+        return out
+
+
+def new_buffer(max_groups: int = 8) -> RolloutBuffer:
+    return RolloutBuffer(BufferConfig(max_groups=max_groups), StalenessConfig(throttle=False))
+
+
+async def drive(orch: Orchestrator, body):  # type: ignore[no-untyped-def]
+    """Run the orchestrator beside `body()`, then stop it; return body's result."""
+    runner = asyncio.create_task(orch.run())
+    try:
+        return await asyncio.wait_for(body(), 60)
+    finally:
+        await orch.stop()
+        await runner
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert not rest, f"tasks left pending: {rest}"
+
+
+async def wait_running(client: EngineClient, url: str, n: int) -> None:
+    while (await client.server_info())[url]["running_requests"] < n:
+        await asyncio.sleep(0.002)
+
+
+def positions(groups) -> list[int]:  # type: ignore[no-untyped-def]
+    return sorted(g[0].group_id for g in groups)
+
+
+def test_groups_reach_buffer_scored(ds_engine, tmp_path):
+    from moerl.models.tokenizer import build_tiny_tokenizer
+    from moerl.tasks import build_task
+
+    task = build_task("copy_digits", build_tiny_tokenizer())
+    timeline = Timeline(tmp_path, "orchestrator")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            buffer = new_buffer()
+            orch = Orchestrator(client, task, buffer, CFG, num_layers=L, topk=K, timeline=timeline)
+            groups = await drive(orch, lambda: buffer.get_batch(3, 0))
+            return groups, orch.metrics(), orch.state_dict()
+
+    groups, metrics, state = asyncio.run(go())
+    timeline.close()
+    for group in groups:
+        assert [t.index for t in group] == [0, 1]
+        assert len({t.group_id for t in group}) == 1
+        for traj in group:
+            assert 0.0 <= traj.reward <= 1.0
+            assert traj.meta["prompt_id"] == traj.group_id
+            assert traj.mask_offsets is not None and traj.routed_experts is not None
+            traj.validate(num_layers=L, topk=K, num_experts=8)
+    assert metrics["rollout/groups_done"] >= 3 and metrics["rollout/tokens"] >= 3 * 2
+    assert metrics["rollout/gen_s"] > 0 and metrics["rollout/retries"] == 0
+    assert state["cursor"] + len(state["settled"]) >= 3
+    spans = [s for s in load_timeline(tmp_path) if s["kind"] == "generate"]
+    assert {s["group"] for s in spans} >= {g[0].group_id for g in groups}
+
+
+def test_cursor_resumes_without_repeats_or_gaps(ds_engine):
+    """Run 1 fills a 3-group buffer and is stopped; run 2 resumes from its state and
+    finishes the 7-prompt task. Every prompt reaches a buffer exactly once."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            first = new_buffer(max_groups=3)
+            orch = Orchestrator(client, EvenTokens(7), first, CFG, num_layers=L, topk=K)
+
+            async def full() -> None:
+                while len(first) < 3:
+                    await asyncio.sleep(0.01)
+
+            await drive(orch, full)
+            state = orch.state_dict()
+            second = new_buffer()
+            resumed = Orchestrator(client, EvenTokens(7), second, CFG, num_layers=L, topk=K)
+            resumed.load_state_dict(state)
+            await asyncio.wait_for(resumed.run(), 60)  # returns once the task is used up
+            rest = await second.get_batch(len(second), 0)
+            # a resume from an explicit position skips nothing before it
+            skip = Orchestrator(
+                client, EvenTokens(7), new_buffer(), CFG, num_layers=L, topk=K, start_cursor=2
+            )
+            skip.load_state_dict({"cursor": 2, "settled": [3, 5]})
+            await asyncio.wait_for(skip.run(), 60)
+            return await first.get_batch(3, 0), rest, resumed.cursor, skip
+
+    before, after, cursor, skip = asyncio.run(go())
+    assert sorted(positions(before) + positions(after)) == list(range(7))
+    assert cursor == 7
+    assert skip.cursor == 7 and skip.buffer.metrics()["buffer/groups"] == 3.0
+    assert skip.metrics()["rollout/groups_done"] == 3  # positions 2, 4 and 6
+
+
+def test_uniform_groups_are_filtered_and_counted(ds_engine):
+    cfg = replace(CFG, filter_uniform_groups=True)
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            buffer = new_buffer()
+            orch = Orchestrator(client, HalfUniform(6), buffer, cfg, num_layers=L, topk=K)
+            await asyncio.wait_for(orch.run(), 60)
+            return await buffer.get_batch(len(buffer), 0), orch.metrics(), orch.cursor
+
+    groups, metrics, cursor = asyncio.run(go())
+    assert positions(groups) == [1, 3, 5]
+    assert metrics["rollout/groups_filtered"] == 3 and metrics["rollout/groups_done"] == 3
+    assert cursor == 6
+
+
+def test_oversampling_keeps_the_first_groups_of_each_round(ds_engine):
+    """Rounds of 2 groups keeping 1: the slow-scoring odd prompts are cancelled."""
+    cfg = replace(CFG, max_inflight_groups=1, oversample_factor=2.0)
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            buffer = new_buffer()
+            orch = Orchestrator(client, SlowOdd(4), buffer, cfg, num_layers=L, topk=K)
+            await asyncio.wait_for(orch.run(), 60)
+            slots = buffer.metrics()["buffer/in_flight"]
+            return await buffer.get_batch(len(buffer), 0), orch.metrics(), orch.cursor, slots
+
+    groups, metrics, cursor, slots = asyncio.run(go())
+    assert positions(groups) == [0, 2] and cursor == 4 and slots == 0
+    assert metrics["rollout/groups_cancelled"] == 2 and metrics["rollout/groups_done"] == 2
+
+
+def test_abort_resume_splices_one_trajectory_across_versions(ds_engine):
+    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="abort_resume")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with RecordingClient([ds_engine.url]) as client:
+            old = int((await client.model_info())[ds_engine.url]["weight_version"])
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
+
+            async def update():  # type: ignore[no-untyped-def]
+                await wait_running(client, ds_engine.url, 2)
+                await orch.before_update()
+                await client.update_weight_version(old + 1)
+                await orch.after_update(old + 1)
+                return await buffer.get_batch(1, old + 1)
+
+            (group,) = await drive(orch, update)
+            return old, group, client.responses, orch.metrics()
+
+    old, group, responses, metrics = asyncio.run(go())
+    aborted = {r["meta_info"]["id"]: r for r in responses if r["meta_info"]["finish_reason"]["type"] == "abort"}  # fmt: skip
+    assert metrics["rollout/resumed"] == 2 and len(aborted) == 2
+    for traj in group:
+        traj.validate(num_layers=L, topk=K, num_experts=8)
+        P, R = traj.prompt_len, traj.response_len
+        assert R == LONG and traj.finish_reason == "length"
+        head_seg, tail_seg = traj.meta["segments"]
+        r1 = head_seg["end"]
+        assert 0 < r1 < LONG and tail_seg == {**tail_seg, "start": r1, "end": LONG}
+        assert np.all(traj.versions[:r1] == old) and np.all(traj.versions[r1:] == old + 1)
+        head = aborted[head_seg["rid"]]
+        assert traj.response_ids[:r1].tolist() == head["output_ids"]
+        lp = [e[0] for e in head["meta_info"]["output_token_logprobs"]]
+        assert np.allclose(traj.response_logprobs[:r1], lp)
+        head_routes = decode_routed_experts(
+            head["meta_info"]["routed_experts"], rows=P + r1 - 1, num_layers=L, topk=K
+        )
+        assert np.array_equal(traj.routed_experts[: P + r1 - 1], head_routes)
+        (tail,) = [r for r in responses if r["meta_info"]["id"] == tail_seg["rid"]]
+        assert tail["input_ids"] == traj.prompt_ids.tolist() + head["output_ids"]
+        tail_routes = decode_routed_experts(
+            tail["meta_info"]["routed_experts"], rows=LONG - r1, num_layers=L, topk=K
+        )
+        assert np.array_equal(traj.routed_experts[P + r1 - 1 :], tail_routes)
+        assert traj.mask_offsets[-1] == traj.mask_ids.shape[0]
+        row_versions = route_versions(traj)
+        assert np.all(row_versions[: P + r1 - 1] == old)
+        assert np.all(row_versions[P + r1 - 1 :] == old + 1)
+
+
+def test_in_place_versions_change_mid_response(ds_engine):
+    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="in_place")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            old = int((await client.model_info())[ds_engine.url]["weight_version"])
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
+
+            async def update():  # type: ignore[no-untyped-def]
+                await wait_running(client, ds_engine.url, 2)
+                await orch.before_update()  # pauses the engines in place
+                await client.update_weight_version(old + 1)
+                await orch.after_update(old + 1)
+                return await buffer.get_batch(1, old + 1)
+
+            (group,) = await drive(orch, update)
+            return old, group, orch.metrics()
+
+    old, group, metrics = asyncio.run(go())
+    assert metrics["rollout/resumed"] == 0
+    for traj in group:
+        traj.validate(num_layers=L, topk=K, num_experts=8)
+        assert traj.response_len == LONG and "segments" not in traj.meta
+        switch = int(np.argmax(traj.versions == old + 1))
+        assert 0 < switch < LONG
+        assert np.all(traj.versions[:switch] == old) and np.all(traj.versions[switch:] == old + 1)
+
+
+def test_drain_waits_for_inflight_groups(ds_engine):
+    cfg = replace(CFG, max_new_tokens=32, ignore_eos=True, partial_rollout="drain")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            old = int((await client.model_info())[ds_engine.url]["weight_version"])
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(), buffer, cfg, num_layers=L, topk=K)
+
+            async def update():  # type: ignore[no-untyped-def]
+                await wait_running(client, ds_engine.url, 2)
+                await orch.before_update()  # returns once groups 0 and 1 are generated
+                idle = (await client.server_info())[ds_engine.url]["running_requests"]
+                await asyncio.sleep(0.2)  # nothing launches while drained
+                still = orch.generating
+                await client.update_weight_version(old + 1)
+                await orch.after_update(old + 1)
+                return idle, still, await buffer.get_batch(4, old + 1)
+
+            return old, await drive(orch, update)
+
+    old, (idle, still, groups) = asyncio.run(go())
+    assert idle == 0 and still == 0
+    assert {0, 1} <= set(positions(groups))
+    for group in groups:  # no group spans the update
+        for traj in group:
+            assert np.all(traj.versions == (old if traj.group_id < 2 else old + 1))
+
+
+def test_dead_engine_fails_over_and_lost_groups_come_back(ds_engine):
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def go(max_retries: int):  # type: ignore[no-untyped-def]
+        cfg = replace(CFG, max_retries=max_retries, group_retry_backoff_s=0.0)
+        async with make_client([dead, ds_engine.url], cfg, retry_backoff_s=0.01) as client:
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(3), buffer, cfg, num_layers=L, topk=K)
+            await asyncio.wait_for(orch.run(), 60)
+            in_flight = buffer.metrics()["buffer/in_flight"]
+            return await buffer.get_batch(3, 0), orch.metrics(), in_flight
+
+    # retried on the live engine: every request is served there
+    groups, metrics, _ = asyncio.run(go(max_retries=2))
+    assert positions(groups) == [0, 1, 2] and metrics["rollout/retries"] >= 1
+    assert all(t.meta["engine_url"] == ds_engine.url for g in groups for t in g)
+    assert metrics["rollout/group_failures"] == 0
+    # no retries: the first request (to the dead engine) fails its group, which comes back
+    groups, metrics, in_flight = asyncio.run(go(max_retries=0))
+    assert positions(groups) == [0, 1, 2] and metrics["rollout/group_failures"] >= 1
+    assert in_flight == 0
+
+
+def test_persistent_failure_stops_run_and_releases_slots():
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = replace(CFG, max_retries=0, max_group_attempts=2, group_retry_backoff_s=0.0)
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with make_client([dead], cfg, retry_backoff_s=0.01) as client:
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(2), buffer, cfg, num_layers=L, topk=K)
+            with pytest.raises(EngineError, match="failed 2 times"):
+                await asyncio.wait_for(orch.run(), 60)
+            return buffer.metrics(), orch.metrics()
+
+    buffer_metrics, metrics = asyncio.run(go())
+    assert buffer_metrics["buffer/in_flight"] == 0 and metrics["rollout/group_failures"] >= 2
+
+
+def test_stop_aborts_requests_on_the_engine(ds_engine):
+    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True)
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(), buffer, cfg, num_layers=L, topk=K)
+            await drive(orch, lambda: wait_running(client, ds_engine.url, 2))
+            await asyncio.sleep(0.05)
+            return (await client.server_info())[ds_engine.url], buffer.metrics()
+
+    info, buffer_metrics = asyncio.run(go())
+    assert info["running_requests"] == 0 and info["waiting_requests"] == 0
+    assert buffer_metrics["buffer/in_flight"] == 0
+
+
+def test_config_yaml_and_validation():
+    from importlib import resources
+
+    raw = OmegaConf.load(str(resources.files("moerl.conf").joinpath("rollout", "default.yaml")))
+    raw.pop("defaults")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), raw))
+    cfg.validate("rollout")
+    assert replace(cfg, oversample_factor=1.5, max_inflight_groups=4).groups_per_round == 6
+    with pytest.raises(ValueError, match="rollout.partial_rollout='later'"):
+        replace(cfg, partial_rollout="later").validate("rollout")
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        replace(cfg, group_size=1, filter_uniform_groups=True).validate("rollout")
+    with pytest.raises(ValueError, match="oversample_factor"):
+        replace(cfg, oversample_factor=0.5).validate("rollout")
