@@ -93,7 +93,14 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
 def run_rank(cfg: Any, run_dir: str) -> None:
     """One trainer rank (its process group is up): rank 0 prepares the checkpoint and
     engines and tells the others where they are."""
+    import logging
+
     import torch.distributed as dist
+
+    # Hydra configures INFO logging in the job process (torchrun ranks): keep the HTTP
+    # client's per-request lines out of the console
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     from moerl.loop import RunContext, run_training
 
@@ -150,7 +157,7 @@ def main(cfg: DictConfig) -> None:
     from moerl.parallel.spawn import spawn
 
     try:
-        spawn(run_rank, world, typed, run_dir)
+        spawn(run_rank, world, typed, run_dir, threads=typed.launcher.threads)
     except KeyboardInterrupt:
         print("moerl: interrupted; ranks and engines stopped", file=sys.stderr)
         raise SystemExit(130) from None

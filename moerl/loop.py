@@ -56,6 +56,7 @@ def _step_metrics(trajs: list[Any], version: int, wall_s: float, wait_s: float) 
         "tokens_per_s": tokens / max(wall_s, 1e-9),
         "trainer_idle_frac": wait_s / max(wall_s, 1e-9),
         "response_len_mean": tokens / max(len(trajs), 1),
+        "batch_versions": float(len(np.unique(versions))),
         "step_s": wall_s,
     }
     out.update(staleness_hist_metrics(staleness_histogram(versions, version)))
@@ -72,6 +73,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     from moerl.rollout.orchestrator import Orchestrator
     from moerl.sync.weights import WeightSync
     from moerl.tasks import build_task
+    from moerl.telemetry.batches import BatchLog
     from moerl.telemetry.metrics import MetricsWriter
     from moerl.telemetry.progress import Progress
     from moerl.telemetry.timeline import Timeline
@@ -92,7 +94,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     groups_per_step = cfg.trainer.global_batch_size // group_size
 
     aio = EventLoopThread("moerl-rollout") if leader else None
-    client = buffer = orch = orch_future = writer = bar = timeline = None
+    client = buffer = orch = orch_future = writer = bar = timeline = batches = None
     if leader:
         assert aio is not None
 
@@ -141,6 +143,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             wandb_project=cfg.telemetry.wandb_project, resume_step=start,
         )  # fmt: skip
         bar = Progress(cfg.trainer.train_iters, min_interval_s=cfg.telemetry.progress_interval_s)
+        batches = BatchLog(ctx.run_dir, resume_step=start)
 
     def span(kind: str, **attrs: Any) -> Any:
         return timeline.span(kind, **attrs) if timeline is not None else nullcontext()
@@ -187,8 +190,9 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 metrics["time_s"] = time.time() - t_run
                 metrics.update(aio.run(_call(buffer.metrics)))
                 metrics.update(aio.run(_call(orch.metrics)))
-                assert writer is not None and bar is not None
+                assert writer is not None and bar is not None and batches is not None
                 writer.log(step, metrics)
+                batches.log(step, trajs)
                 bar.update(step + 1, metrics)
                 last = metrics
             every = cfg.trainer.save_every
@@ -211,6 +215,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 aio.run(_call(buffer.close))
             if writer is not None:
                 writer.close()
+            if batches is not None:
+                batches.close()
             if bar is not None:
                 bar.close()
         if leader:

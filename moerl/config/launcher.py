@@ -14,6 +14,8 @@ class LauncherConfig:
 
     nproc: int | None = None
     """Trainer processes (the world size); None = WORLD_SIZE from torchrun, else 1."""
+    threads: int | None = None
+    """torch CPU threads per locally spawned trainer rank; None = CPU cores / ranks."""
     dry_run: bool = False
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None

@@ -8,12 +8,14 @@ moerl/rollout/orchestrator.py.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from moerl.algo.config import at_least
 
 PARTIAL_ROLLOUT_MODES = ("in_place", "abort_resume", "drain")
+LENGTH_DISTRIBUTIONS = ("fixed", "lognormal")
 
 
 @dataclass
@@ -49,6 +51,22 @@ class RolloutConfig:
     ignore_eos)."""
     ignore_eos: bool = False
     """Keep sampling past EOS until max_new_tokens (benchmarks, tests)."""
+    length_distribution: str = "fixed"
+    """Response lengths, for benchmarks and tests. 'fixed': every completion may run to
+    max_new_tokens (it ends at EOS or a stop token first). 'lognormal': each completion
+    draws its own length from a log-normal distribution (length_median, length_sigma),
+    rounded and clipped to [1, max_new_tokens], and samples exactly that many tokens
+    (ignore_eos), whatever the model: a long-tailed workload (p90/median = e^(1.28 sigma)
+    before clipping)."""
+    length_median: int = 16
+    """With length_distribution=lognormal: the median response length in tokens."""
+    length_sigma: float = 1.5
+    """With length_distribution=lognormal: the standard deviation of log(length); 1.26
+    puts p90 at 5x the median, 1.5 at 6.8x."""
+    length_seed: int = 0
+    """With length_distribution=lognormal: the draw for completion `index` of the prompt
+    at stream position `group_id` depends only on (length_seed, group_id, index), so
+    runs compare on identical lengths."""
     return_routed_experts: bool = True
     """Record the experts every token was routed to (needed by Keep Routing replay)."""
     return_sampling_mask: bool = True
@@ -84,7 +102,8 @@ class RolloutConfig:
 
     def validate(self, key: str = "rollout") -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
-        for name in ("group_size", "max_inflight_groups", "max_new_tokens", "reward_workers"):
+        ints = ("group_size", "max_inflight_groups", "max_new_tokens", "reward_workers")
+        for name in (*ints, "length_median"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{key}.{name}={value!r} must be an integer >= 1")
@@ -108,6 +127,18 @@ class RolloutConfig:
                 "would drop every group (one reward is always uniform); set group_size >= 2 "
                 "or turn the filter off"
             )
+        if self.length_distribution not in LENGTH_DISTRIBUTIONS:
+            raise ValueError(
+                f"{key}.length_distribution={self.length_distribution!r}; choose one of "
+                f"{', '.join(LENGTH_DISTRIBUTIONS)}"
+            )
+        if self.length_distribution == "lognormal":
+            if not 1 <= self.length_median <= self.max_new_tokens:
+                raise ValueError(
+                    f"{key}.length_median={self.length_median} must be in [1, "
+                    f"{key}.max_new_tokens={self.max_new_tokens}]"
+                )
+            at_least(f"{key}.length_sigma", self.length_sigma, 0.0)
         at_least(f"{key}.max_retries", self.max_retries, 0)
         at_least(f"{key}.max_group_attempts", self.max_group_attempts, 1)
         at_least(f"{key}.request_timeout_s", self.request_timeout_s, 0.0, strict=True)
@@ -122,6 +153,15 @@ class RolloutConfig:
             self.max_inflight_groups,
             math.ceil(self.oversample_factor * self.max_inflight_groups - 1e-9),
         )
+
+    def completion_length(self, group_id: int, index: int) -> int | None:
+        """The response length drawn for completion `index` of group `group_id` under
+        length_distribution, or None when it is 'fixed' (EOS or max_new_tokens ends it)."""
+        if self.length_distribution == "fixed":
+            return None
+        rng = random.Random(f"{self.length_seed}-{group_id}-{index}")
+        draw = rng.lognormvariate(math.log(self.length_median), self.length_sigma)
+        return min(max(round(draw), 1), self.max_new_tokens)
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling_params for one completion."""

@@ -175,6 +175,8 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
                 f"launcher.nproc={lc.nproc} but the world size is {world_size}; "
                 "drop launcher.nproc or make the two agree"
             )
+    if lc.threads is not None:
+        _positive("launcher.threads", lc.threads)
     if lc.backend is not None:
         _one_of("launcher.backend", lc.backend, BACKENDS)
 

@@ -287,10 +287,14 @@ class Orchestrator:
             await self._requeue(flight, err)
 
     async def _completion(self, prompt: Prompt, flight: _Flight, index: int) -> Trajectory:
+        sampling = self._sampling
+        length = self.cfg.completion_length(flight.item.pos, index)
+        if length is not None:  # a drawn length (cfg.length_distribution), EOS or not
+            sampling = {**sampling, "max_new_tokens": length, "ignore_eos": True}
         traj = await sample_completion(
             self.client,
             prompt.input_ids,
-            self._sampling,
+            sampling,
             routed_experts=self.cfg.return_routed_experts,
             sampling_mask=self.cfg.return_sampling_mask,
             num_layers=self.num_layers,

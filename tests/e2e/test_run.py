@@ -1,0 +1,165 @@
+"""The main job end to end: `python -m moerl.launch +recipe=deepseek_moe` with a real
+embedded engine, real trainer ranks and real weight sync, on the CPU.
+
+- under torchrun (EP=2): the reward rises, batches mix policy versions, the IS
+  correction engages, and the first (on-policy) step has IS ratio 1;
+- killed after a checkpoint and resumed: steps, versions and the data cursor continue,
+  nothing lost or repeated;
+- with max_staleness=0 the loop is exactly synchronous (on-policy every step, and
+  generation never overlaps training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moerl.telemetry.batches import read_batches
+from moerl.telemetry.metrics import read_metrics
+from moerl.telemetry.timeline import load_timeline
+
+QUIET = ["telemetry.progress_interval_s=1000"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+
+
+def _launch(
+    run_dir: Path,
+    *overrides: str,
+    torchrun: int = 0,
+    recipe: str = "deepseek_moe",
+    timeout: int = 600,
+) -> str:
+    prefix = [sys.executable, "-m", "moerl.launch"]
+    if torchrun:
+        prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                  str(torchrun), "-m", "moerl.launch"]  # fmt: skip
+    proc = subprocess.run(
+        [*prefix, f"+recipe={recipe}", *QUIET, f"hydra.run.dir={run_dir}", *overrides],
+        cwd=run_dir.parent, env=_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def _no_prompt_twice(run_dir: Path) -> None:
+    groups = [g for b in read_batches(run_dir) for g in b["groups"]]
+    assert groups and len(groups) == len(set(groups)), "a prompt was trained on twice"
+
+
+def test_async_run_under_torchrun_ep2(tmp_path):
+    run = tmp_path / "ep2"
+    # capacity 6 groups with 4 per step: every batch takes the 2 oldest groups (one
+    # version behind) and 2 newer ones, and the IS correction handles the staleness
+    _launch(run, "parallel=ep2", "trainer.train_iters=30", "staleness=correct",
+            "buffer.max_groups=6", "telemetry.flip_every=10", torchrun=2)  # fmt: skip
+    m = read_metrics(run)
+    assert [r["step"] for r in m] == list(range(30))
+    reward = np.array([r["reward_mean"] for r in m])
+    first, last = reward[:6].mean(), reward[-6:].mean()
+    assert last > 2 * first and last > first + 0.04, reward.round(3).tolist()
+    assert max(r["batch_versions"] for r in m) >= 2  # one batch, several versions
+    assert max(r["staleness_max"] for r in m) >= 1
+    assert max(abs(r["is/weight_mean"] - 1.0) for r in m) > 1e-3  # the correction engages
+    # step 0 trains fresh fp32 rollouts: with routes replayed and the mask applied the
+    # IS ratio is 1 (the strict anchor check); later on-policy tokens stay that close
+    assert m[0]["mismatch/onpolicy_log_ratio_abs_max"] < 1e-5
+    assert all(r["mismatch/onpolicy_log_ratio_abs_max"] < 1e-4 for r in m)
+    # fresh routing differs from the engine's on some tokens: replay is doing work
+    assert any(r.get("router_flip/mean", 0.0) > 0 for r in m)
+    for key in ("tokens_per_s", "trainer_idle_frac", "mismatch_k3", "staleness_max"):
+        assert all(key in r for r in m)
+    _no_prompt_twice(run)
+    # the run directory feeds the plots
+    out = subprocess.run([sys.executable, "tools/plot_run.py", str(run)], capture_output=True,
+                         text=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert {"reward.png", "staleness.png", "timeline.png"} <= {p.name for p in run.glob("*.png")}
+
+
+def _no_orphan_engines(model_path: Path, wait_s: float = 20.0) -> None:
+    """The engine the killed run started goes down with it (it dies with its parent)."""
+    import psutil
+
+    def engines() -> list:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info.get("cmdline") or []
+            if "moerl.engine" in cmd and str(model_path) in cmd:
+                found.append(p)
+        return found
+
+    deadline = time.time() + wait_s
+    while engines() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not engines(), "an engine outlived the killed run"
+
+
+def test_kill_after_checkpoint_and_resume(tmp_path):
+    run = tmp_path / "resume"
+    run.mkdir()
+    ckpt = run / "ckpt"
+    args = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", *QUIET, f"hydra.run.dir={run}",
+            "trainer.train_iters=8", "trainer.save_every=3", f"trainer.checkpoint_dir={ckpt}"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.time() + 300
+    while not (ckpt / "step_000006" / "progress.json").is_file():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+        assert time.time() < deadline, "no checkpoint after 300 s"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # launcher and rank die at once, like a lost node
+    proc.wait()
+    _no_orphan_engines(run / "init_hf")
+    killed_at = len(read_metrics(run))
+    assert killed_at >= 6
+    saved = json.loads((ckpt / "step_000006" / "progress.json").read_text())
+    assert saved["version"] == 6 and saved["cursor"] >= 6 * 4
+
+    _launch(run, "trainer.train_iters=8", "trainer.save_every=3", f"trainer.checkpoint_dir={ckpt}",
+            "trainer.resume=true")  # fmt: skip
+    m = read_metrics(run)
+    assert [r["step"] for r in m] == list(range(8))  # none lost, none repeated
+    assert [int(r["version"]) for r in m] == list(range(1, 9))
+    _no_prompt_twice(run)
+    batches = read_batches(run)
+    assert [b["step"] for b in batches] == list(range(8))
+    # the resumed steps train prompts at or after the saved cursor, or ones that were
+    # waiting in the saved buffer
+    buffered = {t["group_id"] for g in saved["buffer"]["groups"] for t in g["trajectories"]}
+    for b in batches[6:]:
+        assert all(g >= saved["cursor"] or g in buffered for g in b["groups"]), b
+
+
+def test_max_staleness_zero_is_synchronous(tmp_path):
+    run = tmp_path / "sync"
+    _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4", "telemetry.flip_every=0")
+    m = read_metrics(run)
+    assert [r["step"] for r in m] == list(range(4))
+    for r in m:
+        assert r["staleness_max"] == 0 and r["batch_versions"] == 1
+        assert r["mismatch/onpolicy_frac"] == 1.0
+        assert r["mismatch/onpolicy_log_ratio_abs_max"] < 1e-4  # on-policy every step
+    spans = load_timeline(run)
+    gen = [(s["start"], s["end"]) for s in spans if s["kind"] == "generate"]
+    train = [(s["start"], s["end"]) for s in spans if s["kind"] == "train"]
+    assert gen and train
+    overlap = [(g, t) for g in gen for t in train if g[0] < t[1] and t[0] < g[1]]
+    assert not overlap, "generation ran while the trainer trained"
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_moe"])
+def test_other_recipe_runs(tmp_path, recipe):
+    run = tmp_path / recipe
+    _launch(run, "trainer.train_iters=2", "telemetry.flip_every=1", recipe=recipe)
+    assert [r["step"] for r in read_metrics(run)] == [0, 1]
