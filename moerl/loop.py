@@ -167,10 +167,15 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             wait_s = time.time() - t0
             trajs = _broadcast(trajs)
             with span("train", step=step):
-                metrics = trainer.step(trajs)
+                # probes first: they measure the weights that the batch's IS ratios use
+                probes: dict[str, float] = {}
                 flip_every = cfg.telemetry.flip_every
                 if flip_every and (step % flip_every == 0 or step == cfg.trainer.train_iters - 1):
-                    metrics.update(trainer.router_flip_rates(trajs, cfg.telemetry.flip_sample))
+                    probes.update(trainer.router_flip_rates(trajs, cfg.telemetry.flip_sample))
+                every = cfg.telemetry.decompose_every
+                if every and step % every == 0:
+                    probes.update(trainer.mismatch_decomposition(trajs, cfg.telemetry.flip_sample))
+                metrics = {**trainer.step(trajs), **probes}
             if (step + 1) % cfg.sync.every == 0 or step == cfg.trainer.train_iters - 1:
                 with span("sync", step=step, version=trainer.version):
                     if leader:

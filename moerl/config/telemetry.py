@@ -15,7 +15,10 @@ class TelemetryConfig:
     """Measure the router flip rate (a no-replay forward on a sample) every this many
     steps; 0 = never."""
     flip_sample: int = 8
-    """Trajectories in that sample."""
+    """Trajectories in that sample (also for the mismatch decomposition)."""
+    decompose_every: int = 10
+    """Split trainer-vs-rollout mismatch into routing / sampling mask / staleness /
+    numerics (four forwards of a sample) every this many steps; 0 = never."""
     timeline: bool = True
     """Record generation / training / sync spans per process (timeline.*.jsonl) for
     tools/plot_run.py."""
@@ -27,7 +30,7 @@ class TelemetryConfig:
     """W&B project name; None = 'moerl'."""
 
     def validate(self, key: str = "telemetry") -> None:
-        if self.flip_every < 0 or self.flip_sample < 1:
+        if self.flip_every < 0 or self.flip_sample < 1 or self.decompose_every < 0:
             raise ValueError(
                 f"{key}.flip_every={self.flip_every} must be >= 0 and "
                 f"{key}.flip_sample={self.flip_sample} >= 1"

@@ -157,17 +157,12 @@ class Trainer:
     def router_flip_rates(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
         """Per-layer router flip rate on a sample of ``trajs``: a forward without replay,
         compared with the engine's recorded routes (MoE layers; dense layers report 0)."""
-        from megatron.core import parallel_state
 
         from moerl.trainer.forward import trainer_logprobs
 
-        unit = parallel_state.get_data_parallel_world_size() * self.micro_batch_size
-        count = min(len(trajs), max(unit, -(-sample // unit) * unit))
-        count -= count % unit
-        picked = [t for t in trajs[:count] if t.routed_experts is not None]
-        if len(picked) < unit:
+        picked = self._sample(trajs, sample)
+        if not picked:
             return {}
-        picked = picked[: len(picked) - len(picked) % unit]
         res = trainer_logprobs(
             self.chunks, picked, replay="none", use_mask=False, micro_batch_size=self.micro_batch_size,
             num_layers=self.model.num_layers, topk=self.model.moe_router_topk,
@@ -178,6 +173,56 @@ class Trainer:
         out = {f"router_flip/layer{i}": float(rates[i]) for i in moe}
         out["router_flip/mean"] = float(rates[moe].mean()) if moe else 0.0
         return out
+
+    def _sample(self, trajs: list[Trajectory], sample: int) -> list[Trajectory]:
+        """Up to ``sample`` trajectories with routes, a whole number of micro-batches per
+        data-parallel rank (empty when there are too few)."""
+        from megatron.core import parallel_state
+
+        unit = parallel_state.get_data_parallel_world_size() * self.micro_batch_size
+        picked = [t for t in trajs if t.routed_experts is not None]
+        count = min(len(picked), max(unit, -(-sample // unit) * unit))
+        return picked[: count - count % unit]
+
+    def mismatch_decomposition(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
+        """Trainer-vs-rollout mismatch (k3) on a sample of ``trajs``, split into routing
+        (replay on/off), sampling mask (on/off), staleness (tokens of older versions) and
+        numerics (the rest), by four forwards of the same tokens. Needs a model built
+        with routing replay (trainer.replay != 'none'); {} otherwise."""
+        import numpy as np
+
+        from moerl.telemetry.metrics import decomposition_metrics
+        from moerl.telemetry.mismatch import decompose
+        from moerl.trainer.forward import trainer_logprobs
+
+        picked = self._sample(trajs, sample)
+        if self.cfg.replay == "none" or not picked:
+            return {}
+        runs = {}
+        for replay in ("all", "none"):
+            for mask in (True, False):
+                res = trainer_logprobs(
+                    self.chunks, picked, replay=replay, use_mask=mask,
+                    micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
+                    topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
+                    packing=self.cfg.packing, pack_length=self.cfg.pack_length,
+                )  # fmt: skip
+                runs[replay, mask] = np.concatenate([res.logprobs[i] for i in range(len(picked))])
+
+        def cat(field: str) -> np.ndarray:
+            return np.concatenate(
+                [np.asarray(getattr(t, field) if getattr(t, field) is not None
+                            else t.response_logprobs, dtype=np.float64) for t in picked]
+            )  # fmt: skip
+
+        stale = np.concatenate([np.asarray(t.versions) < self.version for t in picked])
+        dec = decompose(
+            replay_mask_T=runs["all", True], fresh_route_mask_T=runs["none", True],
+            replay_full_vocab_T=runs["all", False], fresh_route_full_vocab_T=runs["none", False],
+            rollout_sampling_T=cat("sampling_logprobs"), rollout_full_T=cat("response_logprobs"),
+            stale_T=stale,
+        )  # fmt: skip
+        return decomposition_metrics(dec)
 
     def save(self, **progress: Any) -> Path:
         """Checkpoint model, optimizer, RNG and progress (version, plus ``progress``)."""

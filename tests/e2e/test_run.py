@@ -77,6 +77,10 @@ def test_async_run_under_torchrun_ep2(tmp_path):
     assert all(r["mismatch/onpolicy_log_ratio_abs_max"] < 1e-4 for r in m)
     # fresh routing differs from the engine's on some tokens: replay is doing work
     assert any(r.get("router_flip/mean", 0.0) > 0 for r in m)
+    # the mismatch decomposition (every 10 steps): nothing to decompose on step 0
+    probed = [r for r in m if "mismatch/routing" in r]
+    assert [r["step"] for r in probed] == [0, 10, 20]
+    assert abs(probed[0]["mismatch/total"]) < 1e-6 and probed[-1]["mismatch/staleness"] > 0
     for key in ("tokens_per_s", "trainer_idle_frac", "mismatch_k3", "staleness_max"):
         assert all(key in r for r in m)
     _no_prompt_twice(run)
@@ -84,7 +88,8 @@ def test_async_run_under_torchrun_ep2(tmp_path):
     out = subprocess.run([sys.executable, "tools/plot_run.py", str(run)], capture_output=True,
                          text=True, cwd=Path(__file__).parents[2])  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert {"reward.png", "staleness.png", "timeline.png"} <= {p.name for p in run.glob("*.png")}
+    pngs = {p.name for p in run.glob("*.png")}
+    assert {"reward.png", "staleness.png", "mismatch.png", "timeline.png"} <= pngs
 
 
 def _no_orphan_engines(model_path: Path, wait_s: float = 20.0) -> None:
