@@ -114,7 +114,8 @@ def run_rank(cfg: Any, run_dir: str) -> None:
             info = [(str(hf_dir), urls)]
         dist.broadcast_object_list(info, src=0)
         hf, urls = info[0]
-        last = run_training(cfg, RunContext(run_dir=root, hf_dir=Path(hf), engine_urls=urls))
+        ctx = RunContext(run_dir=root, hf_dir=Path(hf), engine_urls=urls, engines=procs)
+        last = run_training(cfg, ctx)
         if dist.get_rank() == 0 and last:
             print(
                 f"moerl: done, step {int(last.get('version', 0))}, reward_mean "

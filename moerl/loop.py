@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class RunContext:
     run_dir: Path
     hf_dir: Path  # the initial HF checkpoint: the trainer loads it, the engines serve it
     engine_urls: list[str]
+    engines: list[Any] = field(default_factory=list)  # rank 0: the EngineProcesses moerl owns
 
 
 def _broadcast(obj: Any) -> Any:
@@ -71,6 +72,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     from moerl.rollout.client import EngineClient
     from moerl.rollout.faults import make_client as make_rollout_client
     from moerl.rollout.orchestrator import Orchestrator
+    from moerl.rollout.supervisor import EngineSupervisor
     from moerl.sync.weights import WeightSync
     from moerl.tasks import build_task
     from moerl.telemetry.batches import BatchLog
@@ -95,6 +97,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
 
     aio = EventLoopThread("moerl-rollout") if leader else None
     client = buffer = orch = orch_future = writer = bar = timeline = batches = None
+    supervisor = supervisor_future = None
     if leader:
         assert aio is not None
 
@@ -104,13 +107,18 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         client = aio.run(make_client())
         aio.run(client.wait_until_healthy(cfg.engine.startup_timeout_s))
     backend = cfg.sync.backend or ("nccl" if device.has_cuda() else "gloo")
-    sync = WeightSync(
-        trainer.chunks, cfg.model, client=client, bucket_mb=cfg.sync.bucket_mb,
-        dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
-        master_port=cfg.sync.master_port, run_coro=aio.submit if aio else None,
-        flush_cache=cfg.rollout.partial_rollout != "in_place",
-    )  # fmt: skip
-    sync.connect()
+
+    def connect() -> WeightSync:
+        ws = WeightSync(
+            trainer.chunks, cfg.model, client=client, bucket_mb=cfg.sync.bucket_mb,
+            dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
+            master_port=cfg.sync.master_port, run_coro=aio.submit if aio else None,
+            flush_cache=cfg.rollout.partial_rollout != "in_place",
+        )  # fmt: skip
+        ws.connect()
+        return ws
+
+    sync = connect()
     if start > 0:  # the engines started from the initial weights
         sync.push(trainer.version)
 
@@ -138,6 +146,15 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
 
         buffer, orch = aio.run(make_rollout())
         orch_future = aio.submit(orch.run())
+
+        async def make_supervisor() -> EngineSupervisor:
+            return EngineSupervisor(
+                client, ctx.engine_urls, ctx.engines, interval_s=cfg.engine.health_interval_s,
+                max_failures=cfg.engine.max_health_failures, max_restarts=cfg.engine.max_restarts,
+            )  # fmt: skip
+
+        supervisor = aio.run(make_supervisor())
+        supervisor_future = aio.submit(supervisor.run())
         writer = MetricsWriter(
             ctx.run_dir, tensorboard=cfg.telemetry.tensorboard, wandb=cfg.telemetry.wandb,
             wandb_project=cfg.telemetry.wandb_project, resume_step=start,
@@ -159,9 +176,13 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 with span("wait", step=step):
                     batch_future = aio.submit(buffer.get_batch(groups_per_step, trainer.version))
                     while not batch_future.done():
-                        if orch_future.done():  # generation died: surface its error
-                            orch_future.result()
-                            raise RuntimeError("the orchestrator stopped before the run ended")
+                        for role, fut in (
+                            ("orchestrator", orch_future),
+                            ("supervisor", supervisor_future),
+                        ):
+                            if fut is not None and fut.done():  # surface its error
+                                fut.result()
+                                raise RuntimeError(f"the {role} stopped before the run ended")
                         time.sleep(0.01)
                     trajs = [t for group in batch_future.result() for t in group]
             wait_s = time.time() - t0
@@ -178,12 +199,23 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 metrics = {**trainer.step(trajs), **probes}
             if (step + 1) % cfg.sync.every == 0 or step == cfg.trainer.train_iters - 1:
                 with span("sync", step=step, version=trainer.version):
+                    # engines restarted since the last push join a new weight group
+                    rejoin = _broadcast(
+                        aio.run(supervisor.before_push()) if aio and supervisor else False
+                    )
+                    if rejoin:
+                        if leader:
+                            _close_quietly(sync)
+                        sync = connect()
                     if leader:
                         assert aio is not None and orch is not None
                         aio.run(orch.before_update())
                     stats = sync.push(trainer.version)
                     if leader:
                         aio.run(orch.after_update(trainer.version))
+                        if rejoin:
+                            assert supervisor is not None
+                            aio.run(supervisor.reconnected())
                         aio.run(_set_version(buffer, trainer.version))
                         metrics["sync/seconds"] = float(stats.get("seconds", 0.0))
                         metrics["sync/bytes"] = float(stats.get("bytes", 0.0))
@@ -195,6 +227,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 metrics["time_s"] = time.time() - t_run
                 metrics.update(aio.run(_call(buffer.metrics)))
                 metrics.update(aio.run(_call(orch.metrics)))
+                if supervisor is not None:
+                    metrics.update(supervisor.metrics())
                 assert writer is not None and bar is not None and batches is not None
                 writer.log(step, metrics)
                 batches.log(step, trajs)
@@ -214,6 +248,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     finally:
         if leader:
             assert aio is not None
+            if supervisor is not None:
+                aio.run(_call(supervisor.stop))
             if orch is not None:
                 aio.run(orch.stop(), timeout=60)
             if buffer is not None:
@@ -225,12 +261,22 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             if bar is not None:
                 bar.close()
         if leader:
-            sync.close()
+            _close_quietly(sync)
         if aio is not None:
             if client is not None:
                 aio.run(client.aclose())
             aio.stop()
     return last
+
+
+def _close_quietly(sync: Any) -> None:
+    """Close a weight group that a restarted engine is no longer part of."""
+    import logging
+
+    try:
+        sync.close()
+    except Exception as err:  # the restarted engine never had the group
+        logging.getLogger(__name__).info("closing the old weight group: %s", err)
 
 
 async def _call(fn: Any, *args: Any) -> Any:

@@ -30,6 +30,14 @@ class EngineConfig:
     startup_timeout_s: float = 300.0
     """How long an engine may take to become healthy before the run fails."""
 
+    health_interval_s: float = 2.0
+    """Seconds between health checks of every engine."""
+    max_health_failures: int = 3
+    """Failed health checks in a row after which an embedded engine is restarted (a
+    SGLang server is reported)."""
+    max_restarts: int = 5
+    """Engine restarts a run may spend before it stops with an error."""
+
     def count(self) -> int:
         """Engines this config asks for."""
         if self.num_engines is not None:

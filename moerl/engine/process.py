@@ -54,15 +54,36 @@ class EngineProcess:
             log_path = name
         self.log_path = Path(log_path)
         self._log = self.log_path.open("ab")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self._argv = [*args, *extra]
+        self._env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.startup_timeout_s = startup_timeout_s
+        self.restarts = 0
+        self._spawn()
+        self._wait_healthy(startup_timeout_s)
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen(
-            [*args, *extra],
-            env=env,
+            self._argv,
+            env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-        self._wait_healthy(startup_timeout_s)
+
+    def restart(self, wait: bool = True) -> None:
+        """Stop the process if it still runs (a hung engine), start it again on the same
+        port with the same flags (the initial weights), and optionally wait until it is
+        healthy. Linux ties the engine's life to the *thread* that starts it: restart
+        from a thread that lives as long as the run."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.write(f"\n--- moerl: engine restarted ({self.restarts + 1}) ---\n".encode())
+        self._log.flush()
+        self.restarts += 1
+        self._spawn()
+        if wait:
+            self._wait_healthy(self.startup_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

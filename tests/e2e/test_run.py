@@ -146,6 +146,40 @@ def test_kill_after_checkpoint_and_resume(tmp_path):
         assert all(g >= saved["cursor"] or g in buffered for g in b["groups"]), b
 
 
+def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
+    """SIGKILL the embedded engine mid-run: its requests fail over (here: are generated
+    again), the supervisor restarts it, the trainer rebuilds the weight group and pushes
+    the current weights, and the run finishes every step with no prompt lost twice."""
+    import psutil
+
+    run = tmp_path / "fault"
+    run.mkdir()
+    args = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", *QUIET,
+            f"hydra.run.dir={run}", "trainer.train_iters=10", "telemetry.flip_every=0"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 3:
+        assert proc.poll() is None and time.time() < deadline, "the run did not reach step 3"
+        time.sleep(0.1)
+    engines = [p for p in psutil.process_iter(["cmdline"])
+               if "moerl.engine" in (p.info["cmdline"] or []) and str(run / "init_hf") in p.info["cmdline"]]  # fmt: skip
+    assert len(engines) == 1
+    killed_after = len(read_metrics(run))
+    engines[0].kill()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "exited with code -9; restarting it" in out
+    m = read_metrics(run)
+    assert [r["step"] for r in m] == list(range(10))
+    assert m[-1]["engine/restarts"] == 1.0
+    _no_prompt_twice(run)
+    # after the restart the engine serves the trainer's weights, not its initial ones:
+    # every later batch was sampled by the previous version or a newer one
+    for b in read_batches(run)[killed_after + 2 :]:
+        assert min(int(v) for v in b["versions"]) >= b["step"] - 1, b
+
+
 def test_max_staleness_zero_is_synchronous(tmp_path):
     run = tmp_path / "sync"
     _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4", "telemetry.flip_every=0")
