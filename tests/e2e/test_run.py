@@ -180,6 +180,31 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
         assert min(int(v) for v in b["versions"]) >= b["step"] - 1, b
 
 
+def test_ctrl_c_stops_ranks_and_engines(tmp_path):
+    """SIGINT to the foreground process group (Ctrl-C in a terminal): exit 130, no
+    process of the run left behind."""
+    import psutil
+
+    run = tmp_path / "sigint"
+    run.mkdir()
+    args = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", *QUIET,
+            f"hydra.run.dir={run}", "trainer.train_iters=200"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    family = psutil.Process(proc.pid).children(recursive=True)  # ranks and the engine
+    assert any("moerl.engine" in q.cmdline() for q in family)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out
+    _, alive = psutil.wait_procs(family, timeout=20)
+    assert not alive, [q.cmdline() for q in alive]
+
+
 def test_max_staleness_zero_is_synchronous(tmp_path):
     run = tmp_path / "sync"
     _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4", "telemetry.flip_every=0")
