@@ -79,6 +79,18 @@ class IndexedTask:
         self._reward = build_reward(self.reward_name, reward_options)
         self._perm: tuple[int, np.ndarray] | None = None
 
+    @classmethod
+    def configured(cls, cfg: Any, num_items: int | None = None) -> dict[str, Any]:
+        """The constructor arguments a task config (TaskConfig fields) gives."""
+        return dict(
+            seed=cfg.seed,
+            num_items=num_items if num_items is not None else (cfg.num_prompts or None),
+            shuffle=cfg.shuffle,
+            reward=cfg.reward,
+            reward_options=dict(cfg.reward_options),
+            chat_template=cfg.chat_template,
+        )
+
     # ---- subclass hooks --------------------------------------------------------------
 
     def item(self, index: int) -> tuple[str, Any]:

@@ -62,15 +62,7 @@ class JsonlTask(IndexedTask):
         records = read_records(cfg.path, cfg.prompt_key, cfg.answer_key)
         if cfg.num_prompts:
             records = records[: cfg.num_prompts]
-        super().__init__(
-            tokenizer,
-            seed=cfg.seed,
-            num_items=len(records),
-            shuffle=cfg.shuffle,
-            reward=cfg.reward,
-            reward_options=dict(cfg.reward_options),
-            chat_template=cfg.chat_template,
-        )
+        super().__init__(tokenizer, **self.configured(cfg, num_items=len(records)))
         self.cfg = cfg
         self.records = records
 

@@ -58,15 +58,7 @@ class ArithmeticTask(IndexedTask):
 
     def __init__(self, tokenizer: Any, cfg: ArithmeticTaskConfig) -> None:
         cfg.validate("task")
-        super().__init__(
-            tokenizer,
-            seed=cfg.seed,
-            num_items=cfg.num_prompts or None,
-            shuffle=cfg.shuffle,
-            reward=cfg.reward,
-            reward_options=dict(cfg.reward_options),
-            chat_template=cfg.chat_template,
-        )
+        super().__init__(tokenizer, **self.configured(cfg))
         self.cfg = cfg
 
     def item(self, index: int) -> tuple[str, str]:
@@ -87,15 +79,7 @@ class CopyDigitsTask(IndexedTask):
 
     def __init__(self, tokenizer: Any, cfg: CopyDigitsTaskConfig) -> None:
         cfg.validate("task")
-        super().__init__(
-            tokenizer,
-            seed=cfg.seed,
-            num_items=cfg.num_prompts or None,
-            shuffle=cfg.shuffle,
-            reward=cfg.reward,
-            reward_options=dict(cfg.reward_options),
-            chat_template=cfg.chat_template,
-        )
+        super().__init__(tokenizer, **self.configured(cfg))
         self.cfg = cfg
 
     def item(self, index: int) -> tuple[str, str]:
