@@ -6,7 +6,12 @@ the targeted ``nn.Linear`` modules add ``scaling · B(A x)`` to the rows of the 
 whose request named that adapter (``lora_path``), so requests with different
 adapters, or none, share one batched forward. Loading validates everything first and
 registers atomically: a bad adapter is never half-applied. Per-expert adapters on
-routed experts come with moerl's per-expert LoRA.
+routed experts (``…mlp.experts.{i}.{gate,up,down}_proj``) are applied inside the fused
+experts forward, see ``moerl.engine.lora_experts`` (which also states the coverage rule).
+
+Versioned names: loading ``policy-v3`` leaves requests running on ``policy-v2`` as they
+are (adapters are immutable once loaded); unloading an adapter that running, retracted
+or waiting requests use is refused (see ``lora_routes``), so none finishes on another.
 """
 
 # N rows of the batch, r rank
@@ -14,11 +19,19 @@ routed experts come with moerl's per-expert LoRA.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from moerl.engine.lora_experts import (
+    EXPERT_MODULE,
+    ExpertWeights,
+    fused_experts,
+    stack_expert_weights,
+    wrap_experts,
+)
 
 PEFT_PREFIX = "base_model.model."
 
@@ -29,6 +42,7 @@ class Adapter:
     rank: int
     scaling: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module → (A [r, in], B [out, r])
+    experts: ExpertWeights = field(default_factory=dict)  # routed experts, stacked per layer
 
 
 def read_peft_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -62,7 +76,10 @@ class LoraManager:
         self.adapters: dict[str, Adapter] = {}
         self.modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.hooked: set[str] = set()
+        self.experts = fused_experts(model)  # name → fused routed-experts module
+        self.wrapped: set[str] = set()
         self.active: dict[str, torch.Tensor] = {}  # adapter name → row indices of this forward
+        self.rows = 0  # N, rows of this forward's batch
 
     # -- loading ------------------------------------------------------------------------
     def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -81,7 +98,13 @@ class LoraManager:
             raise ValueError(
                 f"adapter rank r={rank} must be in 1..{self.max_rank} (--max-lora-rank)"
             )
-        scaling = float(config.get("lora_alpha", rank)) / rank
+        for key in ("rank_pattern", "alpha_pattern"):
+            if config.get(key):
+                raise ValueError(f"adapter {name!r}: PEFT {key} is not supported by the engine")
+        if config.get("use_dora"):
+            raise ValueError(f"adapter {name!r}: DoRA (use_dora) is not supported by the engine")
+        alpha = float(config.get("lora_alpha", rank))
+        scaling = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
         targets = config.get("target_modules") or []
         if isinstance(targets, str):
             targets = [targets]
@@ -95,8 +118,12 @@ class LoraManager:
         for key, tensor in tensors.items():
             module, kind = _split(key)
             pairs.setdefault(module, {})[kind] = tensor
-        weights = {}
+        weights, expert_pairs = {}, {}
         for module, pair in sorted(pairs.items()):
+            if EXPERT_MODULE.match(module):
+                self._check_target(name, module, targets)
+                expert_pairs[module] = pair
+                continue
             if set(pair) != {"A", "B"}:
                 raise ValueError(f"adapter {name!r}: {module} needs both lora_A and lora_B")
             linear = self.modules.get(module)
@@ -113,19 +140,39 @@ class LoraManager:
                     f"adapter {name!r}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
                     f"a {linear.in_features}→{linear.out_features} layer at rank {rank}"
                 )
-            leaf = module.rsplit(".", 1)[-1]
-            if targets and leaf not in targets:
-                raise ValueError(
-                    f"adapter {name!r}: {module} is not among its target_modules {targets}"
-                )
+            self._check_target(name, module, targets)
             weights[module] = (a.to(linear.weight.dtype), b.to(linear.weight.dtype))
-        if not weights:
+        layers = config.get("layers_to_transform")
+        if isinstance(layers, int):
+            layers = [layers]
+        experts = (
+            stack_expert_weights(name, expert_pairs, self.experts, rank, layers)
+            if expert_pairs
+            else {}
+        )
+        if not weights and not experts:
             raise ValueError(f"adapter {name!r} has no tensors")
         for module in weights:  # all checks passed: register
             if module not in self.hooked:
                 self.modules[module].register_forward_hook(self._hook(module))
                 self.hooked.add(module)
-        self.adapters[name] = Adapter(name, rank, scaling, weights)
+        for module in experts:
+            if module not in self.wrapped:
+                wrap_experts(self.experts[module], self._expert_groups(module))
+                self.wrapped.add(module)
+        self.adapters[name] = Adapter(name, rank, scaling, weights, experts)
+
+    def _check_target(self, name: str, module: str, targets: list[str]) -> None:
+        leaf = module.rsplit(".", 1)[-1]
+        if targets and leaf not in targets:
+            raise ValueError(
+                f"adapter {name!r}: {module} is not among its target_modules {targets}"
+            )
+        if self.targets is not None and leaf not in self.targets:
+            raise ValueError(
+                f"adapter {name!r}: {module} is not among the engine's targets "
+                f"{sorted(self.targets)} (--lora-target-modules)"
+            )
 
     def unload(self, name: str) -> None:
         if name not in self.adapters:
@@ -136,6 +183,7 @@ class LoraManager:
     def set_rows(self, assignment: list[str | None]) -> None:
         """Which adapter each row of the next forward uses (None: the base model)."""
         self.active = {}
+        self.rows = len(assignment)
         for name in set(a for a in assignment if a is not None):
             self.active[name] = torch.tensor([i for i, a in enumerate(assignment) if a == name])
 
@@ -155,6 +203,25 @@ class LoraManager:
             return output
 
         return hook
+
+    def _expert_groups(self, module: str):  # type: ignore[no-untyped-def]
+        """For ``wrap_experts``: each active adapter's tokens of this forward's [T, H]
+        (T = N rows × S positions, row-major) and its LoRA on ``module``."""
+
+        def groups(tokens: int) -> list[tuple[torch.Tensor, dict[str, Any], float]]:
+            out = []
+            for name, rows in self.active.items():
+                adapter = self.adapters[name]
+                lora = adapter.experts.get(module)
+                if lora is None:
+                    continue
+                assert tokens % self.rows == 0, (tokens, self.rows)
+                seq = tokens // self.rows
+                tok = (rows[:, None] * seq + torch.arange(seq)).reshape(-1)
+                out.append((tok, lora, adapter.scaling))
+            return out
+
+        return groups
 
 
 def _split(key: str) -> tuple[str, str]:

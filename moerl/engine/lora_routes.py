@@ -69,10 +69,15 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
         name = body.get("lora_name")
 
         def unload() -> None:
-            busy = sched.uses_adapter(name)
+            # Refused while any request (running, retracted, or still waiting to start)
+            # generates with it, as SGLang refuses: a request never switches adapter.
+            with sched.waiting.mutex:
+                waiting = sum(1 for r in sched.waiting.queue if r.lora == name and not r.done)
+            busy = sched.uses_adapter(name) + waiting
             if busy:
                 raise ValueError(
-                    f"adapter {name!r} is used by {busy} running requests; retry when they finish"
+                    f"adapter {name!r} is used by {busy} running or waiting requests; "
+                    f"retry when they finish, or load the next version under a new name"
                 )
             runner.lora.unload(name)
 
