@@ -213,6 +213,11 @@ class Scheduler:
                 return
             if req.done:
                 continue
+            lora = getattr(self.runner, "lora", None)
+            if req.lora is not None and (lora is None or req.lora not in lora.adapters):
+                # unloaded between the server's check and this admission
+                self.finish(req, _abort(f"LoRA adapter {req.lora!r} was unloaded"))
+                continue
             self._prefill(req, req.input_ids, resumed=False)
             admitted += 1
 
