@@ -9,6 +9,7 @@ from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
+from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.rollout import RolloutConfig
@@ -49,3 +50,5 @@ class MoerlConfig:
     """Prompts and the verifiable reward (group `task`)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Group sampling, filtering, partial rollouts (group `rollout`)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train and sync adapters only (group `lora`)."""

@@ -25,6 +25,7 @@ from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig, register_buffer_configs
 from moerl.config.engine import EngineConfig
 from moerl.config.launcher import LauncherConfig
+from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.rollout import RolloutConfig
@@ -49,6 +50,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "sync": SyncConfig,
     "task": TaskConfig,
     "rollout": RolloutConfig,
+    "lora": LoraConfig,
 }
 
 

@@ -190,6 +190,11 @@ def _check_rollout(cfg: MoerlConfig) -> None:
     build_sampling(cfg.buffer.sampling)
     cfg.sync.validate("sync")
     cfg.rollout.validate("rollout")
+    if cfg.lora.enabled:
+        from moerl.lora import resolve_targets
+
+        cfg.lora.validate("lora")
+        resolve_targets(cfg.lora, cfg.model)
     from moerl.tasks import check_task_config
 
     check_task_config(cfg.task)

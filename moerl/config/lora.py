@@ -1,0 +1,47 @@
+"""LoRA adapters on the trainer's megatron-core layers (group `lora`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on attention, dense MLPs, shared experts and every routed expert.
+
+    With ``enabled`` the base weights are frozen, only adapters are trained, and only
+    adapters are synced to the engines (as a PEFT adapter in SGLang's naming).
+    """
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model."""
+    rank: int = 16
+    """Adapter rank r: A is [r, in], B is [out, r]."""
+    alpha: float = 32.0
+    """Scaling numerator: the adapter adds (alpha / rank) · B A x."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0 disables)."""
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    """HF module names to adapt, as in PEFT (q_proj, k_proj, v_proj, o_proj, q_a_proj,
+    q_b_proj, kv_a_proj_with_mqa, kv_b_proj, gate_proj, up_proj, down_proj), or
+    'all-linear' for every one the model family has. A name covers every module with
+    that leaf: gate_proj adapts the dense MLPs, the shared experts and each routed expert."""
+    seed: int = 0
+    """Seed of the A initialisation; each module's generator is seeded by this and the
+    module's HF name, so every layout starts from the same adapters."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self, key: str = "lora") -> None:
+        if self.rank < 1:
+            raise ValueError(f"{key}.rank={self.rank} must be >= 1 (8 to 64 is typical)")
+        if not self.alpha > 0:
+            raise ValueError(f"{key}.alpha={self.alpha} must be positive (often 2 x rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{key}.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError(f"{key}.target_modules is empty; name modules or use ['all-linear']")

@@ -1,0 +1,174 @@
+"""Put LoRA adapters on a megatron-core model: find the targets, name them, freeze the base.
+
+Every targeted linear is named by the HF modules it holds, through the family's
+HF ⇄ Megatron map (``moerl.convert.families``): a layer's global number comes from
+``layer.layer_number`` (pipeline stages hold different layers), a routed expert's
+from its MoE layer's ``local_expert_indices`` (expert parallel ranks hold different
+experts). Those names seed the initialisation and key the export, so adapters are
+the same tensors in every layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from moerl.config.lora import ALL_LINEAR, LoraConfig
+from moerl.config.model import ModelConfig
+from moerl.convert.families import family_map
+from moerl.convert.maps import QKV, Concat, Copy
+from moerl.lora.layers import LoraAdapter, LoraAdapters, init_pair
+
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
+
+
+@dataclass
+class Target:
+    """One base linear to adapt."""
+
+    path: str  # module path inside the layer, e.g. "mlp.experts.local_experts.3.linear_fc1"
+    base: torch.nn.Module
+    hf_modules: list[str]  # HF module names of its parts (no ".weight")
+    out_sizes: list[int]  # full output size of each part
+    groups: int  # interleaved groups of the fused output (query groups for qkv)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        return True
+    return type(module).__name__.startswith("TE") and hasattr(module, "weight")
+
+
+def _parts(converter, base: torch.nn.Module) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+    if isinstance(converter, Copy):
+        return [base.output_size], 1
+    if isinstance(converter, Concat):
+        n = len(converter.names)
+        return [base.output_size // n] * n, 1
+    if isinstance(converter, QKV):
+        per_group = converter.head_dim * converter.groups
+        return [converter.heads * converter.head_dim, per_group, per_group], converter.groups
+    raise NotImplementedError(f"LoRA on a layer converted by {type(converter).__name__}")
+
+
+def find_targets(chunk: torch.nn.Module, model: ModelConfig) -> Iterator[Target]:
+    """Every adaptable linear of one model chunk (attention, MLPs, shared and routed experts)."""
+    fmap = family_map(model)
+    decoder = _unwrap(chunk).decoder
+    for layer in decoder.layers:
+        number = layer.layer_number - 1
+        for path, module in layer.named_modules():
+            if not path.rsplit(".", 1)[-1].startswith("linear_") or not _is_linear(module):
+                continue
+            expert = None
+            key = path
+            match = _LOCAL_EXPERT.match(path)
+            if match is not None:
+                expert = layer.mlp.local_expert_indices[int(match.group(1))]
+                key = f"mlp.experts.experts.{match.group(2)}"
+            elif path.startswith("mlp.experts."):
+                raise NotImplementedError(
+                    f"LoRA on grouped experts ({path}, {type(module).__name__}) is not "
+                    "implemented; build the model with SequentialMLP local experts (no TE)"
+                )
+            entry, _ = fmap.lookup(f"decoder.layers.{number}.{key}.weight")
+            names = [n.removesuffix(".weight") for n in fmap.hf_names(entry, number, expert)]
+            out_sizes, groups = _parts(entry.converter, module)
+            yield Target(path, module, names, out_sizes, groups)
+
+
+def family_targets(model: ModelConfig) -> list[str]:
+    """The HF leaf names LoRA can target in this model (what 'all-linear' means)."""
+    fmap = family_map(model)
+    leaves: set[str] = set()
+    for entry in fmap.dense_layer + fmap.moe_layer:
+        key = entry.megatron[0]
+        if key.endswith(".weight") and key.rsplit(".", 2)[-2].startswith("linear_"):
+            leaves.update(n.removesuffix(".weight").rsplit(".", 1)[-1] for n in entry.converter.hf)
+    return sorted(leaves)
+
+
+def resolve_targets(cfg: LoraConfig, model: ModelConfig) -> list[str]:
+    """``cfg.target_modules`` as HF leaf names, checked against the model family."""
+    known = family_targets(model)
+    if ALL_LINEAR in cfg.target_modules:
+        return known
+    unknown = sorted(set(cfg.target_modules) - set(known))
+    if unknown:
+        raise ValueError(
+            f"lora.target_modules={cfg.target_modules}: {unknown} are not linear modules of "
+            f"a {model.family} model; choose from {known} or 'all-linear'"
+        )
+    return sorted(set(cfg.target_modules))
+
+
+def _key(hf_module: str) -> str:
+    return hf_module.replace(".", "-")
+
+
+def apply_lora(
+    chunks: list[torch.nn.Module], cfg: LoraConfig, model: ModelConfig, *, b_std: float = 0.0
+) -> int:
+    """Freeze every base parameter and add adapters to the targeted linears of ``chunks``
+    (before DDP wrapping). Returns the number of adapted linears on this rank.
+
+    A is initialised from a generator seeded by ``cfg.seed`` and the HF module name and
+    this rank takes its slice, so every layout starts from the same full adapters; B
+    is zero (``b_std`` > 0 draws it from a normal instead, for tests)."""
+    cfg.validate()
+    targets = set(resolve_targets(cfg, model))
+    count = 0
+    for chunk in chunks:
+        module = _unwrap(chunk)
+        if hasattr(module, "lora"):
+            raise ValueError("LoRA is already applied to this model")
+        for param in module.parameters():
+            param.requires_grad_(False)
+        holder = LoraAdapters()
+        for target in find_targets(module, model):
+            active = [t.rsplit(".", 1)[-1] in targets for t in target.hf_modules]
+            if not any(active):
+                continue
+            adapter = LoraAdapter(
+                target.base, target.hf_modules, target.out_sizes, cfg.rank, cfg.scaling,
+                dropout=cfg.dropout, groups=target.groups, active=active,
+            )  # fmt: skip
+            for part, name in adapter.active_parts():
+                a, b = init_pair(
+                    name, cfg.rank, adapter.in_size, target.out_sizes[part], cfg.seed, b_std
+                )
+                adapter.set_full(part, a, b)
+            holder.adapters[_key(target.hf_modules[0])] = adapter
+            holder.handles.append(target.base.register_forward_hook(adapter.hook, with_kwargs=True))
+            count += 1
+        module.lora = holder
+    return count
+
+
+def adapters(chunks: list[torch.nn.Module]) -> Iterator[LoraAdapter]:
+    """Every adapter of this rank, in a fixed order."""
+    for chunk in chunks:
+        holder = getattr(_unwrap(chunk), "lora", None)
+        if holder is None:
+            raise ValueError("the model has no LoRA adapters; call moerl.lora.apply_lora first")
+        yield from holder.adapters.values()
+
+
+def remove_lora(chunks: list[torch.nn.Module]) -> None:
+    """Detach the adapters (the base model is left frozen)."""
+    for chunk in chunks:
+        module = _unwrap(chunk)
+        holder = getattr(module, "lora", None)
+        if holder is not None:
+            for handle in holder.handles:
+                handle.remove()
+            del module.lora
