@@ -75,6 +75,11 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
 
     flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
     flags += ["--max-running-requests", str(cfg.engine.max_running_requests)]
+    if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
+        from moerl.lora import resolve_targets
+
+        flags += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
+        flags += ["--lora-target-modules", *resolve_targets(cfg.lora, cfg.model)]
     procs = []
     for i in range(cfg.engine.count()):
         print(f"moerl: starting embedded engine {i} on {hf_dir}", flush=True)

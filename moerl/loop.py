@@ -73,6 +73,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     from moerl.rollout.faults import make_client as make_rollout_client
     from moerl.rollout.orchestrator import Orchestrator
     from moerl.rollout.supervisor import EngineSupervisor
+    from moerl.sync.adapters import AdapterSync
     from moerl.sync.weights import WeightSync
     from moerl.tasks import build_task
     from moerl.telemetry.batches import BatchLog
@@ -83,8 +84,10 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
 
     leader = dist.get_rank() == 0
     trainer = Trainer(
-        cfg.model, cfg.parallel, cfg.trainer, cfg.algo, cfg.correction, hf_dir=ctx.hf_dir
-    )
+        cfg.model, cfg.parallel, cfg.trainer, cfg.algo, cfg.correction, hf_dir=ctx.hf_dir,
+        lora=cfg.lora,
+    )  # fmt: skip
+    use_lora = trainer.lora is not None
     start = trainer.version
     progress_state = trainer.progress
     group_size = cfg.rollout.group_size
@@ -108,7 +111,13 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         aio.run(client.wait_until_healthy(cfg.engine.startup_timeout_s))
     backend = cfg.sync.backend or ("nccl" if device.has_cuda() else "gloo")
 
-    def connect() -> WeightSync:
+    def connect() -> Any:
+        if use_lora:  # only adapters move; each version is a new engine adapter
+            return AdapterSync(
+                trainer.adapters, trainer.peft_config(), client=client,
+                run_coro=aio.submit if aio else None,
+                on_loaded=(lambda n, v: aio.run(_call(orch.set_adapter, n, v))) if aio else None,
+            )  # fmt: skip
         ws = WeightSync(
             trainer.chunks, cfg.model, client=client, bucket_mb=cfg.sync.bucket_mb,
             dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
@@ -117,10 +126,6 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         )  # fmt: skip
         ws.connect()
         return ws
-
-    sync = connect()
-    if start > 0:  # the engines started from the initial weights
-        sync.push(trainer.version)
 
     if leader:
         assert aio is not None and client is not None
@@ -145,12 +150,20 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             return buf, o
 
         buffer, orch = aio.run(make_rollout())
+
+    sync = connect()
+    if start > 0 or use_lora:  # engines start from the initial weights, without adapters
+        sync.push(trainer.version)
+
+    if leader:
+        assert aio is not None and orch is not None
         orch_future = aio.submit(orch.run())
 
         async def make_supervisor() -> EngineSupervisor:
             return EngineSupervisor(
                 client, ctx.engine_urls, ctx.engines, interval_s=cfg.engine.health_interval_s,
                 max_failures=cfg.engine.max_health_failures, max_restarts=cfg.engine.max_restarts,
+                on_restart=sync.restore if use_lora else None,
             )  # fmt: skip
 
         supervisor = aio.run(make_supervisor())
@@ -203,16 +216,18 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                     rejoin = _broadcast(
                         aio.run(supervisor.before_push()) if aio and supervisor else False
                     )
-                    if rejoin:
+                    if rejoin and not use_lora:
                         if leader:
                             _close_quietly(sync)
                         sync = connect()
-                    if leader:
+                    if leader and not use_lora:  # loading an adapter disturbs no request
                         assert aio is not None and orch is not None
                         aio.run(orch.before_update())
                     stats = sync.push(trainer.version)
                     if leader:
-                        aio.run(orch.after_update(trainer.version))
+                        assert aio is not None and orch is not None
+                        if not use_lora:
+                            aio.run(orch.after_update(trainer.version))
                         if rejoin:
                             assert supervisor is not None
                             aio.run(supervisor.reconnected())

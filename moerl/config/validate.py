@@ -195,6 +195,11 @@ def _check_rollout(cfg: MoerlConfig) -> None:
 
         cfg.lora.validate("lora")
         resolve_targets(cfg.lora, cfg.model)
+        if cfg.rollout.partial_rollout == "abort_resume":
+            raise ValueError(
+                "rollout.partial_rollout=abort_resume with lora.enabled: a continued request "
+                "would mix adapters; use in_place (each request keeps its adapter) or drain"
+            )
     from moerl.tasks import check_task_config
 
     check_task_config(cfg.task)

@@ -128,6 +128,7 @@ class Orchestrator:
         self.version: int | None = None
         """The version passed to the last after_update."""
         self._sampling = cfg.sampling_params()
+        self._adapter: tuple[str, int] | None = None  # LoRA: (engine adapter name, version)
         self._rewards = RewardRunner(task, cfg.reward_workers)
         self._tag = uuid.uuid4().hex[:8]
         self._data = DataCursor(task, start_cursor)
@@ -291,6 +292,7 @@ class Orchestrator:
         length = self.cfg.completion_length(flight.item.pos, index)
         if length is not None:  # a drawn length (cfg.length_distribution), EOS or not
             sampling = {**sampling, "max_new_tokens": length, "ignore_eos": True}
+        adapter = self._adapter
         traj = await sample_completion(
             self.client,
             prompt.input_ids,
@@ -304,9 +306,19 @@ class Orchestrator:
             rid=f"{flight.rid}-{index}",
             gate=self._gate.engines_open,
             on_resume=partial(self._count, "resumed"),
+            lora_path=adapter[0] if adapter else None,
         )
+        if adapter is not None:
+            # the base weights never change under LoRA: the adapter a request ran with is
+            # its policy version (it keeps that adapter to the end, whatever loads meanwhile)
+            traj.versions[:] = adapter[1]
         traj.meta["prompt_id"] = prompt.prompt_id
         return traj
+
+    def set_adapter(self, name: str, version: int) -> None:
+        """LoRA runs: completions started from now on use adapter ``name`` (policy
+        ``version``) on the engines."""
+        self._adapter = (name, int(version))
 
     async def _score_and_put(self, item: Item, group: list[Trajectory], flight: _Flight) -> None:
         assert item.prompt is not None

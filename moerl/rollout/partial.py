@@ -196,6 +196,7 @@ async def sample_completion(
     rid: str | None = None,
     gate: asyncio.Event | None = None,
     on_resume: Callable[[], None] | None = None,
+    lora_path: str | None = None,
 ) -> Trajectory:
     """One completion that survives aborts: each time it comes back with finish_reason
     abort it waits for `gate` (set while the engines generate) and continues from where it
@@ -210,8 +211,9 @@ async def sample_completion(
     if gate is not None:
         await gate.wait()
     traj = await client.generate_trajectory(
-        prompt_ids, sampling_params, group_id=group_id, index=index, rid=rid, **kwargs
-    )
+        prompt_ids, sampling_params, group_id=group_id, index=index, rid=rid,
+        lora_path=lora_path, **kwargs,
+    )  # fmt: skip
     resumes = 0
     while traj.finish_reason == "abort":
         if resumes == MAX_RESUMES:
@@ -224,8 +226,9 @@ async def sample_completion(
         sub_rid = None if rid is None else f"{rid}r{resumes}"
         if traj.response_len == 0:
             traj = await client.generate_trajectory(
-                prompt_ids, sampling_params, group_id=group_id, index=index, rid=sub_rid, **kwargs
-            )
+                prompt_ids, sampling_params, group_id=group_id, index=index, rid=sub_rid,
+                lora_path=lora_path, **kwargs,
+            )  # fmt: skip
         else:
             traj = await continue_trajectory(client, traj, sampling_params, rid=sub_rid, **kwargs)
     return traj

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -36,6 +36,7 @@ class EngineSupervisor:
         max_failures: int = 3,
         max_restarts: int = 5,
         health_timeout_s: float = 10.0,
+        on_restart: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.client = client
         self.urls = [u.rstrip("/") for u in urls]
@@ -44,6 +45,7 @@ class EngineSupervisor:
         self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
         self.failures = dict.fromkeys(self.urls, 0)
         self.restarts = 0
+        self.on_restart = on_restart  # restores a restarted engine itself (LoRA adapters)
         self.unhealthy: set[str] = set()  # SGLang servers currently failing
         self._pending: set[str] = set()  # restarted, waiting for weights
         self._restarting: set[str] = set()
@@ -102,10 +104,12 @@ class EngineSupervisor:
                         f"engine {url} did not come back after a restart; log: {proc.log_path}"
                     )
                 await asyncio.sleep(0.2)
-            # hold it until it has the current weights (the trainer's next push)
-            await self.client.pause_generation("abort", urls=[url])
             self.restarts += 1
-            self._pending.add(url)
+            if self.on_restart is not None:  # e.g. load the current adapter: ready now
+                await self.on_restart(url)
+            else:  # hold it until it has the current weights (the trainer's next push)
+                await self.client.pause_generation("abort", urls=[url])
+                self._pending.add(url)
             self.failures[url] = 0
         finally:
             self._restarting.discard(url)

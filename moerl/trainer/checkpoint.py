@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,11 @@ def save(
     chunks: list[Any],
     progress: dict[str, Any],
     optimizer: Any | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Save step ``step`` under ``root`` on every rank; returns the final directory."""
+    """Save step ``step`` under ``root`` on every rank; returns the final directory.
+    ``extra(tmp_dir)`` runs on rank 0 inside the checkpoint before it is published, for
+    state outside the model's sharded state dict (LoRA adapters)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -120,6 +124,8 @@ def save(
         torch.save(_optimizer_state(optimizer), tmp / f"optim_rank{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
+        if extra is not None:
+            extra(tmp)
         record = {
             "step": step,
             "optimizer_state": optimizer is not None,

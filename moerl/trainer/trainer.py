@@ -32,6 +32,7 @@ class Trainer:
         correction: Any,
         *,
         hf_dir: str | Path | None = None,
+        lora: Any | None = None,
     ) -> None:
         from moerl.algo.advantages import build_advantage
         from moerl.algo.correction import build_correction
@@ -66,6 +67,11 @@ class Trainer:
             load_hf(chunks, hf_dir, model)
         self.kl = algo.kl
         self.reference = self._reference(chunks, model, parallel) if algo.kl.coef > 0 else None
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:  # freeze the base; only adapters train (and sync)
+            from moerl.lora import apply_lora
+
+            apply_lora(chunks, self.lora, model)
         self.chunks = wrap_ddp(chunks, trainer.use_distributed_optimizer)
         self.optimizer = build_optimizer(
             self.chunks,
@@ -88,6 +94,8 @@ class Trainer:
                 raise ValueError("trainer.resume=true needs trainer.checkpoint_dir")
             self.progress = checkpoint.load(trainer.checkpoint_dir, self.chunks, self.optimizer)
             self.version = int(self.progress["version"])
+            if self.lora is not None:
+                self._load_adapters(checkpoint.latest(trainer.checkpoint_dir))
 
     def _reference(
         self, chunks: list[Any], model: ModelConfig, parallel: ParallelConfig
@@ -224,16 +232,50 @@ class Trainer:
         )  # fmt: skip
         return decomposition_metrics(dec)
 
+    def adapters(self) -> dict[str, Any]:
+        """The full LoRA adapters under PEFT names on rank 0 ({} elsewhere; collective)."""
+        from moerl.lora import gather_adapters
+
+        return gather_adapters(self.chunks, self.model)
+
+    def peft_config(self) -> dict[str, Any]:
+        from moerl.lora import peft_config
+
+        assert self.lora is not None
+        return peft_config(self.lora, self.model)
+
+    def _load_adapters(self, path: Path | None) -> None:
+        from moerl.lora import load_adapters_into, load_peft
+
+        if path is None or not (path / "adapter").is_dir():
+            raise FileNotFoundError(
+                f"checkpoint {path} has no adapter/ directory: it was not written by a LoRA "
+                "run; resume without lora or from a LoRA checkpoint"
+            )
+        tensors, _ = load_peft(path / "adapter")
+        load_adapters_into(self.chunks, tensors)
+
     def save(self, **progress: Any) -> Path:
-        """Checkpoint model, optimizer, RNG and progress (version, plus ``progress``)."""
+        """Checkpoint model, optimizer, RNG and progress (version, plus ``progress``);
+        with LoRA also the adapters as a PEFT directory (``adapter/``)."""
         from moerl.trainer import checkpoint
 
         if not self.cfg.checkpoint_dir:
             raise ValueError("trainer.checkpoint_dir is not set: nowhere to save")
+        extra = None
+        if self.lora is not None:
+            from moerl.lora import save_peft
+
+            tensors, config = self.adapters(), self.peft_config()
+
+            def extra(tmp: Path) -> None:
+                save_peft(tmp / "adapter", tensors, config)
+
         return checkpoint.save(
             self.cfg.checkpoint_dir,
             self.version,
             self.chunks,
             {"version": self.version, **progress},
             self.optimizer,
+            extra=extra,
         )
