@@ -95,6 +95,7 @@ def _micro_loss(
     metrics["staleness/mean"] = gap_T.mean()
     metrics["staleness/stale_frac"] = (gap_T > 0).float().mean()
     metrics["mismatch/log_ratio_abs_max"] = (lp_T.detach() - old_T).abs().max()
+    metrics["mismatch/mean_abs_dlogp"] = (lp_T.detach() - old_T).abs().mean()
     # sequences sampled entirely by the current policy: with replay and mask in fp32 their
     # log ratio is numerics only (the on-policy anchor check, step after step)
     stale_S = torch.zeros(n).index_add_(0, seq_T, (gap_T > 0).float()) > 0

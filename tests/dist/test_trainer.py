@@ -112,6 +112,8 @@ def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
     assert a["version"] == 2 and a["first"]["version"] == 1.0
     # step 1 is on-policy: no mismatch; step 2 trains the same rollouts with a moved policy
     assert a["first"]["mismatch/log_ratio_abs_max"] < 1e-5
+    assert a["first"]["mismatch/mean_abs_dlogp"] <= a["first"]["mismatch/log_ratio_abs_max"]
+    assert a["second"]["mismatch/mean_abs_dlogp"] > 1e-5
     assert a["second"]["mismatch/log_ratio_abs_max"] > 1e-4
     assert a["second"]["staleness/mean"] == 1.0  # the rollouts are one version old now
     # after two updates the trainer's fresh routing differs from the rollouts' on some tokens

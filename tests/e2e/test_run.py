@@ -146,6 +146,7 @@ def test_kill_after_checkpoint_and_resume(tmp_path):
         assert all(g >= saved["cursor"] or g in buffered for g in b["groups"]), b
 
 
+@pytest.mark.slow
 def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
     """SIGKILL the embedded engine mid-run: its requests fail over (here: are generated
     again), the supervisor restarts it, the trainer rebuilds the weight group and pushes
@@ -180,6 +181,7 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
         assert min(int(v) for v in b["versions"]) >= b["step"] - 1, b
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_ranks_and_engines(tmp_path):
     """SIGINT to the foreground process group (Ctrl-C in a terminal): exit 130, no
     process of the run left behind."""
@@ -222,6 +224,7 @@ def test_max_staleness_zero_is_synchronous(tmp_path):
     assert not overlap, "generation ran while the trainer trained"
 
 
+@pytest.mark.slow
 def test_lora_run_moves_only_adapters_and_resumes(tmp_path):
     """lora=all: the engines apply the hot-swapped adapter exactly (on-policy steps have
     IS ratio 1 with max_staleness=0), each sync moves only the adapter's bytes, and a
@@ -247,6 +250,7 @@ def test_lora_run_moves_only_adapters_and_resumes(tmp_path):
     assert any(".mlp.experts.7.down_proj.lora_B" in k for k in adapter)  # per-expert adapters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["qwen3_moe"])
 def test_other_recipe_runs(tmp_path, recipe):
     run = tmp_path / recipe

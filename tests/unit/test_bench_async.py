@@ -7,9 +7,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # two full runs of the main job (~45 s)
 def test_async_vs_sync_benchmark_quick(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location(
         "bench_async_vs_sync", ROOT / "tools" / "bench" / "async_vs_sync.py"
