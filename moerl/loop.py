@@ -203,12 +203,15 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             with span("train", step=step):
                 # probes first: they measure the weights that the batch's IS ratios use
                 probes: dict[str, float] = {}
-                flip_every = cfg.telemetry.flip_every
-                if flip_every and (step % flip_every == 0 or step == cfg.trainer.train_iters - 1):
-                    probes.update(trainer.router_flip_rates(trajs, cfg.telemetry.flip_sample))
                 every = cfg.telemetry.decompose_every
-                if every and step % every == 0:
+                if every and step % every == 0:  # also measures the router flip rates
                     probes.update(trainer.mismatch_decomposition(trajs, cfg.telemetry.flip_sample))
+                flip_every = cfg.telemetry.flip_every
+                flip_due = flip_every and (
+                    step % flip_every == 0 or step == cfg.trainer.train_iters - 1
+                )
+                if flip_due and "router_flip/mean" not in probes:
+                    probes.update(trainer.router_flip_rates(trajs, cfg.telemetry.flip_sample))
                 metrics = {**trainer.step(trajs), **probes}
             if (step + 1) % cfg.sync.every == 0 or step == cfg.trainer.train_iters - 1:
                 with span("sync", step=step, version=trainer.version):
@@ -231,7 +234,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                         if rejoin:
                             assert supervisor is not None
                             aio.run(supervisor.reconnected())
-                        aio.run(_set_version(buffer, trainer.version))
+                        aio.run(_call(buffer.set_version, trainer.version))
                         metrics["sync/seconds"] = float(stats.get("seconds", 0.0))
                         metrics["sync/bytes"] = float(stats.get("bytes", 0.0))
             wall = time.time() - t0
@@ -297,10 +300,6 @@ def _close_quietly(sync: Any) -> None:
 async def _call(fn: Any, *args: Any) -> Any:
     """Run a plain function on the rollout loop's thread (the buffer is not thread-safe)."""
     return fn(*args)
-
-
-async def _set_version(buffer: Any, version: int) -> None:
-    buffer.set_version(version)
 
 
 def _rollout_state(buffer: Any, orch: Any) -> dict[str, Any]:

@@ -121,12 +121,12 @@ class Trainer:
 
         assert self.reference is not None
         res = trainer_logprobs(
-            self.reference, trajs, replay=self.cfg.replay, use_mask=self.cfg.sampling_mask,
-            micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
-            topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
-            current_version=self.version, recent_window=self.cfg.recent_window,
-            packing=self.cfg.packing, pack_length=self.cfg.pack_length,
-        )  # fmt: skip
+            self.reference,
+            trajs,
+            replay=self.cfg.replay,
+            use_mask=self.cfg.sampling_mask,
+            **self._batching(),
+        )
         return [res.logprobs[i] for i in range(len(trajs))]
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
@@ -148,12 +148,8 @@ class Trainer:
         result = rl_train_step(
             self.chunks, self.optimizer, trajs, adv.advantages_S.tolist(),
             loss_fn=self.loss_fn, correction_fn=self.correction_fn, agg=self.agg,
-            replay=self.cfg.replay, use_mask=self.cfg.sampling_mask,
-            micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
-            topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
-            current_version=self.version, recent_window=self.cfg.recent_window,
-            kl=self.kl, ref_logprobs=ref, packing=self.cfg.packing,
-            pack_length=self.cfg.pack_length,
+            replay=self.cfg.replay, use_mask=self.cfg.sampling_mask, kl=self.kl,
+            ref_logprobs=ref, **self._batching(),
         )  # fmt: skip
         self.version += 1
         metrics = {**result.metrics, **{f"advantage/{k}": float(v) for k, v in adv.metrics.items()}}
@@ -172,15 +168,25 @@ class Trainer:
         if not picked:
             return {}
         res = trainer_logprobs(
-            self.chunks, picked, replay="none", use_mask=False, micro_batch_size=self.micro_batch_size,
-            num_layers=self.model.num_layers, topk=self.model.moe_router_topk,
-            num_experts=self.model.num_experts,
-        )  # fmt: skip
+            self.chunks, picked, replay="none", use_mask=False, **self._batching()
+        )
+        return self._flip_metrics(res)
+
+    def _flip_metrics(self, res: Any) -> dict[str, float]:
         rates = res.flip_rate()
         moe = [i for i in range(self.model.num_layers) if i >= self.model.first_k_dense_replace]
         out = {f"router_flip/layer{i}": float(rates[i]) for i in moe}
         out["router_flip/mean"] = float(rates[moe].mean()) if moe else 0.0
         return out
+
+    def _batching(self) -> dict[str, Any]:
+        """How every forward of this trainer batches and routes its trajectories."""
+        return dict(
+            micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
+            topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
+            current_version=self.version, recent_window=self.cfg.recent_window,
+            packing=self.cfg.packing, pack_length=self.cfg.pack_length,
+        )  # fmt: skip
 
     def _sample(self, trajs: list[Trajectory], sample: int) -> list[Trajectory]:
         """Up to ``sample`` trajectories with routes, a whole number of micro-batches per
@@ -195,8 +201,9 @@ class Trainer:
     def mismatch_decomposition(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
         """Trainer-vs-rollout mismatch (k3) on a sample of ``trajs``, split into routing
         (replay on/off), sampling mask (on/off), staleness (tokens of older versions) and
-        numerics (the rest), by four forwards of the same tokens. Needs a model built
-        with routing replay (trainer.replay != 'none'); {} otherwise."""
+        numerics (the rest), by four forwards of the same tokens; with the router flip
+        rates of its no-replay forward. Needs a model built with routing replay
+        (trainer.replay != 'none'); {} otherwise."""
         import numpy as np
 
         from moerl.telemetry.metrics import decomposition_metrics
@@ -206,16 +213,15 @@ class Trainer:
         picked = self._sample(trajs, sample)
         if self.cfg.replay == "none" or not picked:
             return {}
-        runs = {}
+        runs, flips = {}, {}
         for replay in ("all", "none"):
             for mask in (True, False):
                 res = trainer_logprobs(
-                    self.chunks, picked, replay=replay, use_mask=mask,
-                    micro_batch_size=self.micro_batch_size, num_layers=self.model.num_layers,
-                    topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
-                    packing=self.cfg.packing, pack_length=self.cfg.pack_length,
-                )  # fmt: skip
+                    self.chunks, picked, replay=replay, use_mask=mask, **self._batching()
+                )
                 runs[replay, mask] = np.concatenate([res.logprobs[i] for i in range(len(picked))])
+                if replay == "none" and not mask:  # the router_flip_rates forward
+                    flips = self._flip_metrics(res)
 
         def cat(field: str) -> np.ndarray:
             return np.concatenate(
@@ -230,7 +236,7 @@ class Trainer:
             rollout_sampling_T=cat("sampling_logprobs"), rollout_full_T=cat("response_logprobs"),
             stale_T=stale,
         )  # fmt: skip
-        return decomposition_metrics(dec)
+        return {**decomposition_metrics(dec), **flips}
 
     def adapters(self) -> dict[str, Any]:
         """The full LoRA adapters under PEFT names on rank 0 ({} elsewhere; collective)."""
