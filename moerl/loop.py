@@ -117,6 +117,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 trainer.adapters, trainer.peft_config(), client=client,
                 run_coro=aio.submit if aio else None,
                 on_loaded=(lambda n, v: aio.run(_call(orch.set_adapter, n, v))) if aio else None,
+                transport=cfg.sync.adapter_transport,
+                directory=cfg.sync.adapter_dir or ctx.run_dir / "adapters",
             )  # fmt: skip
         ws = WeightSync(
             trainer.chunks, cfg.model, client=client, bucket_mb=cfg.sync.bucket_mb,

@@ -25,6 +25,14 @@ class SyncConfig:
     """TCP port of the group's store on rank 0; None = a free port."""
     every: int = 1
     """Push weights every this many optimizer steps (1 = after every step)."""
+    adapter_transport: str = "tensors"
+    """With LoRA, how each adapter version reaches the engines: 'tensors' (in the request,
+    /load_lora_adapter_from_tensors; no shared storage needed) or 'directory' (written as
+    a PEFT directory under ``adapter_dir``, loaded with /load_lora_adapter; faster for
+    large adapters, but every engine must be able to read that path)."""
+    adapter_dir: str | None = None
+    """Where 'directory' transport writes adapter versions: a path every engine can read
+    (shared filesystem on a cluster); None = ``RUN_DIR/adapters``."""
 
     def validate(self, key: str = "sync") -> None:
         if not self.bucket_mb > 0:
@@ -33,3 +41,7 @@ class SyncConfig:
             raise ValueError(f"{key}.backend={self.backend!r}: choose 'gloo', 'nccl' or null")
         if self.every < 1:
             raise ValueError(f"{key}.every={self.every} must be >= 1")
+        if self.adapter_transport not in ("tensors", "directory"):
+            raise ValueError(
+                f"{key}.adapter_transport={self.adapter_transport!r}: choose 'tensors' or 'directory'"
+            )

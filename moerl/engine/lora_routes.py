@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any
 
@@ -21,9 +22,11 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
         body = {"success": ok, "error_message": error, "loaded_adapters": loaded}
         return JSONResponse(body, status_code=200 if ok else 400)
 
+    disabled = "LoRA is disabled: start the server with --enable-lora"
+
     async def apply(fn: Any) -> JSONResponse:
         if runner.lora is None:
-            return reply(False, "LoRA is disabled: start the server with --enable-lora")
+            return reply(False, disabled)
         try:
             await on_scheduler(state, fn)  # between decode steps: no half-applied adapter
         except ValueError as err:
@@ -37,11 +40,13 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
         if not name or not path:
             return reply(False, "load_lora_adapter needs lora_name and lora_path")
 
-        def load() -> None:
-            config, tensors = read_peft_dir(path)
-            runner.lora.load(name, config, tensors)
-
-        return await apply(load)
+        if runner.lora is None:
+            return reply(False, disabled)
+        try:  # read off the scheduler thread; only the swap waits between decode steps
+            config, tensors = await asyncio.to_thread(read_peft_dir, path)
+        except Exception as err:  # missing, truncated or not safetensors: refuse, load nothing
+            return reply(False, f"cannot read the adapter at {path}: {err}")
+        return await apply(lambda: runner.lora.load(name, config, tensors))
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(request: HTTPRequest) -> Any:

@@ -22,6 +22,7 @@ from moerl.convert.families import family_map
 from moerl.convert.maps import QKV, Concat, Copy
 from moerl.lora.layers import LoraAdapter, LoraAdapters, init_pair
 
+OUTPUT_TARGET = "lm_head"  # the output layer, as PEFT and SGLang name it
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
 
 
@@ -84,10 +85,21 @@ def find_targets(chunk: torch.nn.Module, model: ModelConfig) -> Iterator[Target]
             names = [n.removesuffix(".weight") for n in fmap.hf_names(entry, number, expert)]
             out_sizes, groups = _parts(entry.converter, module)
             yield Target(path, module, names, out_sizes, groups)
+    top = _unwrap(chunk)
+    output = getattr(top, "output_layer", None) if getattr(top, "post_process", False) else None
+    if output is not None:
+        if top.share_embeddings_and_output_weights:
+            raise NotImplementedError(
+                f"LoRA on {OUTPUT_TARGET} of a model with tied embeddings "
+                "(model.tie_word_embeddings=true) is not implemented; leave lm_head out of "
+                "lora.target_modules"
+            )
+        yield Target("output_layer", output, [OUTPUT_TARGET], [output.output_size], 1)
 
 
 def family_targets(model: ModelConfig) -> list[str]:
-    """The HF leaf names LoRA can target in this model (what 'all-linear' means)."""
+    """The HF leaf names of the decoder's linears (what 'all-linear' means; as in PEFT,
+    the output layer is not among them: name ``lm_head`` to adapt it too)."""
     fmap = family_map(model)
     leaves: set[str] = set()
     for entry in fmap.dense_layer + fmap.moe_layer:
@@ -100,15 +112,19 @@ def family_targets(model: ModelConfig) -> list[str]:
 def resolve_targets(cfg: LoraConfig, model: ModelConfig) -> list[str]:
     """``cfg.target_modules`` as HF leaf names, checked against the model family."""
     known = family_targets(model)
-    if ALL_LINEAR in cfg.target_modules:
-        return known
-    unknown = sorted(set(cfg.target_modules) - set(known))
+    named = set(cfg.target_modules) - {ALL_LINEAR}
+    unknown = sorted(named - set(known) - {OUTPUT_TARGET})
     if unknown:
         raise ValueError(
             f"lora.target_modules={cfg.target_modules}: {unknown} are not linear modules of "
-            f"a {model.family} model; choose from {known} or 'all-linear'"
+            f"a {model.family} model; choose from {[*known, OUTPUT_TARGET]} or 'all-linear'"
         )
-    return sorted(set(cfg.target_modules))
+    if OUTPUT_TARGET in named and model.tie_word_embeddings:
+        raise ValueError(
+            f"lora.target_modules names {OUTPUT_TARGET}, but the model ties it to the "
+            "embedding (model.tie_word_embeddings=true); leave lm_head out"
+        )
+    return sorted(named | (set(known) if ALL_LINEAR in cfg.target_modules else set()))
 
 
 def _key(hf_module: str) -> str:

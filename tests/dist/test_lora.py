@@ -38,7 +38,10 @@ SLOW = [("deepseek_moe", "tp2", False, False), ("qwen3_moe", "ep2", False, True)
 def _lora_cfg():  # type: ignore[no-untyped-def]
     from moerl.config.lora import LoraConfig
 
-    return LoraConfig(enabled=True, rank=4, alpha=8.0, seed=7)
+    # every decoder linear and the output layer (named apart, as in PEFT)
+    return LoraConfig(
+        enabled=True, rank=4, alpha=8.0, seed=7, target_modules=["all-linear", "lm_head"]
+    )
 
 
 def _build(family: str, layout: str, hf_dir: str | Path):  # type: ignore[no-untyped-def]
@@ -236,7 +239,9 @@ def _layout(family: str, layout: str, hf_dir: str, work: str, grads: bool, train
     holder = [None]
     if rank0:
         gen = torch.Generator().manual_seed(3)
-        holder = [{n: torch.randn(t.shape, generator=gen) for n, t in ref.items()}]
+        # small, like trained adapters: large random ones saturate the routers, and the
+        # train step below wants most experts to get tokens
+        holder = [{n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in ref.items()}]
     dist.broadcast_object_list(holder, src=0)
     other = holder[0]
     load_adapters_into(chunks, other)
@@ -300,8 +305,9 @@ def test_peft_directory_roundtrip(reference, tmp_path):
     config = json.loads((work / "peft_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["target_modules"] == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     )
+    assert tensors["base_model.model.lm_head.lora_B.weight"].shape == (128, 4)  # [vocab, r]
     path = save_peft(tmp_path / "adapter", tensors, config)
     back, back_config = load_peft(path)
     assert back_config == config and list(back) == list(tensors)

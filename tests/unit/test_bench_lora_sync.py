@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(
-    r"^model=(?P<model>\w+) rank=(?P<rank>\d+) full_bytes=(?P<full_bytes>\d+) "
+    r"^model=(?P<model>\w+) transport=(?P<transport>\w+) rank=(?P<rank>\d+) "
+    r"full_bytes=(?P<full_bytes>\d+) "
     r"adapter_bytes=(?P<adapter_bytes>\d+) bytes_ratio=(?P<bytes_ratio>[\d.]+) "
     r"full_sync_s=(?P<full_sync_s>[\d.]+) adapter_sync_s=(?P<adapter_sync_s>[\d.]+) "
     r"time_ratio=(?P<time_ratio>[\d.]+)$"
@@ -32,13 +33,16 @@ def test_lora_sync_benchmark_quick(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [m for m in map(LINE.match, run.stdout.splitlines()) if m is not None]
-    assert len(lines) == 1, run.stdout
-    got = lines[0].groupdict()
-    assert got["model"] == "tiny" and int(got["rank"]) == 8
-    full, adapter = int(got["full_bytes"]), int(got["adapter_bytes"])
-    assert 0 < adapter < full
-    assert float(got["full_sync_s"]) > 0 and float(got["adapter_sync_s"]) > 0
+    assert [m["transport"] for m in lines] == ["tensors", "directory"], run.stdout
     result = json.loads((tmp_path / "result.json").read_text())["tiny"]
-    assert (result["full_bytes"], result["adapter_bytes"]) == (full, adapter)
+    for match in lines:
+        got = match.groupdict()
+        assert got["model"] == "tiny" and int(got["rank"]) == 8
+        full, adapter = int(got["full_bytes"]), int(got["adapter_bytes"])
+        assert 0 < adapter < full
+        assert float(got["full_sync_s"]) > 0 and float(got["adapter_sync_s"]) > 0
+        assert (result["full_bytes"], result["adapter_bytes"]) == (full, adapter)
+        phases = result["transports"][got["transport"]]["phases_s"]
+        assert set(phases) == {"gather_s", "load_s", "unload_s"}
     # every routed expert of every MoE layer has its own A and B for each projection
     assert result["adapter_tensors"] > 2 * 3 * 8 * 3

@@ -79,7 +79,8 @@ def _adapter(base: dict[str, torch.Tensor], targets: list[str]) -> dict[str, tor
     out = {}
     for key, w in sorted(base.items()):
         module = key.removesuffix(".weight")
-        if w.dim() != 2 or module.rsplit(".", 1)[-1] not in targets or "layers." not in key:
+        inside = "layers." in key or module == "lm_head"
+        if w.dim() != 2 or module.rsplit(".", 1)[-1] not in targets or not inside:
             continue
         out[f"base_model.model.{module}.lora_A.weight"] = 0.2 * torch.randn(
             RANK, w.shape[1], generator=gen
@@ -315,3 +316,82 @@ def test_versioned_names_leave_waiting_requests_on_their_adapter(setup):
         assert _post(url, "/unload_lora_adapter", {"lora_name": name}).json()["success"]
     gone = _post(url, "/generate", _body(PROMPTS[1], "policy-v2"))
     assert gone.status_code == 400 and "policy-v2" in gone.text
+
+
+@pytest.mark.parametrize("transport", ["tensors", "directory"])
+def test_adapter_sync_versions_by_either_transport(setup, tmp_path, transport):
+    """AdapterSync (the trainer side): each push loads `sync-vN` by its transport, the
+    previous version is unloaded (and its directory removed), the engine serves the
+    pushed adapter exactly, and a restarted engine gets the current one back."""
+    from moerl.rollout.aio import EventLoopThread
+    from moerl.sync.adapters import AdapterSync
+
+    url = setup.lora.url
+    loop = EventLoopThread("test-adapter-sync")
+    client = EngineClient([url])
+    seen: list[tuple[str, int]] = []
+    try:
+        sync = AdapterSync(
+            lambda: setup.adapter, setup.config, client=client, run_coro=loop.submit,
+            on_loaded=lambda n, v: seen.append((n, v)), prefix="sync",
+            transport=transport, directory=tmp_path / "adapters",
+        )  # fmt: skip
+        for version in (1, 2):
+            stats = sync.push(version)
+            assert stats["bytes"] == sum(
+                t.numel() * t.element_size() for t in setup.adapter.values()
+            )
+        assert seen == [("sync-v1", 1), ("sync-v2", 2)] and sync.loaded == ["sync-v2"]
+        _same(_generate(url, [_body(PROMPTS[0], "sync-v2")])[0], setup.merged_out[0])
+        gone = _post(url, "/generate", _body(PROMPTS[0], "sync-v1"))
+        assert gone.status_code == 400
+        if transport == "directory":
+            assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["sync-v2"]
+        # an engine that lost its adapters (a restart) gets the current one back
+        assert _post(url, "/unload_lora_adapter", {"lora_name": "sync-v2"}).json()["success"]
+        loop.run(sync.restore(url), 60)
+        _same(_generate(url, [_body(PROMPTS[0], "sync-v2")])[0], setup.merged_out[0])
+        assert _post(url, "/unload_lora_adapter", {"lora_name": "sync-v2"}).json()["success"]
+    finally:
+        loop.run(client.aclose(), 60)
+        loop.stop()
+
+
+def test_truncated_adapter_directory_is_refused(setup, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(setup.adapter_dir, bad)
+    weights = bad / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    r = _post(setup.lora.url, "/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
+    assert r.status_code == 400 and "cannot read the adapter" in r.json()["error_message"]
+    assert "bad" not in r.json()["loaded_adapters"]
+
+
+def test_output_layer_adapter_equals_merged_weights(tiny_checkpoints, engine_factory, tmp_path):
+    """An adapter on lm_head (with the decoder's linears): the engine's hot-swapped
+    adapter equals the merged weights, for batched rows with and without it."""
+    base_dir = tiny_checkpoints["qwen3_moe"]
+    base = load_file(str(base_dir / "model.safetensors"))
+    targets = ATTENTION["qwen3_moe"] + MLP + ["lm_head"]
+    adapter = _adapter(base, targets)
+    assert "base_model.model.lm_head.lora_B.weight" in adapter
+    config = {"r": RANK, "lora_alpha": ALPHA, "target_modules": targets, "peft_type": "LORA"}
+    merged_dir = tmp_path / "merged"
+    shutil.copytree(base_dir, merged_dir)
+    save_file(_merge(base, adapter), str(merged_dir / "model.safetensors"))
+    flags = ["--enable-return-routed-experts"]
+    lora = engine_factory(base_dir, *flags, "--enable-lora", "--max-lora-rank", "8",
+                          "--lora-target-modules", *targets)  # fmt: skip
+    merged = engine_factory(merged_dir, *flags)
+    payload = {
+        "lora_name": "head",
+        "config_dict": config,
+        "safetensors_b64": base64.b64encode(save(adapter)).decode(),
+    }
+    assert _post(lora.url, "/load_lora_adapter_from_tensors", payload).json()["success"]
+    bodies = [_body(p, "head" if i % 2 == 0 else None) for i, p in enumerate(PROMPTS)]
+    outs = _generate(lora.url, bodies)
+    refs = _generate(merged.url, [_body(p) for p in PROMPTS])
+    plain = _generate(lora.url, [_body(p) for p in PROMPTS])
+    for i, out in enumerate(outs):
+        _same(out, refs[i] if i % 2 == 0 else plain[i])
