@@ -13,7 +13,10 @@ The mapping holds for a wheel and for an editable install (`pip install -e .`).
 
 from setuptools import find_packages, setup
 
-TEST = ["pytest>=8", "pytest-timeout", "httpx"]
+# Triton 3 runs its kernels on the CPU under TRITON_INTERPRET=1, which is how the tests
+# check every kernel against its torch twin without a GPU.
+KERNELS = ["triton>=3.0"]
+TEST = ["pytest>=8", "pytest-timeout", "httpx", *KERNELS]
 
 packages = find_packages(include=["moerl", "moerl.*"])
 packages += ["moerl.kernels"] + [f"moerl.kernels.{p}" for p in find_packages("kernels")]
@@ -66,6 +69,7 @@ setup(
         "sglang": ["sglang"],
         "te": ["transformer-engine[pytorch]"],
         "apex": ["apex"],
+        "kernels": KERNELS,
         "test": TEST,
         "dev": TEST + ["ruff", "mypy"],
     },

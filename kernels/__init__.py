@@ -1,5 +1,12 @@
-"""Triton kernels with torch reference twins, installed as `moerl.kernels`.
+"""Triton kernels for the RL hot paths, each beside a plain-torch twin; installed as
+`moerl.kernels`.
 
-Each kernel ships beside a plain-torch twin that defines its semantics and runs on
-CPU; tests compare the two on a GPU. Filled by a later issue.
+- ``logprob``: per-token logprob (+ entropy) from logits or from hidden states and the
+  output layer, vocab-parallel, with temperature and the sampling-mask kept set, never
+  materialising fp32 [tokens × vocab] logits.
+- ``lora_gmm``: every routed expert's LoRA as one segment GEMM (A products, then B).
+- ``replay_gather``: Keep Routing's gather of the replayed experts' scores, renormalised.
+
+The twin defines each kernel's semantics, is the test oracle, and is what runs on CPU or
+without Triton; ``dispatch`` chooses (``trainer.kernels`` / ``MOERL_KERNELS``).
 """

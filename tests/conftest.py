@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from moerl.device import has_cuda
 from moerl.engine.process import EngineProcess
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads this when a
+# kernel is decorated (at import), so it is set before any test module imports one.
+# The trainer's `auto` kernel backend still picks the torch twins on CPU tensors.
+if not has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -46,3 +46,8 @@ class TrainerConfig:
     recompute: str = "none"
     """Activation recompute: 'none', 'full' (every layer) or 'moe' (MoE layers only).
     Keep Routing replays the same routes in the recomputed forward."""
+    kernels: str = "auto"
+    """Implementation of the RL hot paths in ``moerl.kernels`` (logprobs from logits):
+    'auto' = Triton kernels on CUDA tensors when Triton is installed, their torch twins
+    otherwise; 'triton' forces the kernels (an error where they cannot run); 'torch'
+    forces the twins (debugging)."""

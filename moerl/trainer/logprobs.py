@@ -7,6 +7,10 @@ ratio to compare like with like. The kept set arrives in CSR form, so this never
 dense [T, V] mask: it gathers the kept logits (each TP rank the ones in its vocabulary
 shard), and combines max / sum-exp / label terms across tensor-parallel ranks with
 differentiable all-reduces.
+
+This plain-torch code is the reference and the CPU path. Where ``moerl.kernels``
+picks Triton (CUDA tensors, ``trainer.kernels``), the same logprobs come from
+``moerl.kernels.logprob.logprobs_from_logits``, which never builds fp32 [T, V] copies.
 """
 
 # T tokens, V vocabulary, Vl this rank's vocabulary shard, N kept (position, id) pairs
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from moerl.kernels.dispatch import use_triton
 
 
 def _tp() -> tuple[object | None, int, int]:
@@ -57,6 +63,14 @@ def token_logprobs(
     over their kept set; every other token over the full vocabulary.
     """
     group, rank, size = _tp()
+    if use_triton(logits_TVl):  # CUDA (trainer.kernels): the fused kernel, no fp32 copy
+        from moerl.kernels.logprob import logprobs_from_logits
+
+        lp_T, _ = logprobs_from_logits(
+            logits_TVl, labels_T, temperature_T, mask_pos_N=mask_pos_N, mask_ids_N=mask_ids_N,
+            tp_group=group if size > 1 else None,
+        )  # fmt: skip
+        return lp_T
     tokens, vocab_local = logits_TVl.shape
     start = rank * vocab_local
     if not torch.is_tensor(temperature_T):

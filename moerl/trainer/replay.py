@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from moerl.kernels.replay_gather import replay_gather
+
 POLICIES = ("all", "recent", "none")
 
 
@@ -75,7 +77,7 @@ class RoutingReplay:
                     )
                 target = inst.moerl_backward.pop(0).to(scores.device)
                 inst.moerl_recomputed += 1
-                return scores.gather(1, target), target
+                return replay_gather(scores, target, normalize=False), target
             inst.moerl_consumed += 1
             target = inst.target_topk_idx.to(scores.device)
             if target.shape != (scores.shape[0], topk):
@@ -89,7 +91,7 @@ class RoutingReplay:
             inst.moerl_used = target  # what the router actually used (for flip counting)
             if inst.moerl_recompute:
                 inst.moerl_backward.append(target)
-            return scores.gather(1, target), target
+            return replay_gather(scores, target, normalize=False), target
 
         inst.get_replay_topk = get_replay_topk
         inst.moerl_consumed = 0

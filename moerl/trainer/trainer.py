@@ -17,6 +17,7 @@ import torch
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
+from moerl.kernels.dispatch import set_backend as set_kernel_backend
 from moerl.rollout.trajectory import Trajectory
 
 REPLAY_POLICIES = ("all", "recent", "none")
@@ -67,6 +68,7 @@ class Trainer:
             load_hf(chunks, hf_dir, model)
         self.kl = algo.kl
         self.reference = self._reference(chunks, model, parallel) if algo.kl.coef > 0 else None
+        set_kernel_backend(trainer.kernels)
         self.lora = lora if lora is not None and lora.enabled else None
         if self.lora is not None:  # freeze the base; only adapters train (and sync)
             from moerl.lora import apply_lora

@@ -43,3 +43,28 @@ def test_csr_to_pairs():
     pos, out = csr_to_pairs(ids, offsets, first_pos=5)
     assert pos.tolist() == [5, 5, 6, 8, 8, 8]
     assert out.tolist() == [3, 1, 2, 7, 7, 0]
+
+
+def test_trainer_logprobs_dispatch_to_the_kernel():
+    """Where moerl.kernels picks Triton (here its CPU interpreter, forced), the trainer's
+    logprobs and their gradient come from the fused kernel and equal the torch path."""
+    from moerl.kernels.dispatch import backend
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 37, generator=gen)
+    labels = torch.randint(0, 37, (9,), generator=gen)
+    temps = torch.full((9,), 0.8)
+    pos, ids = torch.tensor([2, 2, 5]), torch.tensor([labels[2].item(), 3, labels[5].item()])
+    out, grads = {}, {}
+    for name in ("torch", "triton"):
+        x = logits.clone().requires_grad_(True)
+        with backend(name):
+            lp = token_logprobs(x, labels, temps, mask_pos_N=pos, mask_ids_N=ids)
+            (lp * torch.arange(9.0)).sum().backward()
+        out[name], grads[name] = lp.detach(), x.grad
+    torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-5, atol=1e-5)
+    with backend("auto"):  # CPU tensors: the torch path, whatever is installed
+        from moerl.kernels.dispatch import use_triton
+
+        assert not use_triton(logits)

@@ -1,0 +1,249 @@
+"""Fused logprob + entropy: each Triton kernel against its torch twin (values and autograd
+gradients), the twin against the trainer's ``token_logprobs`` and a dense reference, and
+the vocab-sharded TP=2 results against one process.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)
+with small tiles, so tiny shapes still cover ragged token and vocabulary blocks, a
+vocabulary smaller than one block, one token, and several vocabulary / token chunks.
+"""
+
+# T tokens, V vocabulary, Vl this rank's vocabulary shard, H hidden, N kept (position, id) pairs
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moerl.device import device, has_cuda
+from moerl.kernels import logprob
+from moerl.kernels.dispatch import backend
+from moerl.kernels.logprob import fused_logprobs, logprobs_from_logits
+from moerl.parallel import spawn
+from moerl.trainer.logprobs import token_logprobs
+
+# (T, V, H): ragged blocks, V below one block, one token, exact block multiples
+SHAPES = [(37, 150, 24), (5, 20, 16), (1, 70, 40), (32, 64, 32)]
+CHUNKS = dict(chunk_tokens=16, chunk_vocab=64)  # several backward chunks and forward splits
+FP32 = dict(rtol=1e-5, atol=1e-5)
+BF16_GRAD = dict(rtol=2e-2, atol=2e-2)
+BF16_SCALED = 2e-2  # max error ≤ this × max |grad|: ~2.5 bf16 ulps of the largest entry
+
+
+def _problem(tokens, vocab, hidden, *, masked=True, float_temp=False, dtype=torch.float32):  # type: ignore[no-untyped-def]
+    """Logits of std ~2 at temperatures in [0.5, 1.5); every other token masked to a kept
+    set of 1..5 ids that holds its label (a one-id set is greedy: logprob 0)."""
+    gen = torch.Generator().manual_seed(tokens * 1000 + vocab)
+    hidden_TH = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight_VH = (torch.randn(vocab, hidden, generator=gen) * 2 / hidden**0.5).to(dtype)
+    labels_T = torch.randint(0, vocab, (tokens,), generator=gen)
+    temp = 0.7 if float_temp else 0.5 + torch.rand(tokens, generator=gen)
+    pos, ids = [], []
+    for t in range(0, tokens, 2) if masked else []:
+        others = [i for i in torch.randperm(vocab, generator=gen).tolist() if i != labels_T[t]]
+        kept = [int(labels_T[t])] + others[: (t // 2) % 5]
+        pos += [t] * len(kept)
+        ids += kept
+    mask = {}
+    if masked:
+        mask = dict(mask_pos_N=torch.tensor(pos), mask_ids_N=torch.tensor(ids))
+    g_T, g_ent_T = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+    return dict(hidden=hidden_TH, weight=weight_VH, labels=labels_T, temp=temp, mask=mask,
+                g=g_T, g_ent=g_ent_T)  # fmt: skip
+
+
+def _run(fn, p, inputs, with_entropy, **kwargs):  # type: ignore[no-untyped-def]
+    """Outputs and input gradients of Σ g·logprob (+ Σ g_H·entropy)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    lp_T, ent_T = fn(*leaves, p["labels"], p["temp"], **p["mask"], with_entropy=with_entropy,
+                     **kwargs)  # fmt: skip
+    assert (ent_T is not None) == with_entropy
+    loss = (lp_T * p["g"]).sum() + ((ent_T * p["g_ent"]).sum() if with_entropy else 0)
+    loss.backward()
+    return [lp_T.detach()] + ([ent_T.detach()] if with_entropy else []) + [x.grad for x in leaves]
+
+
+def _trainer(logits_TVl, *args, with_entropy, **kwargs):  # type: ignore[no-untyped-def]
+    """The trainer's current code, shaped like the kernels' API."""
+    return token_logprobs(logits_TVl, *args, **kwargs), None
+
+
+def _compare(fn, p, inputs, with_entropy, out_tol, grad_tol, **kwargs):  # type: ignore[no-untyped-def]
+    with backend("torch"):
+        want = _run(fn, p, inputs, with_entropy, **kwargs)
+    with backend("triton"):
+        got = _run(fn, p, inputs, with_entropy, **kwargs)
+    outs = 2 if with_entropy else 1
+    for g, w in zip(got[:outs], want[:outs]):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, **out_tol)
+    for g, w in zip(got[outs:], want[outs:]):
+        assert g.dtype == w.dtype
+        if isinstance(grad_tol, float):  # relative to the largest entry: sums of many bf16 terms
+            assert (g.float() - w.float()).abs().max() <= grad_tol * w.float().abs().max()
+        else:
+            torch.testing.assert_close(g.float(), w.float(), **grad_tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(("masked", "with_entropy"), [(False, False), (True, True)])
+def test_fused_kernel_matches_twin_fp32(shape, masked, with_entropy):
+    p = _problem(*shape, masked=masked, float_temp=shape[0] == 5)
+    _compare(fused_logprobs, p, [p["hidden"], p["weight"]], with_entropy, FP32, FP32, **CHUNKS)
+
+
+@pytest.mark.parametrize(("masked", "with_entropy"), [(True, False), (False, True)])
+def test_fused_kernel_matches_twin_other_combinations(masked, with_entropy):
+    p = _problem(37, 150, 24, masked=masked)
+    _compare(fused_logprobs, p, [p["hidden"], p["weight"]], with_entropy, FP32, FP32, **CHUNKS)
+
+
+@pytest.mark.parametrize("shape", [(37, 150, 24), (1, 20, 16)], ids=["ragged", "one-token"])
+def test_fused_kernel_matches_twin_bf16(shape):
+    p = _problem(*shape, dtype=torch.bfloat16)
+    # Both accumulate exact bf16 products in fp32, so forward stays tight; the kernel's
+    # backward rounds dlogits to bf16 before its matmuls.
+    _compare(fused_logprobs, p, [p["hidden"], p["weight"]], True, FP32, BF16_GRAD, **CHUNKS)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(("masked", "with_entropy"), [(False, False), (True, True)])
+def test_logits_kernel_matches_twin_fp32(shape, masked, with_entropy):
+    p = _problem(*shape, masked=masked)
+    logits_TV = p["hidden"] @ p["weight"].T
+    _compare(logprobs_from_logits, p, [logits_TV], with_entropy, FP32, FP32, chunk_vocab=64)
+
+
+def test_logits_kernel_matches_twin_bf16():
+    p = _problem(37, 150, 24)
+    logits_TV = (p["hidden"] @ p["weight"].T).bfloat16()
+    _compare(logprobs_from_logits, p, [logits_TV], True, FP32, BF16_GRAD)
+
+
+def test_fused_kernel_frozen_weight_and_no_grad():
+    """A frozen output layer (LoRA training) gets no weight gradient; no_grad just runs."""
+    p = _problem(37, 150, 24)
+    grads = {}
+    for name in ("torch", "triton"):
+        hidden_TH = p["hidden"].clone().requires_grad_(True)
+        with backend(name):
+            lp_T, _ = fused_logprobs(hidden_TH, p["weight"], p["labels"], p["temp"], **p["mask"])
+            (lp_T * p["g"]).sum().backward()
+            with torch.no_grad():
+                again_T, _ = fused_logprobs(hidden_TH, p["weight"], p["labels"], p["temp"])
+        assert again_T.grad_fn is None
+        grads[name] = hidden_TH.grad
+    torch.testing.assert_close(grads["triton"], grads["torch"], **FP32)
+
+
+def _dense_reference(logits_TV, labels_T, temp_T, kept: dict[int, list[int]]):  # type: ignore[no-untyped-def]
+    lp, ent = [], []
+    for t in range(logits_TV.shape[0]):
+        row = logits_TV[t] / temp_T[t]
+        if t in kept:
+            row = row + torch.full_like(row, float("-inf")).index_fill(0, torch.tensor(kept[t]), 0)
+        log_p = torch.log_softmax(row, dim=-1)
+        lp.append(log_p[labels_T[t]])
+        ent.append(-(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum())
+    return torch.stack(lp), torch.stack(ent)
+
+
+def test_twin_matches_trainer_and_dense_reference():
+    p = _problem(37, 150, 24)
+    logits_TV = p["hidden"] @ p["weight"].T
+    kept: dict[int, list[int]] = {}
+    for t, i in zip(p["mask"]["mask_pos_N"].tolist(), p["mask"]["mask_ids_N"].tolist()):
+        kept.setdefault(t, []).append(i)
+    with backend("torch"):
+        got = _run(logprobs_from_logits, p, [logits_TV], True)
+        fused = _run(fused_logprobs, p, [p["hidden"], p["weight"]], True)
+    trainer = _run(_trainer, p, [logits_TV], False)
+    torch.testing.assert_close(got[0], trainer[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[0], trainer[0], **FP32)
+    ref_logits = logits_TV.clone().requires_grad_(True)
+    ref_lp, ref_ent = _dense_reference(ref_logits, p["labels"], p["temp"], kept)
+    ((ref_lp * p["g"]).sum() + (ref_ent * p["g_ent"]).sum()).backward()
+    torch.testing.assert_close(got[0], ref_lp.detach(), **FP32)
+    torch.testing.assert_close(got[1], ref_ent.detach(), **FP32)
+    torch.testing.assert_close(got[2], ref_logits.grad, **FP32)
+    greedy = [t for t, ids in kept.items() if len(ids) == 1]
+    assert greedy and got[0][greedy].abs().max() < 1e-6 and got[1][greedy].abs().max() < 1e-6
+
+
+def test_auto_backend_runs_the_twin_on_cpu(monkeypatch):
+    def no_kernels():  # type: ignore[no-untyped-def]
+        raise AssertionError("auto picked the Triton kernel for CPU tensors")
+
+    monkeypatch.setattr(logprob, "_ops", no_kernels)
+    p = _problem(5, 20, 16)
+    with backend("auto"):
+        lp_T, ent_T = fused_logprobs(p["hidden"], p["weight"], p["labels"], with_entropy=True)
+        lp2_T, _ = logprobs_from_logits(p["hidden"] @ p["weight"].T, p["labels"])
+    assert ent_T is not None and torch.isfinite(ent_T).all()
+    torch.testing.assert_close(lp_T, lp2_T, **FP32)
+
+
+def test_bad_inputs_are_explained():
+    p = _problem(5, 20, 16)
+    with pytest.raises(ValueError, match="both mask_pos_N and mask_ids_N"):
+        fused_logprobs(p["hidden"], p["weight"], p["labels"], mask_pos_N=torch.tensor([0]))
+    with pytest.raises(ValueError, match="same H"):
+        fused_logprobs(p["hidden"], p["weight"][:, :8], p["labels"])
+    with pytest.raises(ValueError, match="bfloat16"):
+        fused_logprobs(p["hidden"], p["weight"].bfloat16(), p["labels"])
+
+
+def _shards_equal_whole(backend_name, p, shard, logits_TV, group):  # type: ignore[no-untyped-def]
+    with backend(backend_name):
+        whole = _run(fused_logprobs, p, [p["hidden"], p["weight"]], True, **CHUNKS)
+        part = _run(fused_logprobs, p, [p["hidden"], p["weight"][shard]], True, tp_group=group,
+                    **CHUNKS)  # fmt: skip
+        whole_l = _run(logprobs_from_logits, p, [logits_TV], True)
+        part_l = _run(logprobs_from_logits, p, [logits_TV[:, shard]], True, tp_group=group)
+    for got, want in zip(part[:3] + part_l[:2], whole[:3] + whole_l[:2]):
+        torch.testing.assert_close(got, want, **FP32)
+    torch.testing.assert_close(part[3], whole[3][shard], **FP32)
+    torch.testing.assert_close(part_l[2], whole_l[2][:, shard], **FP32)
+
+
+def _sharded_equals_whole() -> None:
+    """Rank r holds vocabulary [r·Vl, (r+1)·Vl): results, d hidden and the d weight /
+    d logits shards equal the one-process ones, for the twin and the kernel; and the twin
+    under megatron's own TP group equals the trainer's ``token_logprobs``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = _problem(21, 150, 24)
+    vocab_local = 150 // world
+    shard = slice(rank * vocab_local, (rank + 1) * vocab_local)
+    logits_TV = p["hidden"] @ p["weight"].T
+    for name in ("torch", "triton"):
+        _shards_equal_whole(name, p, shard, logits_TV, dist.group.WORLD)
+
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=world, create_gloo_process_groups=True
+    )
+    tp = parallel_state.get_tensor_model_parallel_group()
+    with backend("torch"):
+        ours = _run(logprobs_from_logits, p, [logits_TV[:, shard]], False, tp_group=tp)
+    trainer = _run(_trainer, p, [logits_TV[:, shard]], False)
+    for got, want in zip(ours, trainer):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_tp2_vocab_shards_equal_one_process():
+    spawn(_sharded_equals_whole, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_gpu_size_kernels_match_twin(with_entropy):
+    p = _problem(4096, 32768, 2048, dtype=torch.bfloat16)
+    gpu = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in p.items()}
+    gpu["mask"] = {k: v.to(device()) for k, v in p["mask"].items()}
+    out_tol = dict(rtol=1e-4, atol=1e-3)  # block-order fp32 sums of 2048 products
+    inputs = [gpu["hidden"], gpu["weight"]]
+    _compare(fused_logprobs, gpu, inputs, with_entropy, out_tol, BF16_SCALED)
+    logits_TV = gpu["hidden"] @ gpu["weight"].T
+    _compare(logprobs_from_logits, gpu, [logits_TV], with_entropy, out_tol, BF16_SCALED)
