@@ -256,3 +256,29 @@ def test_other_recipe_runs(tmp_path, recipe):
     run = tmp_path / recipe
     _launch(run, "trainer.train_iters=2", "telemetry.flip_every=1", recipe=recipe)
     assert [r["step"] for r in read_metrics(run)] == [0, 1]
+
+
+@pytest.mark.slow
+def test_lora_run_reward_rises(tmp_path):
+    """lora=all_head on the tiny recipe (adapters on every linear and lm_head; the base
+    frozen): the reward rises, and each sync moves only the adapter's bytes, here as a
+    PEFT directory the engine loads (sync.adapter_transport=directory)."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "lora-learns"
+    _launch(run, "lora=all_head", "trainer.lr=2e-2", "trainer.train_iters=30",
+            "telemetry.flip_every=0", "sync.adapter_transport=directory")  # fmt: skip
+    m = read_metrics(run)
+    rewards = [r["reward_mean"] for r in m]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
+    full = load_file(str(run / "init_hf" / "model.safetensors"))
+    full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    # versions are deleted once unloaded; the newest is still loaded
+    kept = sorted((run / "adapters").iterdir(), key=lambda p: int(p.name.rsplit("-v", 1)[1]))
+    assert len(kept) < 5 and kept[-1].name == f"policy-v{len(m)}"
+    adapter = load_file(str(kept[-1] / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    assert "base_model.model.lm_head.lora_B.weight" in adapter
+    assert all(r["sync/bytes"] == adapter_bytes for r in m)
+    assert adapter_bytes < full_bytes

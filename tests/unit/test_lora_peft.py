@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -41,6 +42,14 @@ def test_targets_resolve_per_family():
     ]
     with pytest.raises(ValueError, match="kv_b_proj"):
         resolve_targets(LoraConfig(target_modules=["kv_b_proj"]), qw)
+
+    # the output layer is named apart ('all-linear' excludes it, as in PEFT)
+    assert "lm_head" not in resolve_targets(LoraConfig(), qw)
+    both = resolve_targets(LoraConfig(target_modules=["all-linear", "lm_head"]), qw)
+    assert both == sorted([*resolve_targets(LoraConfig(), qw), "lm_head"])
+    tied = dataclasses.replace(qw, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        resolve_targets(LoraConfig(target_modules=["lm_head"]), tied)
 
 
 def test_peft_config_and_files(tmp_path):
