@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ALL_LINEAR = "all-linear"
+GROUPED_EXPERTS = ("auto", "on", "off")
 
 
 @dataclass
@@ -31,6 +32,12 @@ class LoraConfig:
     seed: int = 0
     """Seed of the A initialisation; each module's generator is seeded by this and the
     module's HF name, so every layout starts from the same adapters."""
+    grouped_experts: str = "auto"
+    """How routed experts' adapters run: 'on' computes all local experts' deltas of a
+    linear in one grouped matmul (``moerl.kernels.lora_gmm``; its torch twin where the
+    Triton kernel cannot run), 'off' one pair of small matmuls per expert, 'auto' grouped
+    where the Triton kernel runs (CUDA, see ``trainer.kernels``), per expert elsewhere.
+    The results are the same; with dropout only the random masks differ."""
 
     @property
     def scaling(self) -> float:
@@ -43,5 +50,9 @@ class LoraConfig:
             raise ValueError(f"{key}.alpha={self.alpha} must be positive (often 2 x rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{key}.dropout={self.dropout} must be in [0, 1)")
+        if self.grouped_experts not in GROUPED_EXPERTS:
+            raise ValueError(
+                f"{key}.grouped_experts={self.grouped_experts!r}: choose one of {GROUPED_EXPERTS}"
+            )
         if not self.target_modules:
             raise ValueError(f"{key}.target_modules is empty; name modules or use ['all-linear']")

@@ -46,6 +46,11 @@ class TrainerConfig:
     recompute: str = "none"
     """Activation recompute: 'none', 'full' (every layer) or 'moe' (MoE layers only).
     Keep Routing replays the same routes in the recomputed forward."""
+    logprobs_from: str = "auto"
+    """Where the trainer's token logprobs come from: 'logits' (the output layer's logits,
+    then a logprob pass), 'hidden' (the output layer itself returns logprobs through the
+    fused kernel: [tokens × vocab] fp32 logits never exist; on CPU its torch twin), or
+    'auto' = 'hidden' on CUDA with Triton, else 'logits'."""
     kernels: str = "auto"
     """Implementation of the RL hot paths in ``moerl.kernels`` (logprobs from logits):
     'auto' = Triton kernels on CUDA tensors when Triton is installed, their torch twins

@@ -127,6 +127,7 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     _one_of("trainer.dtype", t.dtype, DTYPES)
     _one_of("trainer.replay", t.replay, ("all", "recent", "none"))
     _one_of("trainer.kernels", t.kernels, ("auto", "triton", "torch"))
+    _one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
     if not t.lr > 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from moerl.config.lora import ALL_LINEAR, LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.convert.families import family_map
 from moerl.convert.maps import QKV, Concat, Copy
+from moerl.lora.grouped import group_experts
 from moerl.lora.layers import LoraAdapter, LoraAdapters, init_pair
 
 OUTPUT_TARGET = "lm_head"  # the output layer, as PEFT and SGLang name it
@@ -150,6 +152,7 @@ def apply_lora(
         for param in module.parameters():
             param.requires_grad_(False)
         holder = LoraAdapters()
+        adapted: dict[torch.nn.Module, LoraAdapter] = {}
         for target in find_targets(module, model):
             active = [t.rsplit(".", 1)[-1] in targets for t in target.hf_modules]
             if not any(active):
@@ -164,10 +167,28 @@ def apply_lora(
                 )
                 adapter.set_full(part, a, b)
             holder.adapters[_key(target.hf_modules[0])] = adapter
-            holder.handles.append(target.base.register_forward_hook(adapter.hook, with_kwargs=True))
+            adapted[target.base] = adapter
             count += 1
+        # routed experts may share one grouped matmul per linear instead of their own hooks
+        holder.handles, grouped = group_experts(module, adapted, cfg.grouped_experts)
+        embedding = getattr(module, "embedding", None) if module.pre_process else None
+        if embedding is not None:
+            holder.handles.append(embedding.register_forward_hook(_input_requires_grad))
+        for base, adapter in adapted.items():
+            if base not in grouped:
+                holder.handles.append(base.register_forward_hook(adapter.hook, with_kwargs=True))
         module.lora = holder
     return count
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> Any:
+    """The frozen embedding's output made to require grad: megatron-core's (reentrant)
+    activation checkpoint backpropagates into a recomputed layer only when its input
+    requires grad, so without this ``trainer.recompute=full`` would drop every decoder
+    adapter's gradient (PEFT's ``enable_input_require_grads``, for the same reason)."""
+    if torch.is_grad_enabled() and torch.is_tensor(output) and not output.requires_grad:
+        return output.requires_grad_()
+    return output
 
 
 def adapters(chunks: list[torch.nn.Module]) -> Iterator[LoraAdapter]:

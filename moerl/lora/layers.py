@@ -116,6 +116,7 @@ class LoraAdapter(torch.nn.Module):
         self._slot = {p: i for i, p in enumerate(p for p, on in enumerate(self.active) if on)}
         self.out_sizes = list(out_sizes)
         self.in_size = base.input_size
+        self.folded = False  # set by moerl.trainer.fused_head for an lm_head adapter
         self.rank = rank
         self.scaling = scaling
         self.dropout = dropout
@@ -227,6 +228,8 @@ class LoraAdapter(torch.nn.Module):
         return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1]) * self.scaling
 
     def hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+        if self.folded:  # the fused logprob head applies this adapter itself
+            return output
         x = args[0] if args else kwargs["input_"]
         out, bias = output
         return out + self.delta(x).to(out.dtype), bias

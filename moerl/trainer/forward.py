@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
-from moerl.trainer.logprobs import token_logprobs
+from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
 
 
@@ -61,6 +61,7 @@ def trainer_logprobs(
     recent_window: int = 0,
     packing: str = "padded",
     pack_length: int = 0,
+    logprobs_from: str = "logits",
 ) -> LogprobResult:
     """Forward every trajectory once; rank 0 returns the logprobs of all response tokens
     and the per-layer flip counts (the routes the trainer used vs the rollout's)."""
@@ -83,18 +84,19 @@ def trainer_logprobs(
     chunk_of = {id(c): i for i, c in enumerate(chunks)}
 
     def loss_func(mb: MicroBatch, logits_BSV: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        b, s, v = logits_BSV.shape
-        lp = token_logprobs(
-            logits_BSV.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
-            mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
-        ).reshape(b, s)  # fmt: skip
+        lp = logprobs_of(mb, logits_BSV, use_mask, head is not None)
         for i, index in enumerate(mb.seq_index):
             mine = (mb.seq_ids == i) & mb.loss_mask
             result.logprobs[index] = lp[mine].detach().numpy().copy()
         return logits_BSV.sum() * 0.0, {}
 
+    modules = [getattr(c, "module", c) for c in chunks]
+    head = FusedHead(modules, use_mask) if logprobs_from == "hidden" else None
+
     def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
         mb = next(data)
+        if head is not None:
+            head.set_microbatch(mb)
         chunk = chunk_of[id(model)]
         if replay == "none":
             for inst in replayer.layers[chunk].values():
@@ -116,16 +118,20 @@ def trainer_logprobs(
 
     for chunk in chunks:
         chunk.eval()
-    with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
-            model=chunks,
-            num_microbatches=len(mbs),
-            seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-        )
+    try:
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+                model=chunks,
+                num_microbatches=len(mbs),
+                seq_length=seq_len,
+                micro_batch_size=micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        if head is not None:
+            head.remove()
     replayer.finish()  # with replay='none' nothing was targeted; it just clears RECORD state
 
     totals = torch.from_numpy(np.stack([flips, counts]))

@@ -25,7 +25,7 @@ from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
-from moerl.trainer.logprobs import token_logprobs
+from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
 
 
@@ -46,15 +46,12 @@ def _micro_loss(
     use_mask: bool,
     current_version: int,
     kl: KLConfig | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    b, s, v = logits_BSV.shape
     m = mb.loss_mask
     if not bool(m.any()):  # only padding rows (packed ranks with fewer sequences)
         return logits_BSV.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-    lp_BS = token_logprobs(
-        logits_BSV.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
-        mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
-    ).reshape(b, s)  # fmt: skip
+    lp_BS = logprobs_of(mb, logits_BSV, use_mask, fused)
     lp_T = lp_BS[m]
     old_T = (mb.sampling_logprobs if use_mask else mb.rollout_logprobs)[m]
     adv_T = mb.advantages[m]
@@ -153,11 +150,13 @@ def rl_train_step(
     step: bool = True,
     kl: KLConfig | None = None,
     ref_logprobs: list[Any] | None = None,
+    logprobs_from: str = "logits",
 ) -> RLStepResult:
     """Forward/backward over every trajectory of the global batch, then one optimizer step.
 
     With ``kl`` (coef > 0), ``ref_logprobs`` holds each trajectory's reference-policy
-    logprobs of its response tokens ([R] each) and ``kl``'s term joins the loss."""
+    logprobs of its response tokens ([R] each) and ``kl``'s term joins the loss.
+    ``logprobs_from='hidden'``: the output layer returns logprobs (``FusedHead``)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -176,13 +175,16 @@ def rl_train_step(
     )  # fmt: skip
     replayer = RoutingReplay(modules, policy=replay, recent_window=recent_window)
     chunk_of = {id(c): i for i, c in enumerate(chunks)}
+    head = FusedHead(modules, use_mask) if logprobs_from == "hidden" else None
     loss_func = partial(
         _micro_loss, loss_fn=loss_fn, correction_fn=correction_fn, agg=agg,
-        use_mask=use_mask, current_version=current_version, kl=kl,
+        use_mask=use_mask, current_version=current_version, kl=kl, fused=head is not None,
     )  # fmt: skip
 
     def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
         mb = next(data)
+        if head is not None:
+            head.set_microbatch(mb)
         replayer.set_microbatch(chunk_of[id(model)], mb.routes, mb.versions, current_version)
         output = model(
             mb.tokens, mb.position_ids, mb.attention_mask, padding_mask=mb.padding_mask(model)
@@ -193,15 +195,19 @@ def rl_train_step(
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
-        model=chunks,
-        num_microbatches=len(mbs),
-        seq_length=seq_len,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+    try:
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+            model=chunks,
+            num_microbatches=len(mbs),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
+    finally:
+        if head is not None:
+            head.remove()
     replayer.finish()
     grad_norm = optimizer.step()[1] if step else None
     result = RLStepResult(loss=None, grad_norm=grad_norm)

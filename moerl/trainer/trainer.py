@@ -19,6 +19,7 @@ from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
 from moerl.kernels.dispatch import set_backend as set_kernel_backend
 from moerl.rollout.trajectory import Trajectory
+from moerl.trainer.fused_head import resolve_source
 
 REPLAY_POLICIES = ("all", "recent", "none")
 
@@ -69,6 +70,7 @@ class Trainer:
         self.kl = algo.kl
         self.reference = self._reference(chunks, model, parallel) if algo.kl.coef > 0 else None
         set_kernel_backend(trainer.kernels)
+        self.logprobs_from = resolve_source(trainer.logprobs_from)
         self.lora = lora if lora is not None and lora.enabled else None
         if self.lora is not None:  # freeze the base; only adapters train (and sync)
             from moerl.lora import apply_lora
@@ -188,6 +190,7 @@ class Trainer:
             topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
             current_version=self.version, recent_window=self.cfg.recent_window,
             packing=self.cfg.packing, pack_length=self.cfg.pack_length,
+            logprobs_from=self.logprobs_from,
         )  # fmt: skip
 
     def _sample(self, trajs: list[Trajectory], sample: int) -> list[Trajectory]:

@@ -316,3 +316,114 @@ def test_peft_directory_roundtrip(reference, tmp_path):
     assert back[name].shape == (64, 4)  # B [out = hidden, r]
     with pytest.raises(ValueError, match="only one of"):
         merged_hf_state({}, {name: back[name]}, config)
+
+
+# (family, layouts run one after the other in one group of processes, activation
+# recompute, token batch shape, also the 'auto' mode and the Triton kernel): the grouped
+# experts' LoRA against the per-expert one. tp2 has expert TP 2 (the all-reduced A and B
+# gradients). The Triton interpreter takes one short sequence (some experts get none).
+# 'full' recompute checks the adapters behind the frozen embedding still get gradients
+# (megatron's reentrant checkpoint needs its input to require grad).
+GROUPED = [
+    ("deepseek_moe", ("single",), "full", (1, 8), True),
+    ("qwen3_moe", ("ep2", "tp2"), "moe", (2, 16), False),
+]
+
+
+def _grouped_vs_per_expert(
+    family: str, layout: str, hf_dir: str, recompute: str, shape: tuple[int, int], auto: bool
+) -> None:
+    from dataclasses import replace
+
+    import moerl.lora.grouped as grouped
+    from moerl.convert import load_hf
+    from moerl.convert.check import megatron_logits
+    from moerl.kernels.dispatch import backend
+    from moerl.lora import apply_lora, gather_adapters, remove_lora
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.state import initialize_for_model
+
+    model = tiny_config(family)
+    pcfg, _ = parse_layout(layout)
+    initialize_for_model(pcfg, model, seed=5)
+    chunks = build_model(model, pcfg, recompute=recompute)
+    load_hf(chunks, hf_dir, model)
+    tokens = _tokens(model.vocab_size)[: shape[0], : shape[1]]
+    calls = [0]
+    kernel = grouped.lora_grouped
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    grouped.lora_grouped = counted
+    # 'auto' groups only where the Triton kernel runs: per expert under the torch backend
+    runs = [("off", "torch"), ("on", "torch")]
+    runs += [("auto", "torch"), ("auto", "triton")] if auto else []
+    results = {}
+    try:
+        for mode, kernels in runs:
+            apply_lora(chunks, replace(_lora_cfg(), grouped_experts=mode), model, b_std=B_STD)
+            calls[0] = 0
+            with backend(kernels):
+                logits = megatron_logits(chunks, tokens)
+                _backward(chunks, tokens)
+            results[mode, kernels] = logits, gather_adapters(chunks, model, grads=True), calls[0]
+            remove_lora(chunks)
+    finally:
+        grouped.lora_grouped = kernel
+    moe_layers = model.num_layers - model.first_k_dense_replace
+    # fc1 and fc2 once per MoE layer and forward: eval, train, and train's recompute
+    grouped_calls = 2 * moe_layers * (3 if recompute != "none" else 2)
+    ref_logits, ref_grads, _ = results["off", "torch"]
+    if dist.get_rank() == 0:
+        live = sum(bool(g.abs().sum() > 0) for g in ref_grads.values())
+        assert live > 0.8 * len(ref_grads), f"only {live} of {len(ref_grads)} have gradients"
+    for (mode, kernels), (logits, grads, count) in results.items():
+        expected = grouped_calls if mode == "on" or kernels == "triton" else 0
+        assert count == expected, (layout, mode, kernels, count, expected)
+        if logits is not None:
+            diff = (logits - ref_logits).abs().max().item()
+            assert diff <= LOGIT_TOL, f"{layout} {mode}/{kernels}: logits differ by {diff:.2e}"
+        if dist.get_rank() == 0:
+            assert list(grads) == list(ref_grads)
+            worst = max((_rel(grads[n], g), n) for n, g in ref_grads.items())
+            assert worst[0] <= GRAD_TOL, (
+                f"{layout} {mode}/{kernels}: {worst[1]} off by {worst[0]:.2e}"
+            )
+
+
+def _grouped(
+    family: str,
+    layouts: tuple[str, ...],
+    hf_dir: str,
+    recompute: str,
+    shape: tuple[int, int],
+    auto: bool,
+) -> None:
+    for layout in layouts:
+        _grouped_vs_per_expert(family, layout, hf_dir, recompute, shape, auto)
+
+
+@pytest.mark.parametrize("family, layouts, recompute, shape, auto", GROUPED)
+def test_grouped_experts_match_per_expert(
+    family, layouts, recompute, shape, auto, tiny_checkpoints
+):
+    """One grouped LoRA matmul per expert linear gives the per-expert logits and adapter
+    gradients (the earlier adapters check its dx), under EP, expert TP and recompute;
+    'auto' picks it exactly where the Triton kernel (here its interpreter) runs."""
+    from moerl.parallel import parse_layout
+
+    worlds = {parse_layout(layout)[1] for layout in layouts}
+    assert len(worlds) == 1, layouts
+    hf = str(tiny_checkpoints[family])
+    spawn(_grouped, worlds.pop(), family, layouts, hf, recompute, shape, auto)
+
+
+def test_grouped_experts_config():
+    from moerl.config.lora import LoraConfig
+
+    with pytest.raises(ValueError, match="grouped_experts='yes'"):
+        LoraConfig(grouped_experts="yes").validate()

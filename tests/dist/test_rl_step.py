@@ -23,11 +23,13 @@ def _reward(t) -> float:  # type: ignore[no-untyped-def]
 def _step(
     layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deepseek_moe",
     recompute: str = "none", name: str | None = None, packing: str = "padded",
+    logprobs_from: str = "logits", kernels: str = "auto", lora: bool = False,
 ) -> None:  # fmt: skip
     from moerl.algo.advantages import AdvantageInput, build_advantage
     from moerl.algo.correction import build_correction
     from moerl.algo.losses import build_policy_loss
     from moerl.convert import HFCheckpoint, load_hf
+    from moerl.kernels.dispatch import set_backend
     from moerl.models.families import get_family
     from moerl.models.gpt import build_model
     from moerl.parallel.full_state import gather_full
@@ -36,6 +38,7 @@ def _step(
     from moerl.trainer.rl_step import rl_train_step
     from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
+    set_backend(kernels)
     model = get_family(family).from_hf(HFCheckpoint(hf_dir).config())
     pcfg, _ = parse_layout(layout)
     initialize_model_parallel(
@@ -47,6 +50,12 @@ def _step(
     )
     chunks = build_model(model, pcfg, routing_replay=True, per_token_loss=True, recompute=recompute)
     load_hf(chunks, hf_dir, model)
+    if lora:  # adapters on lm_head too (folded into the fused head), B nonzero
+        from moerl.config.lora import LoraConfig
+        from moerl.lora import apply_lora
+
+        cfg = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["o_proj", "lm_head"])
+        apply_lora(chunks, cfg, model, b_std=0.05)
     ddp = wrap_ddp(chunks, use_distributed_optimizer=True)
     optimizer = build_optimizer(ddp, OptimConfig(lr=1e-3, adam_eps=1e-6))
     attach_schedule_hooks(ddp, optimizer)
@@ -60,11 +69,18 @@ def _step(
         loss_fn=build_policy_loss("ppo_clip"), correction_fn=build_correction("tis"),
         num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
         step=False, packing=packing, pack_length=64, micro_batch_size=2 if packing == "packed" else 1,
+        logprobs_from=logprobs_from,
     )  # fmt: skip
     from moerl.parallel.full_state import allgather_sharded_grads
 
     allgather_sharded_grads(ddp)
-    grads = gather_full([c.module for c in ddp], "grad")
+    if lora:  # the adapters' gradients, gathered to full PEFT tensors
+        from moerl.lora import gather_adapters
+
+        grad_tensors = gather_adapters([c.module for c in ddp], model, grads=True)
+    else:
+        full = gather_full([c.module for c in ddp], "grad")  # None off rank 0
+        grad_tensors = full.tensors if full is not None else {}
     result.grad_norm = optimizer.step()[1]
     params = gather_full([c.module for c in ddp], "param")
     results: list = [None] * dist.get_world_size()
@@ -76,7 +92,7 @@ def _step(
         name = name or layout
         metrics = next(r for r in results if r)
         torch.save(params.tensors, Path(out) / f"{name}.pt")
-        torch.save(grads.tensors, Path(out) / f"{name}.grad.pt")
+        torch.save(grad_tensors, Path(out) / f"{name}.grad.pt")
         (Path(out) / f"{name}.json").write_text(json.dumps(metrics))
 
 
@@ -214,3 +230,53 @@ def test_rl_step_gqa_family_under_tp_and_pp(layout, tiny_checkpoints, tmp_path):
     for name in ("single", layout):
         spawn(_step, parse_layout(name)[1], name, str(hf), str(path), str(tmp_path), "qwen3_moe")
     _compare(tmp_path, "single", layout)
+
+
+def test_fused_head_gives_the_logits_objective(rollouts, tmp_path):
+    """trainer.logprobs_from=hidden (the output layer returns logprobs; logits never
+    whole) optimises the same objective as logprobs from logits: loss and every gradient,
+    on one process with the torch twin and with the Triton kernel (CPU interpreter), and
+    with an lm_head LoRA adapter folded into the head."""
+    hf, path = rollouts
+    runs = [
+        ("logits", "auto", False, "logits"),
+        ("hidden", "auto", False, "hidden"),
+        ("hidden", "triton", False, "hidden-triton"),
+        ("logits", "auto", True, "lora-logits"),
+        ("hidden", "auto", True, "lora-hidden"),
+    ]
+    for source, kernels, lora, name in runs:
+        spawn(_step, 1, "single", str(hf), str(path), str(tmp_path), "deepseek_moe", "none",
+              name, "padded", source, kernels, lora)  # fmt: skip
+    for ref, got in [
+        ("logits", "hidden"),
+        ("logits", "hidden-triton"),
+        ("lora-logits", "lora-hidden"),
+    ]:
+        a, b = (json.loads((tmp_path / f"{x}.json").read_text()) for x in (ref, got))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), got
+        # same logprobs (the base runs are on-policy: the rollouts' own model)
+        assert b["mismatch/log_ratio_abs_max"] == pytest.approx(
+            a["mismatch/log_ratio_abs_max"], rel=1e-4, abs=1e-5
+        )
+        assert "lora" in got or b["mismatch/log_ratio_abs_max"] < 1e-5
+        ga, gb = torch.load(tmp_path / f"{ref}.grad.pt"), torch.load(tmp_path / f"{got}.grad.pt")
+        assert set(ga) == set(gb) and ga
+        for key in ga:
+            err = (ga[key] - gb[key]).norm() / ga[key].norm().clamp_min(1e-30)
+            assert err < 1e-5, (got, key, float(err))
+    lora_grads = torch.load(tmp_path / "lora-hidden.grad.pt")
+    assert lora_grads["base_model.model.lm_head.lora_A.weight"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_fused_head_under_tensor_parallelism(tiny_checkpoints, tmp_path):
+    """The fused head under TP with sequence parallelism (Qwen3-MoE, tp2ep2: vocabulary
+    shards, the gathered input's reduce-scatter) equals one process's logits path."""
+    hf = tiny_checkpoints["qwen3_moe"]
+    path = tmp_path / "r.jsonl"
+    collect_rollouts(hf, path, num_prompts=8, max_new_tokens=12, dtype="float32")
+    spawn(_step, 1, "single", str(hf), str(path), str(tmp_path), "qwen3_moe")
+    spawn(_step, 4, "tp2ep2", str(hf), str(path), str(tmp_path), "qwen3_moe", "none",
+          "tp-hidden", "padded", "hidden")  # fmt: skip
+    _compare(tmp_path, "single", "tp-hidden")
