@@ -15,9 +15,64 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from moerl.models.tiny import TINY
+
+
+def run(
+    *,
+    family: str = "deepseek_moe",
+    dtype: str = "bfloat16",
+    trainer_dtype: str = "fp32",
+    layout: str = "single",
+    prompts: int = 16,
+    new_tokens: int = 32,
+    rollouts: str | Path | None = None,
+    hf_dir: str | Path | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Generate (or load) rollouts and score them under the four settings. Returns
+    ``settings`` (one dict per setting, ``SettingResult`` fields), ``reduction`` (k3
+    without replay and mask / with both), ``decomposition`` (or None), ``rollouts`` and
+    ``response_tokens`` (None when the rollouts were given)."""
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+    from moerl.trainer.replay_check import collect_rollouts, decomposition, score
+
+    count = tokens = None
+    with tempfile.TemporaryDirectory(prefix="moerl-replay-") as tmp:
+        work = Path(tmp)
+        hf = (
+            Path(hf_dir)
+            if hf_dir
+            else save_tiny_checkpoint(tiny_config(family), work / "hf", seed=seed)
+        )
+        path = Path(rollouts) if rollouts else work / "rollouts.jsonl"
+        if not rollouts:
+            trajs = collect_rollouts(
+                hf,
+                path,
+                num_prompts=prompts,
+                max_new_tokens=new_tokens,
+                dtype=dtype,
+                seed=seed,
+            )
+            count, tokens = len(trajs), sum(t.response_len for t in trajs)
+            print(f"{count} rollouts, {tokens} response tokens, engine dtype {dtype}", flush=True)
+        results = score(layout, hf, path, work / "scores.json", dtype=trainer_dtype)
+        parts = decomposition(work / "scores.json")
+    by = {(r.replay, r.mask): r for r in results}
+    both, neither = by[("on", "on")], by[("off", "off")]
+    return {
+        "settings": [asdict(r) for r in results],
+        "reduction": neither.mismatch_k3 / max(both.mismatch_k3, 1e-30),
+        "decomposition": parts,
+        "rollouts": count,
+        "response_tokens": tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,44 +90,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from moerl.models.hf_tiny import save_tiny_checkpoint
-    from moerl.models.tiny import tiny_config
     from moerl.telemetry.mismatch import Decomposition
-    from moerl.trainer.replay_check import collect_rollouts, decomposition, score
+    from moerl.trainer.replay_check import SettingResult
 
-    with tempfile.TemporaryDirectory(prefix="moerl-replay-") as tmp:
-        work = Path(tmp)
-        hf = (
-            Path(args.hf_dir)
-            if args.hf_dir
-            else save_tiny_checkpoint(tiny_config(args.family), work / "hf", seed=args.seed)
-        )
-        rollouts = Path(args.rollouts) if args.rollouts else work / "rollouts.jsonl"
-        if not args.rollouts:
-            trajs = collect_rollouts(
-                hf,
-                rollouts,
-                num_prompts=args.prompts,
-                max_new_tokens=args.new_tokens,
-                dtype=args.dtype,
-                seed=args.seed,
-            )
-            tokens = sum(t.response_len for t in trajs)
-            print(
-                f"{len(trajs)} rollouts, {tokens} response tokens, engine dtype {args.dtype}",
-                flush=True,
-            )
-        results = score(args.layout, hf, rollouts, work / "scores.json", dtype=args.trainer_dtype)
-        parts = decomposition(work / "scores.json")
+    out = run(
+        family=args.family,
+        dtype=args.dtype,
+        trainer_dtype=args.trainer_dtype,
+        layout=args.layout,
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        rollouts=args.rollouts,
+        hf_dir=args.hf_dir,
+        seed=args.seed,
+    )
+    results = [SettingResult(**r) for r in out["settings"]]
     for r in results:
         print(r.line(), flush=True)
     by = {(r.replay, r.mask): r for r in results}
-    both, neither = by[("on", "on")], by[("off", "off")]
-    reduction = neither.mismatch_k3 / max(both.mismatch_k3, 1e-30)
-    print(f"reduction={reduction:.1f}", flush=True)
-    if parts:
-        print(Decomposition(**parts).line(), flush=True)
-    if both.flip_rate > 0 or by[("on", "off")].flip_rate > 0:
+    print(f"reduction={out['reduction']:.1f}", flush=True)
+    if out["decomposition"]:
+        print(Decomposition(**out["decomposition"]).line(), flush=True)
+    if by[("on", "on")].flip_rate > 0 or by[("on", "off")].flip_rate > 0:
         print("FAIL: a replayed forward changed a router decision", file=sys.stderr)
         return 1
     return 0

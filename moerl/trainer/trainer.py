@@ -59,7 +59,9 @@ class Trainer:
             model,
             parallel,
             trainer.dtype,
-            routing_replay=trainer.replay != "none",
+            # replay hooks even with replay='none': they pass the router through, and
+            # the flip-rate and mismatch probes record the fresh routes with them
+            routing_replay=True,
             per_token_loss=True,
             recompute=trainer.recompute,
         )
@@ -109,8 +111,7 @@ class Trainer:
         from moerl.models.gpt import build_model
 
         ref = build_model(
-            model, parallel, self.cfg.dtype, routing_replay=self.cfg.replay != "none",
-            per_token_loss=True,
+            model, parallel, self.cfg.dtype, routing_replay=True, per_token_loss=True,
         )  # fmt: skip
         for mine, theirs in zip(ref, chunks):
             mine.load_state_dict(theirs.state_dict())

@@ -127,3 +127,38 @@ def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
     assert 0.0 < flips["router_flip/mean"] < 1.0
     spawn(_run, 1, str(hf), str(rollouts), str(tmp_path / "ckpt"), str(tmp_path / "b.json"), True)
     assert json.loads((tmp_path / "b.json").read_text())["version_after_resume"] == 2
+
+
+def _replay_none(hf_dir: str, rollouts: str, out: str) -> None:
+    from moerl.algo.config import AlgoConfig, ReinforcePPConfig
+    from moerl.algo.correction_config import CorrectionConfig
+    from moerl.config.parallel import ParallelConfig
+    from moerl.config.trainer import TrainerConfig
+    from moerl.convert import HFCheckpoint
+    from moerl.models.families import get_family
+    from moerl.rollout.trajectory import load_jsonl
+    from moerl.trainer.trainer import Trainer
+
+    model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
+    cfg = TrainerConfig(lr=1e-3, replay="none", sampling_mask=False)
+    algo = AlgoConfig(advantage=ReinforcePPConfig())
+    trainer = Trainer(
+        model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir
+    )
+    trajs = load_jsonl(rollouts)
+    for t in trajs:
+        t.reward = float(np.mean(t.response_ids % 2 == 0))
+    record = {"step": trainer.step(trajs), "flips": trainer.router_flip_rates(trajs, sample=4)}
+    Path(out).write_text(json.dumps(record))
+
+
+def test_trainer_without_replay_steps(tiny_checkpoints, tmp_path):
+    """trainer.replay=none (the plain router, the Keep Routing ablation) trains, and the
+    flip-rate probe still measures the fresh routes against the rollout's."""
+    hf = tiny_checkpoints["deepseek_moe"]
+    rollouts = tmp_path / "r.jsonl"
+    collect_rollouts(hf, rollouts, num_prompts=4, max_new_tokens=8, dtype="bfloat16")
+    spawn(_replay_none, 1, str(hf), str(rollouts), str(tmp_path / "none.json"))
+    record = json.loads((tmp_path / "none.json").read_text())
+    assert record["step"]["version"] == 1.0 and np.isfinite(record["step"]["loss"])
+    assert record["flips"] and all(0.0 <= v <= 1.0 for v in record["flips"].values())

@@ -27,7 +27,9 @@ from speedup because the async run trains first on the groups that finish first 
 shorter ones) and leaves the slowest in flight at the end. Target on a 2-core machine (one
 core for the engine, one for the trainer): speedup >= 1.8 and trainer_idle_async <= 0.2.
 --out DIR keeps the run directories (DIR/runs), writes DIR/result.json and the timeline
-plots DIR/timeline_{sync,async}.png.
+plots DIR/timeline_{sync,async}.png. The result's ``per_step`` holds, for the first
+repeat of each run, per-step ``time_s`` and ``reward_mean`` and ``staleness_tokens``
+(tokens per version gap, summed over the steps).
 
 The runs call moerl.launch's rank entry in-process (one spawned trainer process per rank)
 rather than `python -m moerl.launch`, so the trainer's torch thread count can be set
@@ -123,6 +125,18 @@ def summarize(metrics: list[dict[str, Any]], batch: int) -> dict[str, float]:
     }
 
 
+def per_step(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the reward-vs-wall-clock and staleness plots need from one run: per step
+    (time_s, reward_mean), and tokens per version gap summed over the steps."""
+    from moerl.telemetry.plots import staleness_counts
+
+    return {
+        "time_s": [float(m["time_s"]) for m in metrics],
+        "reward_mean": [float(m["reward_mean"]) for m in metrics],
+        "staleness_tokens": {str(k): v for k, v in staleness_counts(metrics).items()},
+    }
+
+
 def length_percentiles(overrides: list[str], groups: int) -> tuple[float, float]:
     """p50/p90 of the lengths drawn for the first `groups` prompts (what a run consumes)."""
     rollout = compose(overrides).rollout
@@ -190,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     **summarize(metrics, args.batch),
                 }
                 runs[name].append(run)
+                if rep == 0:
+                    results.setdefault("per_step", {})[name] = per_step(metrics)
                 print(f"{name}: {json.dumps(run)}", flush=True)
                 if args.out is not None and rep == 0:
                     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,157 @@
+"""tools/bench/run_all.py: the suite runs benches in child processes, survives a bench
+that fails, and renders the results page (REPORT.md, plots, README section) from its
+results.json.
+
+The rendering tests read a results.json saved from a real `run_all.py --quick` run on a
+2-core CPU (tests/fixtures/bench/results_quick_cpu.json), so every bench's row is drawn
+from that bench's own result layout."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "bench" / "run_all.py"
+SAVED = ROOT / "tests" / "fixtures" / "bench" / "results_quick_cpu.json"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _module(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        f"test_bench_{name}", ROOT / "tools" / "bench" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG
+
+
+def _table_benches(report_md: str) -> set[str]:
+    rows = [x for x in report_md.split("## Runs")[0].splitlines() if x.startswith("| ")]
+    return {x.split("|")[1].strip() for x in rows[1:]}
+
+
+def _run(tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize(
+    "only",
+    ["weight_sync", pytest.param("weight_sync,mismatch", marks=pytest.mark.slow)],  # ~50 s
+)
+def test_run_all_smoke_writes_the_page(tmp_path, only):
+    run = _run(tmp_path, "--only", only)
+    names = only.split(",")
+    for name in names:
+        assert f"{name}: start" in run.stdout and f"{name}: ok in" in run.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["mode"] == "smoke"
+    for key in ("platform", "cpu_count", "torch", "megatron_core", "device", "date", "git_commit"):
+        assert results["machine"][key], key
+    for name in names:
+        bench = results["benches"][name]
+        assert bench["status"] == "ok" and bench["rc"] == 0 and bench["wall_s"] > 0
+        assert bench["result"] == json.loads((tmp_path / name / "result.json").read_text())
+    report = (tmp_path / "REPORT.md").read_text()
+    assert _table_benches(report) == set(_module("report").BENCHES)  # every bench has a row
+    assert "## Published anchors" in report and "## GPU" in report
+    # the bench's own lines reach its log: per bucket, then the summary
+    log = (tmp_path / "weight_sync" / "log.txt").read_text()
+    for mb in ("1", "64"):
+        assert re.search(rf"^model=tiny bucket_mb={mb} sync_s=[\d.]+$", log, re.M), log[-2000:]
+    assert re.search(r"^model=tiny per_tensor_s=[\d.]+ tensors=\d+$", log, re.M)
+    assert re.search(
+        r"^model=tiny model_mb=[\d.]+ best_bucket_mb=(1|64) bucketed_s=[\d.]+ "
+        r"per_tensor_s=[\d.]+ speedup=[\d.]+$", log, re.M,
+    )  # fmt: skip
+    assert set(results["benches"]["weight_sync"]["result"]["tiny"]["by_bucket_mb"]) == {"1", "64"}
+    expected = {"weight_sync"} | ({"mismatch"} if "mismatch" in names else set())
+    assert set(results["plots"]) == expected
+    for file in results["plots"].values():
+        assert _is_png(tmp_path / "plots" / file), file
+
+
+def test_a_bench_that_times_out_is_recorded_and_the_suite_goes_on(tmp_path):
+    run = _run(tmp_path, "--only", "weight_sync,kernels", "--timeout-s", "1", timeout=120)
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name in ("weight_sync", "kernels"):
+        assert results["benches"][name]["status"] == "timeout after 1s", run.stdout
+        assert results["benches"][name]["result"] is None
+    report = (tmp_path / "REPORT.md").read_text()
+    assert report.count("timeout after 1s") >= 2  # in the table and the runs list
+
+
+def test_report_from_saved_results_covers_every_bench(tmp_path):
+    report = _module("report")
+    results = json.loads(SAVED.read_text())
+    assert set(results["benches"]) == set(report.BENCHES)
+    assert all(b["status"] == "ok" for b in results["benches"].values())
+    rows = report.headlines(results)
+    assert {r.bench for r in rows} == set(report.BENCHES)
+    assert not [r for r in rows if r.status.startswith(("error", "failed", "not run"))]
+    written = report.write_plots(results, tmp_path / "plots")
+    # the timeline PNG is copied from the async bench's output dir, absent here
+    assert set(written) == {"reward", "staleness", "mismatch", "weight_sync"}
+    for file in written.values():
+        assert _is_png(tmp_path / "plots" / file), file
+    results["plots"] = written
+    page = report.report_markdown(results)
+    assert _table_benches(page) == set(report.BENCHES)
+    section = report.readme_section(results, "bench/plots")
+    assert section.startswith("## Results\n") and "### Published anchors" in section
+    assert "Not yet run on a GPU" in section
+    assert "(bench/plots/mismatch.png)" in section
+    readme = "intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n"
+    replaced = report.replace_section(readme, section)
+    assert replaced is not None and "old" not in replaced and replaced.endswith("rest\n")
+    assert report.replace_section("no markers here", section) is None
+
+
+def test_gpu_section_is_filled_on_cuda_results():
+    report = _module("report")
+    results = copy.deepcopy(json.loads(SAVED.read_text()))
+    results["machine"]["device"] = "cuda: NVIDIA H100 80GB HBM3"
+    kernel = {"kernel": "fused_logprobs", "size": "32768x152064x4096:bfloat16",
+              "kernel_ms": 50.0, "torch_ms": 60.0, "speedup": 1.2, "kernel_peak_mb": 100.0,
+              "torch_peak_mb": 1000.0, "mem_ratio": 10.0}  # fmt: skip
+    results["benches"]["kernels"]["result"] = {"device": "cuda", "rows": [kernel]}
+    section = report.readme_section(results)
+    gpu = section.split("### GPU")[1]
+    assert "Not yet run on a GPU" not in gpu and "NVIDIA H100" in gpu
+    assert "| fused_logprobs | 32768x152064x4096:bfloat16 | 50.00 | 60.00 | 1.20 |" in gpu
+    row = [r for r in report.headlines(results) if r.bench == "kernels"][0]
+    assert row.status == "met"
+
+
+def test_render_only_rewrites_the_readme_section(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "results.json").write_text(SAVED.read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text("# moerl\n<!-- results:start -->\nOLD-SECTION\n<!-- results:end -->\nmore\n")
+    _module("run_all").main(
+        ["--render-only", "--out", str(tmp_path / "bench"), "--readme", str(readme)]
+    )
+    text = readme.read_text()
+    assert "OLD-SECTION" not in text and text.startswith(
+        "# moerl\n<!-- results:start -->\n## Results"
+    )
+    assert "(bench/plots/weight_sync_buckets.png)" in text and text.endswith("more\n")
+    assert (tmp_path / "bench" / "REPORT.md").is_file()
+    assert _is_png(tmp_path / "bench" / "plots" / "reward_vs_time.png")

@@ -1,0 +1,568 @@
+"""The benchmark suite's results page: headline table, plots, published anchors.
+
+Everything here reads the ``results.json`` that ``run_all.py`` writes (``machine``,
+``mode``, ``benches``: per bench ``status``, ``wall_s``, ``result`` = its own
+result.json) and nothing else, so a saved results.json renders again anywhere:
+
+- ``headlines(results)``: one row per headline ratio, beside the issue's target;
+- ``write_plots(results, out_dir)``: the PNGs (matplotlib ``Figure``, no pyplot);
+- ``report_markdown(results)``: ``REPORT.md``;
+- ``readme_section(results)``: the "Results" section for README.md.
+
+Targets are the ones the benchmarks print (issues 3, 5, 7, 8, 9); a ratio without a
+stated target reads "—". Anchors are published numbers with their source and setting;
+ours are ratios on a 2-core CPU with tiny models, never comparable in absolute terms.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+BENCHES = (
+    "engine",
+    "async_vs_sync",
+    "weight_sync",
+    "replay_overhead",
+    "mismatch",
+    "lora_sync",
+    "kernels",
+)
+PLOTS = {
+    "timeline": "timeline_async.png",
+    "reward": "reward_vs_time.png",
+    "staleness": "staleness.png",
+    "mismatch": "mismatch.png",
+    "weight_sync": "weight_sync_buckets.png",
+}
+CAVEAT = (
+    "Our numbers are ratios measured side by side on one machine with tiny random models "
+    "(2 CPU cores shared with other work unless the machine line says otherwise); the "
+    "published anchors come from GPU clusters and real models. Compare directions and "
+    "orders of magnitude, never absolute values."
+)
+
+
+@dataclass
+class Row:
+    bench: str
+    metric: str
+    ours: str
+    target: str
+    status: str  # "met" | "not met" | "—" | "n/a …" | "failed …"
+
+
+@dataclass
+class Anchor:
+    what: str
+    reported: str
+    source: str
+    setting: str
+    ours: str  # key into _ours()
+
+
+ANCHORS = [
+    Anchor("async vs sync speedup", "up to 2.77× training speedup over synchronous systems "
+           "with the same number of GPUs (2.57× in the paper's first version)",
+           "AReaL (Fu et al. 2025, arXiv:2505.24298)",
+           "math and code reasoning, GPU cluster", "async_speedup"),
+    Anchor("async vs sync speedup", "2.35–2.67× with the fully asynchronous trainer",
+           "verl, 'Recipe: Fully Async Policy Trainer' (docs)",
+           "Qwen2.5-7B on 128 GPUs", "async_speedup"),
+    Anchor("async vs sync speedup", "≈2× faster learning than conventional RL",
+           "PipelineRL (Piché et al. 2025, arXiv:2509.19128)",
+           "long-form reasoning on 128 H100 GPUs", "async_speedup"),
+    Anchor("async vs sync speedup", "up to 2.24× on RLVR and 2.72× on agentic tasks",
+           "ROLL Flash (Lu et al. 2025, arXiv:2510.11345)",
+           "same GPU budget as the synchronous baseline, large GPU pools", "async_speedup"),
+    Anchor("bucketed weight sync", "48 s → 45 s per sync from bucketed parameter gather alone, "
+           "→ 6 s (8×) with flattened CUDA-IPC buckets", "SkyRL pull request #487",
+           "Qwen3-30B-A3B, TP2/EP8, 8×H100, colocated engine", "weight_sync_speedup"),
+    Anchor("train/inference mismatch without routing replay", "k3 KL ≈1.5e-3 for "
+           "Qwen3-30B-A3B (6.4e-4 for dense Qwen3-8B); ≈10% of router decisions differ "
+           "between inference and training", "R3 (Ma et al. 2025, arXiv:2510.11370)",
+           "Qwen3 MoE, SGLang rollouts, Megatron training, GPUs", "mismatch"),
+    Anchor("routing replay cost", "reduces the KL 'without compromising training speed'",
+           "R3 (Ma et al. 2025, arXiv:2510.11370)", "Qwen3-30B-A3B, GPUs", "replay_overhead"),
+]  # fmt: skip
+
+
+# ---- reading results -------------------------------------------------------------------
+
+
+def _result(results: dict[str, Any], name: str) -> dict[str, Any] | None:
+    bench = results.get("benches", {}).get(name)
+    if not bench or bench.get("status") != "ok" or not isinstance(bench.get("result"), dict):
+        return None
+    return bench["result"]
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _x(value: Any, digits: int = 2) -> str:
+    v = _num(value)
+    return "n/a" if v is None else f"{v:.{digits}f}×"
+
+
+def _status(value: Any, ok: bool | None) -> str:
+    if _num(value) is None or ok is None:
+        return "—"
+    return "met" if ok else "not met"
+
+
+def _failed(results: dict[str, Any], name: str) -> Row | None:
+    bench = results.get("benches", {}).get(name)
+    if bench is None:
+        return Row(name, "(not run)", "—", "—", "not run")
+    if bench.get("status") == "ok" and isinstance(bench.get("result"), dict):
+        return None
+    why = bench.get("status", "failed")
+    if bench.get("rc") not in (None, 0):
+        why += f" (rc={bench['rc']})"
+    return Row(name, "(no result)", "—", "—", why)
+
+
+def is_gpu(results: dict[str, Any]) -> bool:
+    return str(results.get("machine", {}).get("device", "cpu")).startswith("cuda")
+
+
+# ---- headline rows ---------------------------------------------------------------------
+
+
+def _engine(r: dict[str, Any]) -> list[Row]:
+    b, s = r.get("batching_speedup"), r.get("stall_decode_steps")
+    return [
+        Row("engine", "continuous batching: 32 concurrent vs one at a time", _x(b), "≥ 4×",
+            _status(b, _num(b) is not None and b >= 4)),
+        Row("engine", "decode stall of a weight swap (decode steps)",
+            "n/a" if _num(s) is None else f"{s:.2f}", "< 2",
+            _status(s, _num(s) is not None and s < 2)),
+    ]  # fmt: skip
+
+
+def _async(r: dict[str, Any]) -> list[Row]:
+    sp, idle = r.get("speedup"), r.get("async", {}).get("trainer_idle")
+    idle_sync = r.get("sync", {}).get("trainer_idle")
+    return [
+        Row("async_vs_sync", "async speedup (loop wall time, sync / async)", _x(sp), "≥ 1.8×",
+            _status(sp, _num(sp) is not None and sp >= 1.8)),
+        Row("async_vs_sync", "trainer idle fraction, async (sync)",
+            "n/a" if _num(idle) is None else f"{idle:.2f} ({_num(idle_sync) or 0:.2f})",
+            "≤ 0.2", _status(idle, _num(idle) is not None and idle <= 0.2)),
+        Row("async_vs_sync", "trained tokens/s, async / sync", _x(r.get("token_speedup")),
+            "—", "—"),
+    ]  # fmt: skip
+
+
+def _weight_sync(r: dict[str, Any]) -> list[Row]:
+    rows = []
+    for name in r.get("configs", []):
+        c = r.get(name) or {}
+        rows.append(Row(
+            "weight_sync", f"{name} ({c.get('model_mb', '?')} MB): best bucket, speedup vs "
+            "per-tensor", f"{c.get('best_bucket_mb', '?'):g} MB, {_x(c.get('speedup'))}"
+            if _num(c.get("best_bucket_mb")) is not None else "n/a", "—", "—",
+        ))  # fmt: skip
+    return rows
+
+
+def _replay(r: dict[str, Any]) -> list[Row]:
+    o = r.get("overhead")
+    ours = "n/a" if _num(o) is None else (
+        f"{100 * o:+.1f}% ({r['step_on_s']:.3f} s vs {r['step_off_s']:.3f} s)")  # fmt: skip
+    target = f"≤ {100 * r.get('target', 0.05):g}%"
+    return [Row("replay_overhead", "trainer step, replay + mask on vs off", ours, target,
+                _status(o, _num(o) is not None and o <= r.get("target", 0.05)))]  # fmt: skip
+
+
+def _mismatch(r: dict[str, Any]) -> list[Row]:
+    red, flips = r.get("reduction"), r.get("replay_flip_rate")
+    off = (r.get("settings") or {}).get("replay_off_mask_off", {}).get("flip_rate")
+    return [
+        Row("mismatch", "k3 reduction: replay+mask off / on", _x(red), "—", "—"),
+        Row("mismatch", "router flip rate with replay (without)",
+            "n/a" if _num(flips) is None else f"{flips:.4f} ({_num(off) or 0:.4f})", "0",
+            _status(flips, _num(flips) is not None and flips == 0)),
+    ]  # fmt: skip
+
+
+def _lora(r: dict[str, Any]) -> list[Row]:
+    targets = r.get("targets", {"bytes_ratio": 50.0, "time_ratio": 20.0})
+    rows = []
+    for name in ("tiny", "mid", "mid_ds"):
+        c = r.get(name)
+        if not isinstance(c, dict):
+            continue
+        best = max(c["transports"], key=lambda t: c["transports"][t]["time_ratio"])
+        scored = name in ("mid", "mid_ds") and r.get("rank") == 16
+        b, t = c.get("bytes_ratio"), c["transports"][best]["time_ratio"]
+        rows.append(Row(
+            "lora_sync", f"{name} rank {r.get('rank')}: full / adapter bytes; time ({best})",
+            f"{_x(b, 1)}; {_x(t, 1)}",
+            f"≥ {targets['bytes_ratio']:g}×; ≥ {targets['time_ratio']:g}×" + ("" if scored
+                                                                           else " (mid)"),
+            _status(b, b >= targets["bytes_ratio"] and t >= targets["time_ratio"])
+            if scored else "n/a (target is for mid)",
+        ))  # fmt: skip
+    return rows
+
+
+def _kernels(r: dict[str, Any]) -> list[Row]:
+    rows_in = r.get("rows", [])
+    if r.get("device") != "cuda":
+        return [Row("kernels", "fused_logprobs / lora_gmm speed and peak memory vs torch",
+                    "n/a (CPU: the Triton kernels need CUDA)", "≥ 1×; memory ≥ 8×", "n/a")]  # fmt: skip
+    rows = []
+    for k in rows_in:
+        sp, mem = k.get("speedup"), k.get("mem_ratio")
+        full = k.get("kernel") == "fused_logprobs" and k.get("size", "").startswith(
+            "32768x152064x4096"
+        )
+        rows.append(Row(
+            "kernels", f"{k.get('kernel')} {k.get('size')}: speedup; memory ratio",
+            f"{_x(sp)}; {_x(mem)}", "≥ 1×; ≥ 8×" if full else "—",
+            _status(sp, _num(sp) is not None and _num(mem) is not None and sp >= 1 and mem >= 8)
+            if full else "—",
+        ))  # fmt: skip
+    return rows
+
+
+HEADLINES = {
+    "engine": _engine,
+    "async_vs_sync": _async,
+    "weight_sync": _weight_sync,
+    "replay_overhead": _replay,
+    "mismatch": _mismatch,
+    "lora_sync": _lora,
+    "kernels": _kernels,
+}
+
+
+def headlines(results: dict[str, Any]) -> list[Row]:
+    """Every bench's headline rows, in suite order; a bench without a result gets one row
+    saying why."""
+    rows: list[Row] = []
+    for name in BENCHES:
+        failed = _failed(results, name)
+        if failed is not None:
+            rows.append(failed)
+            continue
+        try:
+            rows.extend(HEADLINES[name](_result(results, name) or {}) or [])
+        except (KeyError, TypeError, ValueError) as err:  # an older result layout
+            rows.append(Row(name, "(unreadable result)", "—", "—", f"error: {err}"))
+    return rows
+
+
+def _ours(results: dict[str, Any]) -> dict[str, str]:
+    """Our figure beside each anchor kind."""
+    out = {}
+    a = _result(results, "async_vs_sync") or {}
+    out["async_speedup"] = f"{_x(a.get('speedup'))} (tiny model, lognormal lengths)"
+    w = _result(results, "weight_sync") or {}
+    out["weight_sync_speedup"] = (
+        "; ".join(f"{n}: {_x((w.get(n) or {}).get('speedup'))}" for n in w.get("configs", []))
+        or "n/a"
+    )
+    m = _result(results, "mismatch") or {}
+    s = m.get("settings") or {}
+    off, on = s.get("replay_off_mask_off", {}), s.get("replay_on_mask_on", {})
+    out["mismatch"] = (
+        f"k3 {off.get('mismatch_k3', float('nan')):.2e} → {on.get('mismatch_k3', float('nan')):.2e}"
+        f" with replay + mask; flip rate {off.get('flip_rate', float('nan')):.4f} → "
+        f"{on.get('flip_rate', float('nan')):.4f} (tiny model, bf16 engine, fp32 trainer)"
+        if off and on
+        else "n/a"
+    )
+    r = _result(results, "replay_overhead") or {}
+    out["replay_overhead"] = (
+        f"{100 * r['overhead']:+.1f}% step time" if _num(r.get("overhead")) is not None else "n/a"
+    )
+    return out
+
+
+# ---- plots -----------------------------------------------------------------------------
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, format="png")
+    return path
+
+
+def plot_reward(a: dict[str, Any], path: Path) -> Path | None:
+    per = a.get("per_step") or {}
+    if not any(per.get(k, {}).get("time_s") for k in ("sync", "async")):
+        return None
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for name, color in (("sync", "tab:gray"), ("async", "tab:blue")):
+        p = per.get(name) or {}
+        if p.get("time_s"):
+            ax.plot(p["time_s"], p["reward_mean"], marker="o", color=color, label=name)
+    ax.set_xlabel("training loop wall-clock (s)")
+    ax.set_ylabel("reward_mean")
+    ax.set_title("reward vs wall-clock, sync vs async")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_staleness(a: dict[str, Any], path: Path) -> Path | None:
+    per = a.get("per_step") or {}
+    hists = {k: per.get(k, {}).get("staleness_tokens") or {} for k in ("sync", "async")}
+    if not any(hists.values()):
+        return None
+    gaps = sorted({int(g) for h in hists.values() for g in h})
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.4
+    for i, (name, color) in enumerate((("sync", "tab:gray"), ("async", "tab:blue"))):
+        h = hists[name]
+        total = sum(h.values()) or 1.0
+        xs = [g + (i - 0.5) * width for g in gaps]
+        ax.bar(xs, [h.get(str(g), 0.0) / total for g in gaps], width=width, color=color,
+               label=f"{name} (max_staleness={a.get(name, {}).get('max_staleness', '?'):g})"
+               if _num(a.get(name, {}).get("max_staleness")) is not None else name)  # fmt: skip
+    ax.set_xticks(gaps)
+    ax.set_xlabel("version gap (trainer version − sampling version)")
+    ax.set_ylabel("fraction of trained tokens")
+    ax.set_title("token staleness")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def plot_mismatch(m: dict[str, Any], path: Path) -> Path | None:
+    settings = m.get("settings") or {}
+    order = ["replay_on_mask_on", "replay_on_mask_off", "replay_off_mask_on", "replay_off_mask_off"]
+    present = [k for k in order if k in settings]
+    if not present:
+        return None
+    labels = [k.replace("replay_", "replay ").replace("_mask_", "\nmask ") for k in present]
+    fig = Figure(figsize=(9, 4), layout="constrained")
+    ax_k3, ax_flip = fig.subplots(1, 2)
+    colors = ["tab:green", "tab:olive", "tab:orange", "tab:red"][: len(present)]
+    ax_k3.bar(labels, [settings[k]["mismatch_k3"] for k in present], color=colors)
+    ax_k3.set_ylabel("k3 KL(rollout ‖ trainer), token mean")
+    ax_k3.set_title(f"mismatch (reduction {_x(m.get('reduction'))})")
+    flips = [settings[k]["flip_rate"] for k in present]
+    ax_flip.bar(labels, flips, color=colors)
+    ax_flip.set_ylim(0, max(max(flips) * 1.15, 1e-3))  # all zero: an empty axis, not ±0.05
+    ax_flip.set_ylabel("router flip rate (MoE layers)")
+    ax_flip.set_title("router decisions that differ from the engine's")
+    for ax in (ax_k3, ax_flip):
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"same rollouts, engine {m.get('engine_dtype', '?')}, "
+                 f"trainer {m.get('trainer_dtype', '?')}")  # fmt: skip
+    return _save(fig, path)
+
+
+def plot_weight_sync(w: dict[str, Any], path: Path) -> Path | None:
+    configs = [n for n in w.get("configs", []) if isinstance(w.get(n), dict)]
+    if not configs:
+        return None
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for name, color in zip(configs, ["tab:blue", "tab:orange", "tab:green", "tab:red"]):
+        c = w[name]
+        mbs = sorted(c["by_bucket_mb"], key=float)
+        ax.plot([float(mb) for mb in mbs], [c["by_bucket_mb"][mb] for mb in mbs], marker="o",
+                color=color, label=f"{name} ({c['model_mb']} MB), bucketed")  # fmt: skip
+        ax.axhline(c["per_tensor_s"], color=color, linestyle="--",
+                   label=f"{name}, one broadcast per tensor")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel("full sync latency (s)")
+    ax.set_title(f"weight sync latency vs bucket size ({w.get('backend', 'gloo')})")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def write_plots(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
+    """The plots the results allow, under ``out_dir``; {kind: file name}."""
+    out = Path(out_dir)
+    written: dict[str, str] = {}
+    a = _result(results, "async_vs_sync") or {}
+    timeline = results.get("benches", {}).get("async_vs_sync", {}).get("dir")
+    source = Path(timeline) / "timeline_async.png" if timeline else None
+    if source is not None and source.is_file():  # async_vs_sync --out draws it from its runs
+        out.mkdir(parents=True, exist_ok=True)
+        if source.resolve() != (out / PLOTS["timeline"]).resolve():
+            shutil.copyfile(source, out / PLOTS["timeline"])
+        written["timeline"] = PLOTS["timeline"]
+    jobs = {
+        "reward": lambda p: plot_reward(a, p),
+        "staleness": lambda p: plot_staleness(a, p),
+        "mismatch": lambda p: plot_mismatch(_result(results, "mismatch") or {}, p),
+        "weight_sync": lambda p: plot_weight_sync(_result(results, "weight_sync") or {}, p),
+    }
+    for kind, job in jobs.items():
+        if job(out / PLOTS[kind]) is not None:
+            written[kind] = PLOTS[kind]
+    return written
+
+
+# ---- markdown --------------------------------------------------------------------------
+
+PLOT_TITLES = {
+    "timeline": "Async pipeline timeline (generation vs training per process)",
+    "reward": "Reward vs wall-clock, sync and async",
+    "staleness": "Staleness histogram (async run)",
+    "mismatch": "Mismatch decomposition (replay × mask)",
+    "weight_sync": "Weight sync latency vs bucket size",
+}
+
+
+MODE_FLAGS = {"quick": " --quick", "smoke": " --smoke"}
+
+
+def _table(rows: list[Row]) -> str:
+    lines = ["| bench | metric | ours | target | status |", "|---|---|---|---|---|"]
+    lines += [f"| {r.bench} | {r.metric} | {r.ours} | {r.target} | {r.status} |" for r in rows]
+    return "\n".join(lines)
+
+
+def _machine_line(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    return (
+        f"{m.get('device', '?')}, {m.get('cpu_count', '?')} CPU cores, {m.get('platform', '?')}; "
+        f"torch {m.get('torch', '?')}, megatron-core {m.get('megatron_core', '?')}, "
+        f"triton {m.get('triton', 'n/a')}; commit {str(m.get('git_commit', '?'))[:10]}"
+        f"{' (dirty)' if m.get('git_dirty') else ''}; {m.get('date', '?')}; "
+        f"mode {results.get('mode', '?')}; load average {m.get('loadavg_before', '?')} before, "
+        f"{m.get('loadavg_after', '?')} after"
+    )
+
+
+def _anchors(results: dict[str, Any]) -> str:
+    ours = _ours(results)
+    cores = results.get("machine", {}).get("cpu_count", "?")
+    where = "GPU" if is_gpu(results) else f"{cores}-core CPU"
+    lines = [
+        f"| what | reported by | their setting | their number | ours ({where}, tiny models) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {a.what} | {a.source} | {a.setting} | {a.reported} | {ours.get(a.ours, 'n/a')} |"
+        for a in ANCHORS
+    ]
+    return "\n".join(lines) + "\n\n" + CAVEAT
+
+
+def _gpu(results: dict[str, Any]) -> str:
+    if not is_gpu(results):
+        return (
+            "Not yet run on a GPU: the kernel speed and memory targets, NCCL weight sync and "
+            "step times at real model sizes are open. Run `python tools/bench/run_all.py` "
+            "on a CUDA machine and paste its section here."
+        )
+    k = _result(results, "kernels") or {}
+    lines = [f"Device: {results.get('machine', {}).get('device')}.", "",
+             "| kernel | size | kernel ms | torch ms | speedup | kernel MB | torch MB | memory ratio |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def f(v: Any) -> str:
+        return "oom" if v == "oom" else ("n/a" if _num(v) is None else f"{v:.2f}")
+
+    for r in k.get("rows", []):
+        lines.append(
+            f"| {r.get('kernel')} | {r.get('size')} | {f(r.get('kernel_ms'))} | "
+            f"{f(r.get('torch_ms'))} | {f(r.get('speedup'))} | {f(r.get('kernel_peak_mb'))} | "
+            f"{f(r.get('torch_peak_mb'))} | {f(r.get('mem_ratio'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _bucket_table(w: dict[str, Any]) -> list[str]:
+    """Weight sync latency per bucket size, in seconds (the plot's numbers)."""
+    configs = [n for n in w.get("configs", []) if isinstance(w.get(n), dict)]
+    if not configs:
+        return []
+    mbs = sorted({mb for n in configs for mb in w[n]["by_bucket_mb"]}, key=float)
+    lines = ["", f"## Weight sync latency by bucket size (s, median of {w.get('reps', '?')})", "",
+             "| model | " + " | ".join(f"{mb} MB" for mb in mbs) + " | per tensor |",
+             "|---|" + "---|" * (len(mbs) + 1)]  # fmt: skip
+    for n in configs:
+        c = w[n]
+        cells = [f"{c['by_bucket_mb'][mb]:.4f}" if mb in c["by_bucket_mb"] else "—" for mb in mbs]
+        lines.append(f"| {n} ({c['model_mb']} MB) | " + " | ".join(cells)
+                     + f" | {c['per_tensor_s']:.4f} |")  # fmt: skip
+    return lines
+
+
+def readme_section(results: dict[str, Any], link_root: str = "bench/plots") -> str:
+    """A markdown "Results" section: headline table, anchors, GPU subsection, plot links
+    (``link_root``: where the PNGs are, relative to the page that embeds the section)."""
+    plots = results.get("plots") or {}
+    parts = [
+        "## Results",
+        "",
+        f"Measured with `python tools/bench/run_all.py{MODE_FLAGS.get(results.get('mode'), '')}` "
+        f"({_machine_line(results)}).",
+        "",
+        _table(headlines(results)),
+        "",
+        CAVEAT.split(";")[0] + ".",
+        "",
+        "### Plots",
+        "",
+    ]
+    parts += [f"- [{PLOT_TITLES[k]}]({link_root}/{v})" for k, v in plots.items()] or ["(none)"]
+    parts += ["", "### Published anchors", "", _anchors(results), "", "### GPU", "", _gpu(results)]
+    return "\n".join(parts) + "\n"
+
+
+def report_markdown(results: dict[str, Any], plots_dir: str = "plots") -> str:
+    """REPORT.md: the README section with images inline, and every bench's run record."""
+    plots = results.get("plots") or {}
+    lines = ["# moerl benchmark report", "", f"Machine: {_machine_line(results)}", "",
+             "## Headline ratios", "", _table(headlines(results)), "", CAVEAT, "",
+             "## Runs", "", "| bench | status | wall s | command |", "|---|---|---|---|"]  # fmt: skip
+    for name in BENCHES:
+        b = results.get("benches", {}).get(name)
+        if b is None:
+            lines.append(f"| {name} | not run | — | — |")
+            continue
+        argv = " ".join(b.get("argv", []))
+        lines.append(f"| {name} | {b.get('status')} | {b.get('wall_s', 0):.0f} | `{argv}` |")
+    lines += _bucket_table(_result(results, "weight_sync") or {})
+    lines += ["", "## Plots", ""]
+    for kind, file in plots.items():
+        lines += [f"### {PLOT_TITLES[kind]}", "", f"![{kind}]({plots_dir}/{file})", ""]
+    lines += ["## Published anchors", "", _anchors(results), "", "## GPU", "", _gpu(results), ""]
+    failed = [n for n in BENCHES if results.get("benches", {}).get(n, {}).get("status") not in
+              (None, "ok")]  # fmt: skip
+    for name in failed:
+        tail = results["benches"][name].get("stdout_tail", "")
+        lines += [
+            f"## {name}: {results['benches'][name].get('status')}",
+            "",
+            "```",
+            tail,
+            "```",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
+
+
+def replace_section(text: str, section: str) -> str | None:
+    """``text`` with the part between the results markers replaced; None without markers."""
+    start, end = text.find(MARKERS[0]), text.find(MARKERS[1])
+    if start < 0 or end < start:
+        return None
+    return text[: start + len(MARKERS[0])] + "\n" + section + text[end:]
