@@ -37,7 +37,8 @@ class LoraConfig:
     linear in one grouped matmul (``moerl.kernels.lora_gmm``; its torch twin where the
     Triton kernel cannot run), 'off' one pair of small matmuls per expert, 'auto' grouped
     where the Triton kernel runs (CUDA, see ``trainer.kernels``), per expert elsewhere.
-    The results are the same; with dropout only the random masks differ."""
+    The results are the same; with dropout only the random masks differ. Experts in a
+    transformer-engine grouped linear (``TEGroupedMLP``) always run grouped."""
 
     @property
     def scaling(self) -> float:

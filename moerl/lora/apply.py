@@ -5,7 +5,8 @@ HF ⇄ Megatron map (``moerl.convert.families``): a layer's global number comes 
 ``layer.layer_number`` (pipeline stages hold different layers), a routed expert's
 from its MoE layer's ``local_expert_indices`` (expert parallel ranks hold different
 experts). Those names seed the initialisation and key the export, so adapters are
-the same tensors in every layout.
+the same tensors in every layout. A transformer-engine grouped linear holds every local
+expert: it gives one target per expert (``moerl.lora.te_grouped``), named as above.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moerl.convert.families import family_map
 from moerl.convert.maps import QKV, Concat, Copy
 from moerl.lora.grouped import group_experts
 from moerl.lora.layers import LoraAdapter, LoraAdapters, init_pair
+from moerl.lora.te_grouped import ExpertSlice, hook_te_grouped, is_te_grouped
 
 OUTPUT_TARGET = "lm_head"  # the output layer, as PEFT and SGLang name it
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
@@ -33,7 +35,7 @@ class Target:
     """One base linear to adapt."""
 
     path: str  # module path inside the layer, e.g. "mlp.experts.local_experts.3.linear_fc1"
-    base: torch.nn.Module
+    base: torch.nn.Module | ExpertSlice
     hf_modules: list[str]  # HF module names of its parts (no ".weight")
     out_sizes: list[int]  # full output size of each part
     groups: int  # interleaved groups of the fused output (query groups for qkv)
@@ -46,12 +48,12 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 def _is_linear(module: torch.nn.Module) -> bool:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or is_te_grouped(module):
         return True
     return type(module).__name__.startswith("TE") and hasattr(module, "weight")
 
 
-def _parts(converter, base: torch.nn.Module) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+def _parts(converter, base: torch.nn.Module | ExpertSlice) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
     if isinstance(converter, Copy):
         return [base.output_size], 1
     if isinstance(converter, Concat):
@@ -63,30 +65,48 @@ def _parts(converter, base: torch.nn.Module) -> tuple[list[int], int]:  # type: 
     raise NotImplementedError(f"LoRA on a layer converted by {type(converter).__name__}")
 
 
+def _target(fmap, number: int, key: str, path: str, base, expert: int | None) -> Target:  # type: ignore[no-untyped-def]
+    """The target of megatron key ``key`` in layer ``number`` (``expert``: global index)."""
+    entry, _ = fmap.lookup(f"decoder.layers.{number}.{key}.weight")
+    names = [n.removesuffix(".weight") for n in fmap.hf_names(entry, number, expert)]
+    out_sizes, groups = _parts(entry.converter, base)
+    return Target(path, base, names, out_sizes, groups)
+
+
 def find_targets(chunk: torch.nn.Module, model: ModelConfig) -> Iterator[Target]:
     """Every adaptable linear of one model chunk (attention, MLPs, shared and routed experts)."""
     fmap = family_map(model)
     decoder = _unwrap(chunk).decoder
     for layer in decoder.layers:
         number = layer.layer_number - 1
+        experts = getattr(layer.mlp, "experts", None)
+        if type(experts).__name__ == "GroupedMLP":  # legacy grouped GEMM: no linear modules
+            raise NotImplementedError(
+                f"LoRA on megatron-core's legacy GroupedMLP (layer {number}) is not "
+                "implemented; use SequentialMLP (moe_grouped_gemm=False) or TEGroupedMLP"
+            )
         for path, module in layer.named_modules():
             if not path.rsplit(".", 1)[-1].startswith("linear_") or not _is_linear(module):
                 continue
-            expert = None
-            key = path
             match = _LOCAL_EXPERT.match(path)
             if match is not None:
                 expert = layer.mlp.local_expert_indices[int(match.group(1))]
                 key = f"mlp.experts.experts.{match.group(2)}"
+                yield _target(fmap, number, key, path, module, expert)
+            elif path.startswith("mlp.experts.") and is_te_grouped(module):
+                key = f"mlp.experts.experts.{path.rsplit('.', 1)[-1]}"
+                tp_group = layer.mlp.experts.tp_group
+                for local, expert in enumerate(layer.mlp.local_expert_indices):
+                    base = ExpertSlice(module, local, tp_group)
+                    yield _target(fmap, number, key, f"{path}.{local}", base, expert)
             elif path.startswith("mlp.experts."):
                 raise NotImplementedError(
                     f"LoRA on grouped experts ({path}, {type(module).__name__}) is not "
-                    "implemented; build the model with SequentialMLP local experts (no TE)"
+                    "implemented; build the model with SequentialMLP local experts or "
+                    "transformer-engine's TEGroupedMLP"
                 )
-            entry, _ = fmap.lookup(f"decoder.layers.{number}.{key}.weight")
-            names = [n.removesuffix(".weight") for n in fmap.hf_names(entry, number, expert)]
-            out_sizes, groups = _parts(entry.converter, module)
-            yield Target(path, module, names, out_sizes, groups)
+            else:
+                yield _target(fmap, number, path, path, module, None)
     top = _unwrap(chunk)
     output = getattr(top, "output_layer", None) if getattr(top, "post_process", False) else None
     if output is not None:
@@ -153,6 +173,7 @@ def apply_lora(
             param.requires_grad_(False)
         holder = LoraAdapters()
         adapted: dict[torch.nn.Module, LoraAdapter] = {}
+        slices: dict[ExpertSlice, LoraAdapter] = {}  # experts of TE grouped linears
         for target in find_targets(module, model):
             active = [t.rsplit(".", 1)[-1] in targets for t in target.hf_modules]
             if not any(active):
@@ -167,10 +188,15 @@ def apply_lora(
                 )
                 adapter.set_full(part, a, b)
             holder.adapters[_key(target.hf_modules[0])] = adapter
-            adapted[target.base] = adapter
+            if isinstance(target.base, ExpertSlice):
+                slices[target.base] = adapter
+            else:
+                adapted[target.base] = adapter
             count += 1
-        # routed experts may share one grouped matmul per linear instead of their own hooks
+        # routed experts may share one grouped matmul per linear instead of their own hooks;
+        # a transformer-engine grouped linear always does (no module per expert to hook)
         holder.handles, grouped = group_experts(module, adapted, cfg.grouped_experts)
+        holder.handles += hook_te_grouped(slices)
         embedding = getattr(module, "embedding", None) if module.pre_process else None
         if embedding is not None:
             holder.handles.append(embedding.register_forward_hook(_input_requires_grad))

@@ -29,20 +29,29 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from moerl.lora.te_grouped import ExpertSlice
 
 COLUMN, ROW = "column", "row"
 # How the base layer's input/output relate across its tensor-parallel group.
 REPLICATED, SEQUENCE, EXPERT = "replicated", "sequence_parallel", "expert"
 
 
-def parallel_kind(base: torch.nn.Module) -> tuple[str, str]:
-    """(COLUMN | ROW, REPLICATED | SEQUENCE | EXPERT) of a megatron-core linear."""
+def parallel_kind(base: torch.nn.Module | ExpertSlice) -> tuple[str, str]:
+    """(COLUMN | ROW, REPLICATED | SEQUENCE | EXPERT) of a megatron-core linear, or of
+    one expert of a transformer-engine grouped linear (``ExpertSlice``)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    if isinstance(base, ColumnParallelLinear):
+    from moerl.lora.te_grouped import ExpertSlice  # imports this module
+
+    if isinstance(base, ExpertSlice):
+        kind = base.kind
+    elif isinstance(base, ColumnParallelLinear):
         kind = COLUMN
         if base.gather_output:
             raise NotImplementedError(f"{type(base).__name__} with gather_output=True")
@@ -52,8 +61,8 @@ def parallel_kind(base: torch.nn.Module) -> tuple[str, str]:
             raise NotImplementedError(f"{type(base).__name__} with input_is_parallel=False")
     elif type(base).__name__.startswith("TE"):
         raise NotImplementedError(
-            f"LoRA on transformer-engine layers ({type(base).__name__}) is not implemented; "
-            "build the model with the local spec (use_te=False)"
+            f"LoRA on transformer-engine layers ({type(base).__name__}) is implemented for "
+            "grouped experts only; build the model with the local spec (use_te=False)"
         )
     else:
         raise NotImplementedError(f"LoRA on {type(base).__name__} is not implemented")
@@ -87,7 +96,7 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(
         self,
-        base: torch.nn.Module,
+        base: torch.nn.Module | ExpertSlice,
         hf_modules: list[str],
         out_sizes: list[int],
         rank: int,
@@ -134,7 +143,7 @@ class LoraAdapter(torch.nn.Module):
             self.lora_B.append(torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=dev)))
         self._mark_params(base)
 
-    def _mark_params(self, base: torch.nn.Module) -> None:
+    def _mark_params(self, base: torch.nn.Module | ExpertSlice) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         split = self.lora_B if self.kind == COLUMN else self.lora_A
