@@ -55,6 +55,10 @@ class Trainer:
             )
         self.model, self.cfg = model, trainer
         initialize_for_model(parallel, model, seed=trainer.seed)
+        # LoRA hooks megatron-core's local linears (and TE's grouped experts, which the
+        # local spec does not build): with LoRA the model takes the local spec even where
+        # transformer-engine is installed; None = TE when installed
+        self.use_te = False if lora is not None and lora.enabled else None
         chunks = build_model(
             model,
             parallel,
@@ -64,6 +68,7 @@ class Trainer:
             routing_replay=True,
             per_token_loss=True,
             recompute=trainer.recompute,
+            use_te=self.use_te,
         )
         if hf_dir is not None:
             from moerl.convert import load_hf
@@ -112,6 +117,7 @@ class Trainer:
 
         ref = build_model(
             model, parallel, self.cfg.dtype, routing_replay=True, per_token_loss=True,
+            use_te=self.use_te,
         )  # fmt: skip
         for mine, theirs in zip(ref, chunks):
             mine.load_state_dict(theirs.state_dict())
