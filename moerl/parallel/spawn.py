@@ -21,6 +21,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def single_process_world(backend: str | None = None) -> None:
+    """Make this process a world of one rank (megatron-core needs its groups even then):
+    for benchmarks and tools that build a model in-process."""
+    from moerl.parallel.state import init_process_group
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+    )
+    init_process_group(backend=backend)
+
+
 def _entry(
     rank: int,
     fn: Callable[..., Any],

@@ -99,23 +99,6 @@ def model_config(name: str):  # type: ignore[no-untyped-def]
     raise ValueError(f"unknown config {name!r}; choose 'tiny', 'mid' or 'mid_ds'")
 
 
-def _single_process_group() -> None:
-    """This process as a world of one gloo rank (megatron-core needs its groups)."""
-    from moerl.parallel.spawn import free_port
-    from moerl.parallel.state import init_process_group
-
-    for key, value in {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-    }.items():
-        os.environ[key] = value
-    init_process_group(backend="gloo")
-
-
 def _trainer(model, hf_dir: Path, rank: int):  # type: ignore[no-untyped-def]
     """Megatron chunks loaded from ``hf_dir`` with LoRA applied, and the LoRA config."""
     from moerl.config.lora import LoraConfig
@@ -169,6 +152,7 @@ def bench(
     from moerl.engine.process import EngineProcess
     from moerl.lora import gather_adapters, peft_config, resolve_targets
     from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.parallel.spawn import single_process_world
     from moerl.parallel.state import destroy
     from moerl.rollout.aio import EventLoopThread
     from moerl.rollout.client import EngineClient
@@ -179,7 +163,7 @@ def bench(
     model = model_config(name)
     t0 = time.perf_counter()
     hf_dir = save_tiny_checkpoint(model, root / name)
-    _single_process_group()
+    single_process_world(backend="gloo")
     loop = EventLoopThread("moerl-bench-lora")
     adapter_dir = _adapter_dir(root)
     try:

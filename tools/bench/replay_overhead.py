@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -43,23 +42,6 @@ import numpy as np
 
 TARGET = 0.05  # overhead, issue 9
 SETTINGS = {"on": ("all", True), "off": ("none", False)}  # replay, sampling_mask
-
-
-def _single_process_group() -> None:
-    """This process as a world of one rank (megatron-core needs its groups)."""
-    from moerl.parallel.spawn import free_port
-    from moerl.parallel.state import init_process_group
-
-    for key, value in {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-    }.items():
-        os.environ[key] = value
-    init_process_group()
 
 
 def _trainer(hf_dir: Path, replay: str, mask: bool, seed: int):  # type: ignore[no-untyped-def]
@@ -93,6 +75,7 @@ def bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
+    from moerl.parallel.spawn import single_process_world
     from moerl.parallel.state import destroy
     from moerl.trainer.replay_check import collect_rollouts
 
@@ -110,7 +93,7 @@ def bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     print(f"{len(trajs)} rollouts, {tokens} response tokens, {masked} kept-set entries "
           f"(generated in {time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
     torch.set_num_threads(args.threads)
-    _single_process_group()
+    single_process_world()
     try:
         trainers = {k: _trainer(hf_dir, *SETTINGS[k], args.seed) for k in SETTINGS}
         times: dict[str, list[float]] = {k: [] for k in SETTINGS}
