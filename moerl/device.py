@@ -8,6 +8,8 @@ megatron-core's own ``torch.cuda`` calls safe.
 from __future__ import annotations
 
 import os
+import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -41,3 +43,33 @@ def bind_local_device() -> torch.device:
 def synchronize() -> None:
     if has_cuda():
         torch.cuda.synchronize()
+
+
+def name() -> str:
+    """'cuda: <GPU name>' for this process's GPU, or 'cpu' (for benchmark records)."""
+    return f"cuda: {torch.cuda.get_device_name(device())}" if has_cuda() else "cpu"
+
+
+def cuda_time_and_peak(fn: Callable[[], None], reps: int) -> tuple[float, float]:
+    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events, after one warm-up
+    run) and the MiB its one more run allocates beyond what was live before."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def empty_cache() -> None:
+    if has_cuda():
+        torch.cuda.empty_cache()

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from moerl import device as moerl_device
+
 Case = tuple[str, str, Callable[[], None], Callable[[], None]]
 TARGETS = {"mem_ratio": 8.0, "speedup": 1.0}
 
@@ -151,33 +153,6 @@ def _extra_builders() -> list[Callable[[bool, str], list[Case]]]:
     return [kernels_cases_lora.cases]
 
 
-class _CudaClock:
-    """The one place this benchmark touches torch.cuda: event timing and allocator peaks."""
-
-    @staticmethod
-    def measure(fn: Callable[[], None], reps: int) -> tuple[float, float]:
-        fn()  # warm-up: Triton compiles, lazy inputs are built
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
-        return statistics.median(times), peak_mb
-
-    @staticmethod
-    def release() -> None:
-        torch.cuda.empty_cache()
-
-
 def _cpu_measure(fn: Callable[[], None], reps: int) -> tuple[float, float]:
     fn()
     times = []
@@ -191,13 +166,12 @@ def _cpu_measure(fn: Callable[[], None], reps: int) -> tuple[float, float]:
 def _side(fn: Callable[[], None], device: str, reps: int) -> tuple[float | str, float | str]:
     try:
         if device == "cuda":
-            return _CudaClock.measure(fn, reps)
+            return moerl_device.cuda_time_and_peak(fn, reps)
         return _cpu_measure(fn, reps)
     except torch.OutOfMemoryError:
         return "oom", "oom"
     finally:
-        if device == "cuda":
-            _CudaClock.release()
+        moerl_device.empty_cache()
 
 
 def _ratio(num: float | str, den: float | str) -> float:

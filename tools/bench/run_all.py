@@ -168,7 +168,7 @@ def machine_info() -> dict[str, Any]:
 
     import torch
 
-    from moerl.device import has_cuda
+    from moerl import device as moerl_device
 
     def version(dist: str) -> str | None:
         try:
@@ -184,8 +184,7 @@ def machine_info() -> dict[str, Any]:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    # the device's name is the one torch.cuda call of the suite's driver (run on GPU boxes)
-    device = f"cuda: {torch.cuda.get_device_name(0)}" if has_cuda() else "cpu"
+    device = moerl_device.name()
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
