@@ -21,6 +21,7 @@ from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
+from moerl.trainer.step import run_microbatches
 
 
 @dataclass
@@ -66,7 +67,6 @@ def trainer_logprobs(
     """Forward every trajectory once; rank 0 returns the logprobs of all response tokens
     and the per-layer flip counts (the routes the trainer used vs the rollout's)."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -118,20 +118,11 @@ def trainer_logprobs(
 
     for chunk in chunks:
         chunk.eval()
-    try:
-        with torch.no_grad():
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
-                model=chunks,
-                num_microbatches=len(mbs),
-                seq_length=seq_len,
-                micro_batch_size=micro_batch_size,
-                forward_only=True,
-            )
-    finally:
-        if head is not None:
-            head.remove()
+    with torch.no_grad():
+        run_microbatches(
+            chunks, forward_step, mbs, seq_length=seq_len, micro_batch_size=micro_batch_size,
+            forward_only=True, head=head,
+        )  # fmt: skip
     replayer.finish()  # with replay='none' nothing was targeted; it just clears RECORD state
 
     totals = torch.from_numpy(np.stack([flips, counts]))

@@ -78,12 +78,6 @@ class FusedHead:
                 lora.folded = False
         self._installed = []
 
-    def __enter__(self) -> FusedHead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
     def _forward(self, layer: Any, lora: Any):  # type: ignore[no-untyped-def]
         def forward(input_: torch.Tensor, weight: torch.Tensor | None = None, **_: Any):  # type: ignore[no-untyped-def]
             from megatron.core.tensor_parallel.mappings import (

@@ -27,6 +27,7 @@ from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
+from moerl.trainer.step import run_microbatches
 
 
 @dataclass
@@ -158,7 +159,6 @@ def rl_train_step(
     logprobs of its response tokens ([R] each) and ``kl``'s term joins the loss.
     ``logprobs_from='hidden'``: the output layer returns logprobs (``FusedHead``)."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     modules = [getattr(c, "module", c) for c in chunks]
     config = modules[0].config
@@ -195,19 +195,10 @@ def rl_train_step(
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    try:
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
-            model=chunks,
-            num_microbatches=len(mbs),
-            seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
-    finally:
-        if head is not None:
-            head.remove()
+    outputs = run_microbatches(
+        chunks, forward_step, mbs, seq_length=seq_len, micro_batch_size=micro_batch_size,
+        forward_only=False, head=head,
+    )  # fmt: skip
     replayer.finish()
     grad_norm = optimizer.step()[1] if step else None
     result = RLStepResult(loss=None, grad_norm=grad_norm)

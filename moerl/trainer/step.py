@@ -33,6 +33,37 @@ def _dp_mean_loss(losses: list[dict[str, torch.Tensor]], key: str) -> float | No
     return float(local.item())
 
 
+def run_microbatches(
+    chunks: list[Any],
+    forward_step: Callable[[Iterator[Any], Any], Any],
+    microbatches: list[Any],
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    head: Any = None,
+) -> list[Any]:
+    """megatron-core's schedule over ``microbatches`` (every model chunk reads them in
+    order); a ``moerl.trainer.fused_head.FusedHead`` given as ``head`` is removed after,
+    whatever happens. Returns the schedule's per-micro-batch outputs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=chunks,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        if head is not None:
+            head.remove()
+
+
 def train_step(
     chunks: list[Any],
     optimizer: Any,
