@@ -1,12 +1,13 @@
 """Per-token log p(label) and entropy at temperature, vocab-parallel, without fp32 logits.
 
-The trainer's logprob path materialises fp32 logits [T, V] (and exp intermediates of the
+A plain logprob path materialises fp32 logits [T, V] (and exp intermediates of the
 same size): at 152K vocabulary × 32K tokens that is ~20 GB per copy. Here the logits are
 produced and consumed block by block inside Triton kernels (``logprob_triton``): the
 forward keeps four fp32 numbers per token, the backward recomputes logits from the saved
 per-token log-normaliser and only ever holds one chunk of dlogits.
 
-Semantics are ``moerl.trainer.logprobs.token_logprobs``'s, plus entropy, with the
+These are the trainer's logprobs (``moerl.trainer.logprobs.token_logprobs`` calls
+``logprobs_from_logits``), plus entropy, with the
 tensor-parallel group passed explicitly (``None``: no TP). With TP each rank holds the
 vocabulary shard [r·Vl, (r+1)·Vl); labels and kept ids are global. The max is combined
 with an all-reduce MAX and the rescaled sums with one all-reduce SUM; backward needs no

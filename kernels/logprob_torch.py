@@ -1,8 +1,8 @@
 """Torch twins of the fused logprob + entropy kernels: the oracle and the CPU fallback.
 
-Plain autograd over materialised fp32 logits, written to read like
-``moerl.trainer.logprobs.token_logprobs`` (whose semantics they extend with entropy and
-an explicit TP group): temperature divides the logits, the max is all-reduced on
+Plain autograd over materialised fp32 logits; ``logprobs_from_logits_torch`` is also
+the trainer's CPU path (``moerl.trainer.logprobs.token_logprobs`` calls it through the
+dispatch with megatron's TP group): temperature divides the logits, the max is all-reduced on
 detached values, sums are all-reduced forward with an identity backward (megatron's
 ``reduce_from_tensor_model_parallel_region``), and tokens listed in the CSR sampling
 mask are normalised over their kept ids only. The Triton path in
