@@ -116,14 +116,11 @@ class FusedHead:
 
 
 def _head_adapter(module: Any) -> Any:
+    """The LoRA adapter on this chunk's output layer, or None."""
     holder = getattr(module, "lora", None)
-    return (
-        None
-        if holder is None
-        else holder.adapters["lm_head"]
-        if "lm_head" in holder.adapters
-        else None
-    )
+    if holder is None or "lm_head" not in holder.adapters:
+        return None
+    return holder.adapters["lm_head"]
 
 
 def _sequence_major(mb: MicroBatch, use_mask: bool):  # type: ignore[no-untyped-def]
