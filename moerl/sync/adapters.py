@@ -10,9 +10,10 @@ new, versioned adapter named ``{prefix}-v{version}``, by one of two transports:
   written aside, then renamed) and the engines load it with ``/load_lora_adapter``;
   needs storage every engine can read (a shared filesystem on a cluster, or local
   disk / ``/dev/shm`` on one node). A version's directory is deleted when it is unloaded.
- New requests use the newest adapter; requests
-in flight finish on the adapter they began with, and an older adapter is unloaded once
-no request uses it (the engine refuses while one does; we retry at the next push).
+
+New requests use the newest adapter; requests in flight finish on the adapter they
+began with, and an older adapter is unloaded once no request uses it (the engine
+refuses while one does; we retry at the next push).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class AdapterSync:
             raise ValueError("adapter transport 'directory' needs a directory the engines can read")
         self.gather, self.config, self.client, self._run = gather, config, client, run_coro
         self.on_loaded, self.prefix, self.timeout_s = on_loaded, prefix, timeout_s
-        self.transport = transport
-        self.directory = Path(directory) if directory is not None else None
+        # where versions are written: only with the directory transport
+        self.directory = Path(directory) if transport == "directory" else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.loaded: list[str] = []  # oldest first; the last one is current
         self._tensors: dict[str, Any] = {}
@@ -78,6 +79,8 @@ class AdapterSync:
         assert self.client is not None and self._run is not None
         gathered = time.perf_counter()
         name = self.name(version)
+        if self.directory is not None:  # written here, off the engines' event loop
+            self._write(name, tensors)
         self._run(self._load(name, tensors)).result(self.timeout_s)
         self._tensors = tensors
         self.loaded.append(name)
@@ -109,10 +112,12 @@ class AdapterSync:
         return final
 
     async def _load(self, name: str, tensors: dict[str, Any], urls: list[str] | None = None) -> Any:
+        """Load adapter ``name`` into the engines (``urls``: only these): from its written
+        directory, or from ``tensors`` in the request."""
         assert self.client is not None
-        if self.transport == "directory":
-            path = self.directory / name if urls else self._write(name, tensors)  # type: ignore[operator]
-            return await self.client.load_lora_adapter(name, str(path), urls=urls)
+        if self.directory is not None:
+            path = str(self.directory / name)
+            return await self.client.load_lora_adapter(name, path, urls=urls)
         return await self.client.load_lora_adapter_from_tensors(
             name, tensors, self.config, urls=urls
         )
