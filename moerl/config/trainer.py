@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("fp32", "bf16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -17,6 +18,10 @@ class TrainerConfig:
     """Peak learning rate of the optimizer."""
     train_iters: int = 100
     """Optimizer steps to run (policy versions to publish)."""
+    minibatches: int = 1
+    """Optimizer steps per rollout batch (verl's ppo_mini_batch_size, slime's steps per
+    rollout): the batch is split into this many minibatches in order; 1 = one step per
+    batch."""
     global_batch_size: int = 8
     """Sequences per optimizer step, summed over all data-parallel ranks."""
     dtype: str = "fp32"
@@ -36,8 +41,31 @@ class TrainerConfig:
     """With replay='recent': the largest version gap whose routes are still replayed."""
     sampling_mask: bool = True
     """Restrict training logprobs to the sampler's recorded kept set (top-k/top-p/min-p)."""
+    lr_schedule: str = "constant"
+    """Learning-rate shape after warmup (megatron-core's OptimizerParamScheduler):
+    'constant' (stay at lr), 'linear' or 'cosine' (decay from lr to min_lr, reached after
+    lr_decay_steps optimizer steps, then held)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr; 0 = none. Megatron's convention
+    (init lr 0): the optimizer step taken after n steps runs at lr × n / lr_warmup_steps,
+    so the first step runs at lr 0 and step lr_warmup_steps + 1 is the first at lr."""
+    min_lr: float = 0.0
+    """The floor 'linear' and 'cosine' decay to (unused by 'constant'); at most lr."""
+    lr_decay_steps: int = 0
+    """Optimizer steps from the start to the end of the decay, warmup included;
+    0 = train_iters × minibatches, the run's total optimizer steps."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay; megatron-core exempts biases and other 1-D
+    parameters (norm weights)."""
+    adam_beta1: float = 0.9
+    """Adam beta1 (decay of the gradient's running mean)."""
+    adam_beta2: float = 0.999
+    """Adam beta2 (decay of the squared gradient's running mean)."""
     adam_eps: float = 1.0e-8
     """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (all parameters on all ranks) to this; 0 disables.
+    The logged grad_norm is the norm before clipping."""
     packing: str = "padded"
     """How sequences become rows: 'padded' (one per row, padded to the step's longest) or
     'packed' (first-fit several per row, block-diagonal attention; less padding)."""

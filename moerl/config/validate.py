@@ -7,24 +7,39 @@ a wrong layout fails in a second with a readable line instead of hanging in gloo
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 from omegaconf import DictConfig, OmegaConf
 
-from moerl.algo.config import check_algo_config
+from moerl.algo.config import at_least, check_algo_config
 from moerl.config.engine import ENGINE_KINDS, EngineConfig
 from moerl.config.launcher import BACKENDS, LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
-from moerl.config.trainer import DTYPES, TrainerConfig
+from moerl.config.trainer import DTYPES, LR_SCHEDULES, TrainerConfig
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+OPTIMIZER_NUMBERS = (
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "clip_grad",
+)
 
 
 def _positive(key: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}={value!r} must be a positive integer")
+
+
+def _finite(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} must be a finite number")
 
 
 def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -130,9 +145,9 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     _one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
-    if not t.lr > 0:
-        raise ValueError(f"trainer.lr={t.lr!r} must be positive")
     _positive("trainer.train_iters", t.train_iters)
+    at_least("trainer.minibatches", t.minibatches, 1)
+    _check_optimizer(t)
     _positive("trainer.global_batch_size", t.global_batch_size)
     per_step = p.micro_batch_size * p.dp(world_size)
     if t.global_batch_size % per_step:
@@ -144,6 +159,43 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     if t.resume and not t.checkpoint_dir:
         raise ValueError(
             "trainer.resume=true needs trainer.checkpoint_dir; set the folder to resume from"
+        )
+
+
+def _check_optimizer(t: TrainerConfig) -> None:
+    """Adam, clipping and the lr schedule (megatron-core asserts these without the key)."""
+    for key in OPTIMIZER_NUMBERS:
+        _finite(f"trainer.{key}", getattr(t, key))
+    at_least("trainer.lr", t.lr, 0.0, strict=True)
+    at_least("trainer.min_lr", t.min_lr, 0.0)
+    if t.min_lr > t.lr:
+        raise ValueError(
+            f"trainer.min_lr={t.min_lr!r} must be <= trainer.lr={t.lr!r}: the schedule decays "
+            "from lr down to min_lr"
+        )
+    at_least("trainer.weight_decay", t.weight_decay, 0.0)
+    for key in ("adam_beta1", "adam_beta2"):
+        beta = getattr(t, key)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"trainer.{key}={beta!r} must be in [0, 1)")
+    at_least("trainer.adam_eps", t.adam_eps, 0.0, strict=True)
+    at_least("trainer.clip_grad", t.clip_grad, 0.0)
+    _one_of("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    for key in ("lr_warmup_steps", "lr_decay_steps"):
+        value = getattr(t, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"trainer.{key}={value!r} must be an integer >= 0")
+    total = t.train_iters * t.minibatches
+    decay = t.lr_decay_steps or total
+    if t.lr_warmup_steps >= decay:
+        source = (
+            f"trainer.lr_decay_steps={t.lr_decay_steps}"
+            if t.lr_decay_steps
+            else f"train_iters × minibatches = {t.train_iters} × {t.minibatches} = {total}"
+        )
+        raise ValueError(
+            f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be smaller than the schedule's "
+            f"{decay} optimizer steps ({source}); shorten the warmup"
         )
 
 

@@ -221,3 +221,36 @@ def test_unknown_family_is_rejected() -> None:
 def test_trainer_replay_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="trainer.replay='sometimes'"):
         validate_config(_compose("trainer.replay=sometimes"), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("trainer.lr_warmup_steps=-1", ["trainer.lr_warmup_steps=-1", ">= 0"]),
+        ("trainer.min_lr=1.0", ["trainer.min_lr=1.0", "must be <= trainer.lr=1e-06"]),
+        ("trainer.lr_schedule=step", ["trainer.lr_schedule='step'", "'cosine'"]),
+        ("trainer.lr=nan", ["trainer.lr=nan", "finite"]),
+        ("trainer.lr=0", ["trainer.lr=0.0", "> 0.0"]),
+        ("trainer.clip_grad=-1", ["trainer.clip_grad=-1.0", ">= 0.0"]),
+        ("trainer.weight_decay=inf", ["trainer.weight_decay=inf", "finite"]),
+        ("trainer.adam_beta2=1.0", ["trainer.adam_beta2=1.0", "[0, 1)"]),
+        ("trainer.minibatches=0", ["trainer.minibatches=0", ">= 1"]),
+        # warmup must end before the schedule does (megatron asserts it without a key)
+        ("trainer.lr_warmup_steps=100", ["trainer.lr_warmup_steps=100", "100 × 1 = 100"]),
+    ],
+)
+def test_optimizer_keys_are_checked(override: str, fragments: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose(override), world_size=1)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_warmup_is_checked_against_decay_steps() -> None:
+    cfg = _compose("trainer.lr_warmup_steps=10", "trainer.lr_decay_steps=10")
+    with pytest.raises(ValueError, match="trainer.lr_decay_steps=10"):
+        validate_config(cfg, world_size=1)
+    # 6 batches × 2 minibatches = 12 optimizer steps: a 10-step warmup fits
+    overrides = ["trainer.lr_warmup_steps=10", "trainer.train_iters=6", "trainer.minibatches=2"]
+    typed = validate_config(_compose(*overrides), world_size=1)
+    assert typed.trainer.minibatches == 2
