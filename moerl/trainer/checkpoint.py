@@ -9,7 +9,8 @@ checkpoint as the latest, never a half-written one.
 
 Optimizer state (Adam moments, step count and the fp32 master shards) is saved per rank
 in ``optim_rank*.pt`` and resumes exactly in the same layout; another layout raises a
-clear error. (megatron-core 0.16's resharding DistributedOptimizer formats do not
+clear error. The lr scheduler's state (its optimizer-step count and settings, the same
+on every rank) is a ``scheduler`` entry of ``progress.json``. (megatron-core 0.16's resharding DistributedOptimizer formats do not
 round-trip without TE/apex here: the Adam moments came back empty in tests.)
 """
 
@@ -104,10 +105,12 @@ def save(
     progress: dict[str, Any],
     optimizer: Any | None = None,
     extra: Callable[[Path], None] | None = None,
+    scheduler: Any | None = None,
 ) -> Path:
     """Save step ``step`` under ``root`` on every rank; returns the final directory.
     ``extra(tmp_dir)`` runs on rank 0 inside the checkpoint before it is published, for
-    state outside the model's sharded state dict (LoRA adapters)."""
+    state outside the model's sharded state dict (LoRA adapters). ``scheduler``: an
+    OptimizerParamScheduler whose state joins the progress record."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -132,6 +135,8 @@ def save(
             "layout": _layout(),
             **progress,
         }
+        if scheduler is not None:
+            record["scheduler"] = scheduler.state_dict()
         (tmp / PROGRESS).write_text(json.dumps(record, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -157,9 +162,15 @@ def latest(root: str | Path) -> Path | None:
     return None
 
 
-def load(root: str | Path, chunks: list[Any], optimizer: Any | None = None) -> dict[str, Any]:
-    """Restore the latest checkpoint into ``chunks`` (any layout);
-    returns its progress record. Raises FileNotFoundError naming ``root`` if none."""
+def load(
+    root: str | Path,
+    chunks: list[Any],
+    optimizer: Any | None = None,
+    scheduler: Any | None = None,
+) -> dict[str, Any]:
+    """Restore the latest checkpoint into ``chunks`` (any layout), and into ``optimizer``
+    and ``scheduler`` when given; returns its progress record. Raises FileNotFoundError
+    naming ``root`` if none."""
     from megatron.core import dist_checkpointing
 
     path = latest(root)
@@ -189,6 +200,15 @@ def load(root: str | Path, chunks: list[Any], optimizer: Any | None = None) -> d
         _load_optimizer_state(
             optimizer, torch.load(path / f"optim_rank{_rank():05d}.pt", weights_only=True)
         )
+    if scheduler is not None:
+        from moerl.trainer.schedule import load_scheduler_state
+
+        if "scheduler" not in progress:
+            raise ValueError(
+                f"{path}/{PROGRESS} has no lr scheduler state (saved before schedules "
+                "were checkpointed): the schedule cannot continue; start a fresh run"
+            )
+        load_scheduler_state(scheduler, progress["scheduler"])  # after the optimizer's groups
     rng = path / f"rng_rank{_rank():05d}.pt"
     if rng.is_file():  # same world size: restore this rank's streams exactly
         _set_rng_state(torch.load(rng, weights_only=True))

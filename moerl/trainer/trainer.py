@@ -43,6 +43,7 @@ class Trainer:
         from moerl.models.spec import have_transformer_engine
         from moerl.parallel.state import initialize_for_model
         from moerl.trainer import checkpoint
+        from moerl.trainer.schedule import build_scheduler
         from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
         if trainer.replay not in REPLAY_POLICIES:
@@ -88,10 +89,17 @@ class Trainer:
             self.chunks,
             OptimConfig(
                 lr=trainer.lr,
+                min_lr=trainer.min_lr,
+                weight_decay=trainer.weight_decay,
+                adam_beta1=trainer.adam_beta1,
+                adam_beta2=trainer.adam_beta2,
                 adam_eps=trainer.adam_eps,
+                clip_grad=trainer.clip_grad,
                 use_distributed_optimizer=trainer.use_distributed_optimizer,
             ),
         )
+        # counts optimizer steps: step it once after every optimizer.step()
+        self.scheduler = build_scheduler(self.optimizer, trainer)
         attach_schedule_hooks(self.chunks, self.optimizer)
         self.micro_batch_size = parallel.micro_batch_size
         self.advantage_fn = build_advantage(algo.advantage)
@@ -103,7 +111,9 @@ class Trainer:
         if trainer.resume:
             if not trainer.checkpoint_dir:
                 raise ValueError("trainer.resume=true needs trainer.checkpoint_dir")
-            self.progress = checkpoint.load(trainer.checkpoint_dir, self.chunks, self.optimizer)
+            self.progress = checkpoint.load(
+                trainer.checkpoint_dir, self.chunks, self.optimizer, self.scheduler
+            )
             self.version = int(self.progress["version"])
             if self.lora is not None:
                 self._load_adapters(checkpoint.latest(trainer.checkpoint_dir))
@@ -273,9 +283,15 @@ class Trainer:
         tensors, _ = load_peft(path / "adapter")
         load_adapters_into(self.chunks, tensors)
 
+    def current_lr(self) -> float:
+        """The lr the next optimizer step applies (log it before ``scheduler.step(1)``)."""
+        from moerl.trainer.schedule import current_lr
+
+        return current_lr(self.optimizer)
+
     def save(self, **progress: Any) -> Path:
-        """Checkpoint model, optimizer, RNG and progress (version, plus ``progress``);
-        with LoRA also the adapters as a PEFT directory (``adapter/``)."""
+        """Checkpoint model, optimizer, lr schedule, RNG and progress (version, plus
+        ``progress``); with LoRA also the adapters as a PEFT directory (``adapter/``)."""
         from moerl.trainer import checkpoint
 
         if not self.cfg.checkpoint_dir:
@@ -296,4 +312,5 @@ class Trainer:
             {"version": self.version, **progress},
             self.optimizer,
             extra=extra,
+            scheduler=self.scheduler,
         )

@@ -18,7 +18,9 @@ class OptimConfig:
     """The subset of megatron-core's OptimizerConfig moerl exposes."""
 
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate (the lr until a scheduler from ``moerl.trainer.schedule`` sets it)."""
+    min_lr: float = 0.0
+    """The floor a decaying schedule reaches (megatron keeps it on every param group)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -28,7 +30,7 @@ class OptimConfig:
     adam_eps: float = 1e-8
     """Adam epsilon."""
     clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
+    """Global gradient-norm clip over all parameters and ranks (0 disables)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state and reduce-scatter gradients over data parallel."""
 
@@ -76,14 +78,23 @@ def wrap_ddp(
 
 
 def build_optimizer(chunks: list[Any], cfg: OptimConfig) -> Any:
-    """megatron-core's optimizer (Adam) over DDP-wrapped chunks; dtype follows the model."""
+    """megatron-core's optimizer (AdamW) over DDP-wrapped chunks; dtype follows the model.
+
+    Its ``step()`` returns ``(success, grad_norm, num_zeros)``. megatron-core 0.16 always
+    wraps it in a ChainedOptimizer (dense and expert parameters), whose step computes
+    ``grad_norm`` (the global L2 norm over every rank, TP duplicates counted once) before
+    it clips, so ``grad_norm`` is the pre-clip norm, also with ``clip_grad=0``; clipping
+    then scales the gradients by ``clip_grad / (grad_norm + 1e-6)`` when that is below 1.
+    Weight decay is not applied per group until a scheduler sets each group's rate
+    (``moerl.trainer.schedule.build_scheduler``); without one, every group decays.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     model_config = chunks[0].config
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
-        min_lr=cfg.lr,
+        min_lr=cfg.min_lr,
         weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2,
