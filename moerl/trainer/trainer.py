@@ -172,9 +172,12 @@ class Trainer:
             replay=self.cfg.replay, use_mask=self.cfg.sampling_mask, kl=self.kl,
             ref_logprobs=ref, **self._batching(),
         )  # fmt: skip
+        # one optimizer step per batch here; with minibatches, after each optimizer.step()
+        lr = self.current_lr()
+        self.scheduler.step(1)
         self.version += 1
         metrics = {**result.metrics, **{f"advantage/{k}": float(v) for k, v in adv.metrics.items()}}
-        metrics.update(version=float(self.version), reward_mean=float(rewards.mean()))
+        metrics.update(version=float(self.version), reward_mean=float(rewards.mean()), lr=lr)
         if result.grad_norm is not None:
             metrics["grad_norm"] = float(result.grad_norm)
         return metrics
