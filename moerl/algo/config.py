@@ -134,6 +134,17 @@ class PolicyLossConfig:
     name: str = "ppo_clip"
     """Loss registered in moerl.algo.losses.POLICY_LOSSES; pick one with `algo/loss=NAME`."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        """True if the loss takes the ratio π_θ / old_logprobs_T (PPO-like), False if it
+        only needs π_θ (REINFORCE); the trainer's start-up check reads it. Each option
+        overrides it; a bare PolicyLossConfig means its `name` with default options, so it
+        answers for that."""
+        option = LOSS_OPTIONS.get(self.name)
+        if option is None or isinstance(self, option):
+            return True
+        return option().ratio_loss
+
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
 
@@ -165,6 +176,10 @@ class PPOClipConfig(PolicyLossConfig):
     """With decoupled: tokens whose behaviour→proximal weight exceeds this are dropped
     (weight 0), as AReaL's behav_imp_weight_cap. None = keep all."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
@@ -188,6 +203,10 @@ class GSPOConfig(PolicyLossConfig):
     agg: str = "seq_mean_token_mean"
     """Aggregation (see PPOClipConfig.agg); the paper's objective is 'seq_mean_token_mean'."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
@@ -207,6 +226,10 @@ class CISPOConfig(PolicyLossConfig):
     agg: str = "token_mean"
     """Aggregation (see PPOClipConfig.agg); the paper normalises by all tokens."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
@@ -222,6 +245,10 @@ class ReinforceConfig(PolicyLossConfig):
     agg: str = "token_mean"
     """Aggregation (see PPOClipConfig.agg)."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        return False
+
     def validate(self, key: str) -> None:
         one_of(f"{key}.agg", self.agg, AGG_MODES)
 
@@ -236,6 +263,10 @@ class CustomPolicyLossConfig(PolicyLossConfig):
     """Import path of the function, e.g. 'mylab.losses.my_loss'."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function (`+algo.loss.options.tau=0.1`)."""
+    ratio_loss: bool = True
+    """Declare whether the function takes the ratio π_θ / old_logprobs_T (false if it only
+    needs π_θ, as REINFORCE); moerl cannot see inside the function, and the trainer's
+    start-up check reads this (`algo.loss.ratio_loss=false`)."""
 
 
 # --- KL term and the algo group ---------------------------------------------------

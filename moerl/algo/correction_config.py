@@ -30,6 +30,16 @@ class CorrectionConfig:
     """Correction registered in moerl.algo.correction.CORRECTIONS; pick one with
     `correction=NAME`."""
 
+    @property
+    def reweights(self) -> bool:
+        """True if the weights can differ from 1 on kept tokens (an IS weight, not only a
+        mask); the trainer's start-up check reads it. Each option overrides it; a bare
+        CorrectionConfig means its `name` with default options, so it answers for that."""
+        option = CORRECTION_OPTIONS.get(self.name)
+        if option is None or isinstance(self, option):
+            return False
+        return option().reweights
+
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
 
@@ -44,6 +54,10 @@ class TISConfig(CorrectionConfig):
     """Upper bound C of the weight."""
     level: str = "token"
     """'token', 'sequence' or 'geometric' (see the module docstring)."""
+
+    @property
+    def reweights(self) -> bool:
+        return True
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.cap", self.cap, 0.0, strict=True)
@@ -65,6 +79,10 @@ class MISConfig(CorrectionConfig):
     reweight: bool = True
     """Kept tokens are weighted by their ratio (MIS, IcePop); false = weight 1, a pure
     rejection mask."""
+
+    @property
+    def reweights(self) -> bool:
+        return self.reweight
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.low", self.low, 0.0)
@@ -100,6 +118,10 @@ class TOPRConfig(CorrectionConfig):
     """The paper truncates the trajectory ratio ('sequence'); 'token' and 'geometric' are
     variants."""
 
+    @property
+    def reweights(self) -> bool:
+        return True
+
     def validate(self, key: str) -> None:
         one_of(f"{key}.level", self.level, LEVELS)
 
@@ -116,6 +138,10 @@ class VersionGapConfig(CorrectionConfig):
     """'token' drops the stale tokens only; 'sequence' drops every sequence holding one
     (a partial rollout that spans weight updates)."""
 
+    @property
+    def reweights(self) -> bool:
+        return False
+
     def validate(self, key: str) -> None:
         at_least(f"{key}.max_gap", self.max_gap, 0)
         one_of(f"{key}.level", self.level, ("token", "sequence"))
@@ -131,6 +157,10 @@ class CustomCorrectionConfig(CorrectionConfig):
     """Import path of the function, e.g. 'mylab.corrections.my_is'."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function (`+correction.options.cap=3`)."""
+    reweights: bool = True
+    """Declare whether the function's weights can differ from 1 on kept tokens (an IS
+    weight); false if it only masks. moerl cannot see inside the function, and the
+    trainer's start-up check reads this (`correction.reweights=false`)."""
 
 
 CORRECTION_OPTIONS: dict[str, type[CorrectionConfig]] = {

@@ -16,10 +16,16 @@ from moerl.algo.config import (
     LOSS_OPTIONS,
     AdvantageConfig,
     GRPOConfig,
+    PolicyLossConfig,
     RLOOConfig,
 )
 from moerl.algo.correction import CORRECTIONS, CorrectionInput, CorrectionOutput, build_correction
-from moerl.algo.correction_config import CORRECTION_OPTIONS, CustomCorrectionConfig, TISConfig
+from moerl.algo.correction_config import (
+    CORRECTION_OPTIONS,
+    CorrectionConfig,
+    CustomCorrectionConfig,
+    TISConfig,
+)
 from moerl.algo.losses import POLICY_LOSSES, PolicyLossInput, PolicyLossOutput, build_policy_loss
 from moerl.algo.registry import Registry
 from moerl.config.store import register_configs
@@ -242,3 +248,71 @@ def test_bad_objective_fails_validation(overrides: list[str], message: str) -> N
     with pytest.raises(ValueError) as info:
         validate_config(_compose(*overrides), world_size=1)
     assert message in str(info.value)
+
+
+# --- what the trainer's start-up check reads: reweights, ratio_loss -----------------
+
+
+@pytest.mark.parametrize(
+    "override, reweights",
+    [
+        ("correction=none", False),
+        ("correction=tis", True),
+        ("correction=mis", True),
+        ("correction=icepop", True),
+        ("correction=topr", True),
+        ("correction=version_gap", False),
+        (["correction=mis", "correction.reweight=false"], False),
+        (["correction=icepop", "correction.reweight=false"], False),
+        (["correction=custom", f"correction._target_={TARGET}"], True),
+        (
+            ["correction=custom", f"correction._target_={TARGET}", "correction.reweights=false"],
+            False,
+        ),
+    ],
+)
+def test_correction_reweights(override, reweights: bool) -> None:
+    overrides = [override] if isinstance(override, str) else override
+    typed = validate_config(_compose(*overrides), world_size=1)
+    assert typed.correction.reweights is reweights
+
+
+def test_reweights_of_a_bare_base_is_that_of_its_name() -> None:
+    assert CorrectionConfig().reweights is False
+    assert CorrectionConfig(name="tis").reweights is True
+    assert CorrectionConfig(name="version_gap").reweights is False
+    assert CorrectionConfig(name="nope").reweights is False
+
+
+def test_custom_reweights_is_not_passed_to_the_function() -> None:
+    # A mapping spec may carry the declaration; it is not a keyword of the function.
+    fn = build_correction({"_target_": TARGET, "scale": 2.0, "reweights": True})
+    assert fn(_corr_inp()).weights_T.tolist() == [2.0, 0.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "overrides, ratio_loss",
+    [
+        (["algo/loss=ppo_clip"], True),
+        (["algo/loss=gspo"], True),
+        (["algo/loss=cispo"], True),
+        (["algo/loss=reinforce"], False),
+        (["algo/loss=custom", f"algo.loss._target_={__name__}.sum_logprob_loss"], True),
+        (
+            [
+                "algo/loss=custom",
+                f"algo.loss._target_={__name__}.sum_logprob_loss",
+                "algo.loss.ratio_loss=false",
+            ],
+            False,
+        ),
+    ],
+)
+def test_policy_loss_ratio_loss(overrides: list[str], ratio_loss: bool) -> None:
+    typed = validate_config(_compose(*overrides), world_size=1)
+    assert typed.algo.loss.ratio_loss is ratio_loss
+
+
+def test_ratio_loss_of_a_bare_base_is_that_of_its_name() -> None:
+    assert PolicyLossConfig().ratio_loss is True
+    assert PolicyLossConfig(name="reinforce").ratio_loss is False
