@@ -163,11 +163,13 @@ def none(inp: CorrectionInput, cfg: CorrectionConfig) -> CorrectionOutput:
 
 @CORRECTIONS.register("tis", TISConfig)
 def tis(inp: CorrectionInput, cfg: TISConfig) -> CorrectionOutput:
-    """Truncated IS: weight = min(ratio, cap); every counted token is kept."""
+    """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): weight = clamp(ratio, low, cap); every counted token is kept.
+    'is/clipped_frac' counts the tokens clamped on either side."""
     ratio_T = torch.exp(log_ratio_at_level(inp, cfg.level))
-    clipped_T = ratio_T > cfg.cap
+    clipped_T = (ratio_T > cfg.cap) | (ratio_T < cfg.low)
     extra = {"is/clipped_frac": masked_mean(clipped_T.float(), inp.loss_mask_T)}
-    return _output(inp, ratio_T.clamp(max=cfg.cap), inp.loss_mask_T.clone(), extra)
+    return _output(inp, ratio_T.clamp(cfg.low, cfg.cap), inp.loss_mask_T.clone(), extra)
 
 
 def _masked_is(inp: CorrectionInput, cfg: MISConfig) -> CorrectionOutput:

@@ -46,12 +46,15 @@ class CorrectionConfig:
 
 @dataclass
 class TISConfig(CorrectionConfig):
-    """Truncated IS (Yao et al. 2025): weight = min(ratio, cap); no token is dropped."""
+    """Truncated IS (Yao et al. 2025): weight = clamp(ratio, low, cap); no token is dropped."""
 
     name: str = "tis"
     """Registered name of this correction."""
     cap: float = 2.0
     """Upper bound C of the weight."""
+    low: float = 0.0
+    """Lower bound of the weight (slime's --tis-clip-low); 0 = none, the paper's form.
+    Must be below cap."""
     level: str = "token"
     """'token', 'sequence' or 'geometric' (see the module docstring)."""
 
@@ -61,6 +64,9 @@ class TISConfig(CorrectionConfig):
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.cap", self.cap, 0.0, strict=True)
+        at_least(f"{key}.low", self.low, 0.0)
+        if self.low >= self.cap:
+            raise ValueError(f"{key}.low={self.low!r} must be < {key}.cap={self.cap!r}")
         one_of(f"{key}.level", self.level, LEVELS)
 
 

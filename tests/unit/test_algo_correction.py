@@ -13,6 +13,7 @@ Geometric level: seq 0 → sqrt(1.8) = 1.341641, seq 1 → 0.45^(1/3) = 0.766309
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -94,6 +95,33 @@ def test_tis(cfg: TISConfig, weights: list[float], clipped: float) -> None:
     assert out.metrics["is/clipped_frac"] == pytest.approx(clipped)
 
 
+@pytest.mark.parametrize(
+    "cfg, weights, clipped",
+    [
+        # token, [0.5, 2]: 3 → 2 above, 0.25 → 0.5 below: two of five clipped.
+        (TISConfig(low=0.5, cap=2.0), [2, 0.6, 0, 1.5, 1.2, 0.5], 2 / 5),
+        # sequence, [0.5, 2]: seq 1's 0.45 is raised to 0.5 on its three tokens.
+        (TISConfig(low=0.5, level="sequence"), [1.8, 1.8, 0, 0.5, 0.5, 0.5], 3 / 5),
+    ],
+)
+def test_tis_lower_clip(cfg: TISConfig, weights: list[float], clipped: float) -> None:
+    out = tis(_inp(), cfg)
+    _check(out, weights, KEEP_COUNTED)
+    assert out.metrics["is/clipped_frac"] == pytest.approx(clipped)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (TISConfig(low=-0.1), "correction.low=-0.1 must be >= 0.0"),
+        (TISConfig(low=2.0, cap=2.0), "correction.low=2.0 must be < correction.cap=2.0"),
+    ],
+)
+def test_tis_bad_low(cfg: TISConfig, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_correction(cfg)
+
+
 def test_tis_metrics() -> None:
     out = tis(_inp(), TISConfig(cap=2.0))
     # (2 + 0.6 + 1.5 + 1.2 + 0.25)/5 = 1.11; max 2; nothing masked.
@@ -134,13 +162,14 @@ def test_masked_is(fn, cfg: MISConfig, weights: list[float], keep: list[bool]) -
 
 def test_bounds_are_inclusive() -> None:
     # trainer == rollout gives ratio 1 exactly: kept by [1, 2] and by [0.5, 1], not
-    # clipped by cap 1.
+    # clipped by cap 1 nor by low 1.
     inp = _inp(ratios=[1.0, 1.0], mask=[True, True], seq=[0, 1])
     _check(mis(inp, MISConfig(low=1.0, high=2.0)), [1, 1], [True, True])
     _check(mis(inp, MISConfig(low=0.5, high=1.0)), [1, 1], [True, True])
-    out = tis(inp, TISConfig(cap=1.0))
-    _check(out, [1, 1], [True, True])
-    assert out.metrics["is/clipped_frac"] == 0.0
+    for cfg in (TISConfig(cap=1.0), TISConfig(low=1.0, cap=2.0)):
+        out = tis(inp, cfg)
+        _check(out, [1, 1], [True, True])
+        assert out.metrics["is/clipped_frac"] == 0.0
 
 
 def test_sequence_level_overflow_is_safe() -> None:
