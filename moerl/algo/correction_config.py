@@ -57,6 +57,10 @@ class TISConfig(CorrectionConfig):
     Must be below cap."""
     level: str = "token"
     """'token', 'sequence' or 'geometric' (see the module docstring)."""
+    batch_normalize: bool = False
+    """Divide the weights by their batch mean so it is 1 (verl's
+    rollout_is_batch_normalize): at level 'token' the mean over the counted tokens, at
+    'sequence' / 'geometric' the mean of the sequences' weights (see normalize_weights)."""
 
     @property
     def reweights(self) -> bool:
@@ -85,6 +89,10 @@ class MISConfig(CorrectionConfig):
     reweight: bool = True
     """Kept tokens are weighted by their ratio (MIS, IcePop); false = weight 1, a pure
     rejection mask."""
+    batch_normalize: bool = False
+    """Divide the weights by their batch mean so it is 1 (verl's
+    rollout_is_batch_normalize): at level 'token' the mean over the counted tokens, at
+    'sequence' / 'geometric' the mean of the sequences' weights (see normalize_weights)."""
 
     @property
     def reweights(self) -> bool:
@@ -94,6 +102,11 @@ class MISConfig(CorrectionConfig):
         at_least(f"{key}.low", self.low, 0.0)
         at_least(f"{key}.high", self.high, self.low, strict=True)
         one_of(f"{key}.level", self.level, LEVELS)
+        if self.batch_normalize and not self.reweight:
+            raise ValueError(
+                f"{key}.batch_normalize=true needs {key}.reweight=true: a pure rejection mask "
+                "has no IS weights to normalise"
+            )
 
 
 @dataclass

@@ -12,6 +12,7 @@ Geometric level: seq 0 → sqrt(1.8) = 1.341641, seq 1 → 0.45^(1/3) = 0.766309
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -177,6 +178,58 @@ def test_sequence_level_overflow_is_safe() -> None:
     inp = _inp(ratios=[math.exp(400.0), math.exp(400.0)], mask=[True, True], seq=[0, 0])
     _check(tis(inp, TISConfig(level="sequence")), [2, 2], [True, True])
     _check(mis(inp, MISConfig(level="sequence")), [0, 0], [False, False])
+
+
+# Batch normalisation: the weights after truncation / masking divided by their mean.
+#   tis token, cap 2: [2, 0.6, 1.5, 1.2, 0.25] sum 5.55 over 5 counted → ÷ 1.11
+#   tis sequence, cap 2: sequences 1.8 and 0.45 → ÷ 1.125 (a token mean, 0.99, would be
+#       wrong: seq 1 has more tokens)
+#   tis geometric: sqrt(1.8) and 0.45^(1/3) → ÷ their mean
+#   mis token [0.5, 2]: kept [0.6, 1.5, 1.2], dropped 3 and 0.25 count as 0: ÷ 3.3/5 = 0.66
+#   mis sequence [0.5, 2]: seq 0 kept at 1.8, seq 1 dropped (0) → ÷ 0.9
+GEO = (SQ18 + CB45) / 2
+
+
+@pytest.mark.parametrize(
+    "fn, cfg, factor, weights",
+    [
+        (tis, TISConfig(), 1.11, [2, 0.6, 0, 1.5, 1.2, 0.25]),
+        (tis, TISConfig(level="sequence"), 1.125, [1.8, 1.8, 0, 0.45, 0.45, 0.45]),
+        (tis, TISConfig(level="geometric"), GEO, [SQ18, SQ18, 0, CB45, CB45, CB45]),
+        (mis, MISConfig(), 0.66, [0, 0.6, 0, 1.5, 1.2, 0]),
+        (mis, MISConfig(level="sequence"), 0.9, [1.8, 1.8, 0, 0, 0, 0]),
+        (icepop, IcePopConfig(), (3 + 0.6 + 1.5 + 1.2) / 5, [3, 0.6, 0, 1.5, 1.2, 0]),
+    ],
+)
+def test_batch_normalize(fn, cfg, factor: float, weights: list[float]) -> None:
+    cfg = dataclasses.replace(cfg, batch_normalize=True)
+    out = fn(_inp(), cfg)
+    expected = [w / factor for w in weights]
+    _check(out, expected, [w > 0 for w in weights])
+    assert out.metrics["is/batch_norm_factor"] == pytest.approx(factor)
+    w = out.weights_T.tolist()
+    if cfg.level == "token":
+        assert sum(w[i] for i in (0, 1, 3, 4, 5)) / 5 == pytest.approx(1.0, abs=1e-12)
+    else:
+        assert (w[0] + w[3]) / 2 == pytest.approx(1.0, abs=1e-12)
+
+
+def test_batch_normalize_skips_sequences_with_nothing_counted() -> None:
+    # Sequences 4 (cap) and 0.5, and a third with no counted token: mean over two, 2.25.
+    inp = _inp(ratios=[2.0, 2.0, 0.5, 9.0], mask=[True, True, True, False], seq=[0, 0, 1, 2])
+    out = tis(inp, TISConfig(cap=4.0, level="sequence", batch_normalize=True))
+    _check(out, [4 / 2.25, 4 / 2.25, 0.5 / 2.25, 0], [True, True, True, False])
+
+
+def test_batch_normalize_with_everything_dropped_leaves_zeros() -> None:
+    out = mis(_inp(), MISConfig(low=10.0, high=20.0, batch_normalize=True))
+    _check(out, [0] * 6, [False] * 6)
+    assert out.metrics["is/batch_norm_factor"] == 1.0
+
+
+def test_batch_normalize_needs_reweight() -> None:
+    with pytest.raises(ValueError, match="correction.batch_normalize=true needs"):
+        build_correction(MISConfig(reweight=False, batch_normalize=True))
 
 
 def test_topr() -> None:
