@@ -26,6 +26,7 @@ from moerl.algo.correction_config import (
     CorrectionConfig,
     IcePopConfig,
     MISConfig,
+    OPSMConfig,
     TISConfig,
     TOPRConfig,
     VersionGapConfig,
@@ -63,7 +64,8 @@ class CorrectionInput:
     current_version: int | None = None
     """The trainer's policy version now; needed by version_gap."""
     advantages_T: torch.Tensor | None = None
-    """float [T]: advantage of each token; needed by topr (its rule depends on the sign)."""
+    """float [T]: advantage of each token; needed by topr and opsm (their rules depend on
+    the sign)."""
 
     def __post_init__(self) -> None:
         check_tokens(
@@ -268,3 +270,35 @@ def version_gap(inp: CorrectionInput, cfg: VersionGapConfig) -> CorrectionOutput
     gap_f_T = gap_T.to(torch.float32)
     extra = {"is/gap_mean": masked_mean(gap_f_T, mask_T), "is/gap_max": masked_max(gap_f_T, mask_T)}
     return _output(inp, torch.ones_like(inp.trainer_logprobs_T), ~stale_T, extra)
+
+
+@CORRECTIONS.register("opsm", OPSMConfig)
+def opsm(inp: CorrectionInput, cfg: OPSMConfig) -> CorrectionOutput:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, §3.1):
+
+        keep_t = not (A_t < 0 and 1/|o_i| Σ_{s in o_i} log(μ_s / π_s) > δ),   t in o_i
+
+    with μ = rollout_logprobs_T (the sampler) and π = trainer_logprobs_T, the mean over
+    the sequence's counted tokens; weight 1 on kept tokens, 0 on dropped ones. The paper
+    takes π as the policy being trained; here it is the trainer's logprobs the correction
+    is given (the pre-update policy), once per step. A sequence that drifted far from the
+    trainer and would be pushed down is not learned from; positive ones always are. With a
+    per-sequence advantage (GRPO) whole sequences are dropped, as the paper; a token's own
+    advantage decides, as slime's compute_opsm_mask.
+    """
+    if inp.advantages_T is None:
+        raise ValueError(
+            "correction=opsm needs CorrectionInput.advantages_T (it drops only sequences "
+            "with a negative advantage); pass the per-token advantages"
+        )
+    mask_T, seq_T, S = inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs
+    log_mu_over_pi_T = (inp.rollout_logprobs_T - inp.trainer_logprobs_T).detach()
+    seq_kl_S = segment_mean(log_mu_over_pi_T, mask_T, seq_T, S)
+    negative_T = inp.advantages_T < 0
+    drop_T = negative_T & (seq_kl_S[seq_T] > cfg.delta)
+    counted_S = segment_count(mask_T, seq_T, S) > 0
+    extra = {
+        "is/negative_frac": masked_mean(negative_T.float(), mask_T),
+        "is/seq_kl_mean": seq_kl_S.sum() / counted_S.sum().clamp(min=1).to(seq_kl_S.dtype),
+    }
+    return _output(inp, torch.ones_like(inp.trainer_logprobs_T), mask_T & ~drop_T, extra)

@@ -167,6 +167,26 @@ class VersionGapConfig(CorrectionConfig):
 
 
 @dataclass
+class OPSMConfig(CorrectionConfig):
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, §3.1): drop every
+    token with a negative advantage whose sequence's mean log(rollout / trainer) exceeds
+    delta; weight 1 elsewhere. Needs CorrectionInput.advantages_T."""
+
+    name: str = "opsm"
+    """Registered name of this correction."""
+    delta: float = 1.0e-4
+    """Threshold δ on the sequence's KL estimate mean_t log(μ_t / π_t). The paper leaves it
+    a hyper-parameter; 1e-4 is slime's --opsm-delta default (Trinity-RFT uses 0.1)."""
+
+    @property
+    def reweights(self) -> bool:
+        return False
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.delta", self.delta, 0.0)
+
+
+@dataclass
 class CustomCorrectionConfig(CorrectionConfig):
     """A correction outside moerl: `fn(CorrectionInput, **options) -> CorrectionOutput`."""
 
@@ -189,5 +209,6 @@ CORRECTION_OPTIONS: dict[str, type[CorrectionConfig]] = {
     "icepop": IcePopConfig,
     "topr": TOPRConfig,
     "version_gap": VersionGapConfig,
+    "opsm": OPSMConfig,
     "custom": CustomCorrectionConfig,
 }

@@ -27,6 +27,7 @@ from moerl.algo.correction import (
     icepop,
     mis,
     none,
+    opsm,
     tis,
     topr,
     version_gap,
@@ -35,6 +36,7 @@ from moerl.algo.correction_config import (
     CorrectionConfig,
     IcePopConfig,
     MISConfig,
+    OPSMConfig,
     TISConfig,
     TOPRConfig,
     VersionGapConfig,
@@ -248,6 +250,59 @@ def test_topr() -> None:
 def test_topr_needs_advantages() -> None:
     with pytest.raises(ValueError, match="advantages_T"):
         topr(_inp(), TOPRConfig())
+
+
+# OPSM: trainer logprobs 0, so log(μ/π) = rollout logprob. Token 2 is a prompt token.
+#   seq 0  A=-1  log μ/π [0.3, 0.1] (+ 50 uncounted)  mean 0.2 > 0.1 → dropped
+#   seq 1  A=+1  [0.5, 0.5]                            mean 0.5, but A > 0 → kept
+#   seq 2  A=-1  [0.3, -0.2]                           mean 0.05 → kept
+#   seq 3  A=-1  [0.1]                                 mean 0.1 = δ, not above → kept
+# With the sign reversed (log π/μ) seq 0 would be kept: the direction is tested.
+OPSM_MU = [0.3, 0.1, 50.0, 0.5, 0.5, 0.3, -0.2, 0.1]
+OPSM_ADV = [-1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, -1.0]
+OPSM_MASK = [True, True, False, True, True, True, True, True]
+OPSM_SEQ = [0, 0, 0, 1, 1, 2, 2, 3]
+
+
+def _opsm_inp(advantages=OPSM_ADV) -> CorrectionInput:
+    return CorrectionInput(
+        trainer_logprobs_T=torch.zeros(8, dtype=F64),
+        rollout_logprobs_T=torch.tensor(OPSM_MU, dtype=F64),
+        loss_mask_T=torch.tensor(OPSM_MASK),
+        seq_ids_T=torch.tensor(OPSM_SEQ),
+        num_seqs=4,
+        advantages_T=None if advantages is None else torch.tensor(advantages, dtype=F64),
+    )
+
+
+@pytest.mark.parametrize(
+    "delta, keep",
+    [
+        (0.1, [False, False, False, True, True, True, True, True]),
+        # δ 0: seq 2 (0.05) and seq 3 (0.1) drift above it too.
+        (0.0, [False, False, False, True, True, False, False, False]),
+        # δ 0.3: nothing negative drifts that far.
+        (0.3, [True, True, False, True, True, True, True, True]),
+    ],
+)
+def test_opsm(delta: float, keep: list[bool]) -> None:
+    out = opsm(_opsm_inp(), OPSMConfig(delta=delta))
+    _check(out, [float(k) for k in keep], keep)
+    dropped = sum(1 for k, m in zip(keep, OPSM_MASK) if m and not k)
+    assert out.metrics["is/masked_frac"] == pytest.approx(dropped / 7)
+    assert out.metrics["is/negative_frac"] == pytest.approx(5 / 7)
+    # Sequence means 0.2, 0.5, 0.05, 0.1 over the four sequences.
+    assert out.metrics["is/seq_kl_mean"] == pytest.approx(0.85 / 4)
+
+
+def test_opsm_needs_advantages() -> None:
+    with pytest.raises(ValueError, match="correction=opsm needs CorrectionInput.advantages_T"):
+        opsm(_opsm_inp(advantages=None), OPSMConfig())
+
+
+def test_opsm_bad_delta() -> None:
+    with pytest.raises(ValueError, match=re.escape("correction.delta=-0.1 must be >= 0.0")):
+        build_correction(OPSMConfig(delta=-0.1))
 
 
 VERSIONS = torch.tensor([5, 4, 0, 3, 5, 5])  # gaps at version 5: [0, 1, 5*, 2, 0, 0]

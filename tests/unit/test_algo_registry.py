@@ -232,6 +232,8 @@ def test_custom_correction_from_the_command_line() -> None:
     [
         (["correction=mis", "correction.high=0.1"], "correction.high=0.1 must be > 0.5"),
         (["correction=tis", "correction.level=seq"], "correction.level='seq' is not supported"),
+        (["correction=tis", "correction.low=3"], "correction.low=3.0 must be < correction.cap=2.0"),
+        (["correction=opsm", "correction.delta=-1"], "correction.delta=-1.0 must be >= 0.0"),
         (["algo.loss.agg=sum"], "algo.loss.agg='sum' is not supported"),
         (["algo.loss.dual_clip=0.5"], "algo.loss.dual_clip=0.5 must be > 1.0"),
         (["algo.kl.kind=k5"], "algo.kl.kind='k5' is not supported"),
@@ -262,6 +264,7 @@ def test_bad_objective_fails_validation(overrides: list[str], message: str) -> N
         ("correction=icepop", True),
         ("correction=topr", True),
         ("correction=version_gap", False),
+        ("correction=opsm", False),
         (["correction=mis", "correction.reweight=false"], False),
         (["correction=icepop", "correction.reweight=false"], False),
         (["correction=custom", f"correction._target_={TARGET}"], True),
