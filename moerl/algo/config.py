@@ -284,7 +284,12 @@ class KLConfig:
     agg: str = "token_mean"
     """Aggregation of the per-token KL (see PPOClipConfig.agg)."""
     clamp: float | None = None
-    """Clamp each token's estimate to [-clamp, clamp] (verl's low_var_kl uses 10). None = off."""
+    """Clamp each token's estimate to [-clamp, clamp] (verl's low_var_kl uses 10). None = off.
+    With importance_sampling the IS-weighted estimate is clamped, as slime."""
+    importance_sampling: bool = False
+    """DeepSeek-V3.2's unbiased KL estimate: weight each token's estimate by
+    π_θ / π_behaviour, the gradient flowing through the weight too (moerl.algo.kl.kl_term);
+    needs KLInput.behaviour_logprobs_T. slime's --use-unbiased-kl."""
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.coef", self.coef, 0.0)

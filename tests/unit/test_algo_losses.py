@@ -339,6 +339,45 @@ def test_kl_term_and_k3_gradient() -> None:
     assert clamped.loss.item() == pytest.approx((LN2 - 0.5 + 0.2) / 2)
 
 
+# IS-corrected KL, behaviour μ = [0.25, 0.4] → weights π/μ = [2, 0.5]:
+#   value  w·k3 = [2(ln2 - 0.5), 0.5(1 - ln2)], token_mean over 2
+#   grad   w·k3 = (ref - p)/μ - (p/μ)·log(ref/p), so d/dlogp = -(p/μ)·log(ref/p) = w·log(p/ref):
+#          [2·ln2, 0.5·(-ln2)] / 2. Detaching w would give w·(1 - ref/p) = [1, -0.5] / 2.
+KL_MU = [math.log(0.25), math.log(0.4)]
+
+
+def _kl_inp(behaviour=KL_MU) -> KLInput:
+    return KLInput(
+        logprobs_T=torch.tensor(KL_P, dtype=F64, requires_grad=True),
+        ref_logprobs_T=torch.tensor(KL_REF, dtype=F64),
+        loss_mask_T=torch.tensor([True, True]),
+        seq_ids_T=torch.tensor([0, 1]),
+        num_seqs=2,
+        behaviour_logprobs_T=None if behaviour is None else torch.tensor(behaviour, dtype=F64),
+    )
+
+
+def test_kl_importance_sampling_value_and_gradient() -> None:
+    inp = _kl_inp()
+    out = kl_term(inp, KLConfig(coef=0.1, importance_sampling=True))
+    value = (2 * (LN2 - 0.5) + 0.5 * (1 - LN2)) / 2
+    assert out.metrics["kl/value"] == pytest.approx(value)
+    assert out.loss.item() == pytest.approx(0.1 * value)
+    assert out.metrics["kl/is_weight_mean"] == pytest.approx(1.25)
+    (grad,) = torch.autograd.grad(out.loss, inp.logprobs_T)
+    assert grad.tolist() == pytest.approx([0.1 * 2 * LN2 / 2, 0.1 * 0.5 * -LN2 / 2])
+
+
+def test_kl_importance_sampling_is_off_by_default() -> None:
+    # The behaviour logprobs are ignored without the flag: plain k3 mean 0.25.
+    assert kl_term(_kl_inp(), KLConfig(coef=1.0)).loss.item() == pytest.approx(0.25)
+
+
+def test_kl_importance_sampling_needs_behaviour_logprobs() -> None:
+    with pytest.raises(ValueError, match="importance_sampling=true needs KLInput.behaviour"):
+        kl_term(_kl_inp(behaviour=None), KLConfig(coef=0.1, importance_sampling=True))
+
+
 def test_unknown_kl_kind() -> None:
     with pytest.raises(ValueError, match="'k4'"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
