@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_KINDS = ("k1", "k2", "k3")
 
 
@@ -37,6 +37,17 @@ def at_least(key: str, value: float, low: float, *, strict: bool = False) -> Non
     if value < low or (strict and value == low):
         bound = f"> {low}" if strict else f">= {low}"
         raise ValueError(f"{key}={value!r} must be {bound}")
+
+
+def check_agg(key: str, agg: str, norm_length: int) -> None:
+    """`key.agg` is one of AGG_MODES; the constant-length mode needs `key.norm_length`."""
+    one_of(f"{key}.agg", agg, AGG_MODES)
+    if agg == "seq_mean_token_sum_norm" and norm_length <= 0:
+        raise ValueError(
+            f"{key}.norm_length={norm_length!r} must be > 0 with "
+            f"{key}.agg='seq_mean_token_sum_norm': it is Dr. GRPO's constant length L_max; "
+            f"set it to rollout.max_new_tokens"
+        )
 
 
 # --- advantage estimators ---------------------------------------------------------
@@ -166,7 +177,11 @@ class PPOClipConfig(PolicyLossConfig):
     agg: str = "token_mean"
     """How per-token losses become one number: 'token_mean' (over all counted tokens of
     the batch), 'seq_mean_token_mean' or 'seq_mean_token_sum' (per sequence, then the mean
-    over num_seqs sequences)."""
+    over num_seqs sequences), or 'seq_mean_token_sum_norm' (the sum over all counted tokens
+    / (num_seqs · norm_length), Dr. GRPO's constant normaliser); moerl.algo.reduce.aggregate."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
     decoupled: bool = False
     """AReaL's decoupled PPO: clip the ratio against the proximal policy
     (PolicyLossInput.proximal_logprobs_T) and weight each token by the detached
@@ -187,7 +202,7 @@ class PPOClipConfig(PolicyLossConfig):
             at_least(f"{key}.dual_clip", self.dual_clip, 1.0, strict=True)
         if self.decoupled_weight_cap is not None:
             at_least(f"{key}.decoupled_weight_cap", self.decoupled_weight_cap, 0.0, strict=True)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -202,6 +217,9 @@ class GSPOConfig(PolicyLossConfig):
     """The sequence ratio is clipped above at 1 + eps_high (the paper's 4e-4)."""
     agg: str = "seq_mean_token_mean"
     """Aggregation (see PPOClipConfig.agg); the paper's objective is 'seq_mean_token_mean'."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
 
     @property
     def ratio_loss(self) -> bool:
@@ -210,7 +228,7 @@ class GSPOConfig(PolicyLossConfig):
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -225,6 +243,9 @@ class CISPOConfig(PolicyLossConfig):
     """The IS weight is clipped above at 1 + eps_high (the only bound the paper tunes)."""
     agg: str = "token_mean"
     """Aggregation (see PPOClipConfig.agg); the paper normalises by all tokens."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
 
     @property
     def ratio_loss(self) -> bool:
@@ -233,7 +254,7 @@ class CISPOConfig(PolicyLossConfig):
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -244,13 +265,16 @@ class ReinforceConfig(PolicyLossConfig):
     """Registered name of this loss."""
     agg: str = "token_mean"
     """Aggregation (see PPOClipConfig.agg)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
 
     @property
     def ratio_loss(self) -> bool:
         return False
 
     def validate(self, key: str) -> None:
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -283,6 +307,9 @@ class KLConfig:
     ratio) or 'k3' ((ref/policy) - 1 - log(ref/policy), unbiased and >= 0)."""
     agg: str = "token_mean"
     """Aggregation of the per-token KL (see PPOClipConfig.agg)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
     clamp: float | None = None
     """Clamp each token's estimate to [-clamp, clamp] (verl's low_var_kl uses 10). None = off.
     With importance_sampling the IS-weighted estimate is clamped, as slime."""
@@ -294,7 +321,7 @@ class KLConfig:
     def validate(self, key: str) -> None:
         at_least(f"{key}.coef", self.coef, 0.0)
         one_of(f"{key}.kind", self.kind, KL_KINDS)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
         if self.clamp is not None:
             at_least(f"{key}.clamp", self.clamp, 0.0, strict=True)
 

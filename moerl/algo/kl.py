@@ -104,7 +104,9 @@ def kl_term(inp: KLInput, cfg: KLConfig) -> KLOutput:
         metrics["kl/is_weight_mean"] = masked_mean(weight_T.detach(), inp.loss_mask_T)
     if cfg.clamp is not None:
         kl_T = kl_T.clamp(-cfg.clamp, cfg.clamp)
-    value = aggregate(kl_T, inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs, cfg.agg)
+    value = aggregate(
+        kl_T, inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs, cfg.agg, norm_length=cfg.norm_length
+    )
     metrics.update({"kl/value": value, "kl/coef": value.new_tensor(cfg.coef)})
     return KLOutput(loss=cfg.coef * value, metrics=to_floats(metrics))
 

@@ -108,6 +108,7 @@ def _finish(
     inp: PolicyLossInput,
     loss_T: torch.Tensor,
     agg: str,
+    norm_length: int,
     metrics: dict[str, torch.Tensor],
     anchor_T: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
@@ -121,7 +122,7 @@ def _finish(
         w_T = inp.is_weights_T.detach()
         loss_T = loss_T * w_T
         metrics["loss/is_weight_mean"] = masked_mean(w_T, mask_T)
-    loss = aggregate(loss_T, mask_T, inp.seq_ids_T, inp.num_seqs, agg)
+    loss = aggregate(loss_T, mask_T, inp.seq_ids_T, inp.num_seqs, agg, norm_length=norm_length)
     metrics["loss/value"] = loss.detach()
     anchor_T = inp.old_logprobs_T if anchor_T is None else anchor_T
     metrics["loss/approx_kl"] = mismatch_kl(anchor_T, inp.logprobs_T, mask_T)
@@ -195,7 +196,7 @@ def ppo_clip(inp: PolicyLossInput, cfg: PPOClipConfig) -> PolicyLossOutput:
     if behav_w_T is not None:
         loss_T = loss_T * behav_w_T
     metrics.update(_clip_metrics(ratio_T, high_T, low_T, mask_T))
-    return _finish(inp, loss_T, cfg.agg, metrics, anchor_T=anchor_T)
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics, anchor_T=anchor_T)
 
 
 @POLICY_LOSSES.register("gspo", GSPOConfig)
@@ -214,7 +215,7 @@ def gspo(inp: PolicyLossInput, cfg: GSPOConfig) -> PolicyLossOutput:
     log_s_T = seq_log_r_S[inp.seq_ids_T] + inp.logprobs_T - inp.logprobs_T.detach()
     s_T = torch.exp(log_s_T)
     loss_T, high_T, low_T = _clip(s_T, inp.advantages_T, cfg.eps_low, cfg.eps_high)
-    return _finish(inp, loss_T, cfg.agg, _clip_metrics(s_T, high_T, low_T, mask_T))
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, _clip_metrics(s_T, high_T, low_T, mask_T))
 
 
 @POLICY_LOSSES.register("cispo", CISPOConfig)
@@ -230,11 +231,13 @@ def cispo(inp: PolicyLossInput, cfg: CISPOConfig) -> PolicyLossOutput:
     weight_T = ratio_T.clamp(lower, upper)
     loss_T = -weight_T * inp.advantages_T * inp.logprobs_T
     high_T, low_T = ratio_T > upper, ratio_T < lower
-    return _finish(inp, loss_T, cfg.agg, _clip_metrics(ratio_T, high_T, low_T, mask_T))
+    return _finish(
+        inp, loss_T, cfg.agg, cfg.norm_length, _clip_metrics(ratio_T, high_T, low_T, mask_T)
+    )
 
 
 @POLICY_LOSSES.register("reinforce", ReinforceConfig)
 def reinforce(inp: PolicyLossInput, cfg: ReinforceConfig) -> PolicyLossOutput:
     """REINFORCE: loss_T = -A · log π_θ; off-policy use goes through is_weights_T (TOPR)."""
     loss_T = -inp.advantages_T * inp.logprobs_T
-    return _finish(inp, loss_T, cfg.agg, {})
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, {})

@@ -69,14 +69,46 @@ def test_aggregate_modes() -> None:
     assert aggregate(values, mask, seq, 3, "token_mean").item() == pytest.approx(2.5)
     assert aggregate(values, mask, seq, 3, "seq_mean_token_mean").item() == pytest.approx(5 / 3)
     assert aggregate(values, mask, seq, 3, "seq_mean_token_sum").item() == pytest.approx(10 / 3)
+    # seq_mean_token_sum_norm with L_max 4: 10 / (3 · 4), whatever the sequences' lengths.
+    norm = aggregate(values, mask, seq, 3, "seq_mean_token_sum_norm", norm_length=4)
+    assert norm.item() == pytest.approx(10 / 12)
     with pytest.raises(ValueError, match="token_sum"):
         aggregate(values, mask, seq, 3, "token_sum")
+
+
+@pytest.mark.parametrize("norm_length", [None, 0])
+def test_aggregate_norm_needs_a_length(norm_length) -> None:
+    values, mask, seq = _t([1.0]), torch.tensor([True]), torch.tensor([0])
+    with pytest.raises(ValueError, match="needs norm_length > 0"):
+        aggregate(values, mask, seq, 1, "seq_mean_token_sum_norm", norm_length=norm_length)
+
+
+def test_aggregate_norm_is_linear_over_micro_batches() -> None:
+    # The trainer sums aggregate(micro-batch) · its sequences and divides by the step's.
+    # Micro-batch 1: seqs {[1, 2], [3]}; micro-batch 2: seq {[4, 5, 6]}; L_max 3.
+    # Whole step: 21 / (3 · 3) = 7/3. Parts: 6/(2·3)·2 + 15/(1·3)·1 = 6/3 + 15/3 = 21/3, ÷ 3.
+    mode = "seq_mean_token_sum_norm"
+    whole = aggregate(
+        _t([1.0, 2, 3, 4, 5, 6]), torch.ones(6, dtype=torch.bool),
+        torch.tensor([0, 0, 1, 2, 2, 2]), 3, mode, norm_length=3,
+    )  # fmt: skip
+    first = aggregate(
+        _t([1.0, 2, 3]), torch.ones(3, dtype=torch.bool), torch.tensor([0, 0, 1]), 2, mode,
+        norm_length=3,
+    )  # fmt: skip
+    second = aggregate(
+        _t([4.0, 5, 6]), torch.ones(3, dtype=torch.bool), torch.tensor([0, 0, 0]), 1, mode,
+        norm_length=3,
+    )  # fmt: skip
+    assert whole.item() == pytest.approx(7 / 3)
+    assert ((first * 2 + second * 1) / 3).item() == pytest.approx(7 / 3)
 
 
 def test_aggregate_nothing_counted_is_zero() -> None:
     values, mask, seq = _t([5.0]), torch.tensor([False]), torch.tensor([0])
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
         assert aggregate(values, mask, seq, 1, mode).item() == 0.0
+    assert aggregate(values, mask, seq, 1, "seq_mean_token_sum_norm", norm_length=8).item() == 0.0
 
 
 # --- ppo_clip ------------------------------------------------------------------
@@ -115,11 +147,13 @@ def test_ppo_clip_token_mean() -> None:
         ("seq_mean_token_mean", -0.3, [0.0, -0.5 / 6, 0.0, 1.5 / 6, 0.0]),
         # seq_mean_token_sum: (-1.2 + 1.8)/2; grads per-token / 2.
         ("seq_mean_token_sum", 0.3, [0.0, -0.25, 0.0, 0.75, 0.0]),
+        # seq_mean_token_sum_norm, L_max 5: 0.6 / (2 · 5); grads per-token / 10.
+        ("seq_mean_token_sum_norm", 0.06, [0.0, -0.05, 0.0, 0.15, 0.0]),
     ],
 )
 def test_ppo_clip_sequence_aggregations(agg: str, loss: float, grads: list[float]) -> None:
     inp = _inp(**PPO_CASE)
-    out = ppo_clip(inp, PPOClipConfig(agg=agg))
+    out = ppo_clip(inp, PPOClipConfig(agg=agg, norm_length=5))
     assert out.loss.item() == pytest.approx(loss)
     assert _grad(out, inp) == pytest.approx(grads)
 
@@ -334,6 +368,9 @@ def test_kl_term_and_k3_gradient() -> None:
     # d k3 / d logp = 1 - ref/p: [1 - 0.5, 1 - 2] → × 0.1 / 2.
     (grad,) = torch.autograd.grad(out.loss, logp)
     assert grad.tolist() == pytest.approx([0.025, -0.05])
+    # seq_mean_token_sum_norm, L_max 4: (ln2 - 0.5 + 1 - ln2) / (2 · 4) = 0.0625.
+    norm = kl_term(inp, KLConfig(coef=1.0, agg="seq_mean_token_sum_norm", norm_length=4))
+    assert norm.loss.item() == pytest.approx(0.0625)
     # clamp 0.2 caps token 1's 0.306853.
     clamped = kl_term(inp, KLConfig(coef=1.0, clamp=0.2))
     assert clamped.loss.item() == pytest.approx((LN2 - 0.5 + 0.2) / 2)
@@ -376,6 +413,26 @@ def test_kl_importance_sampling_is_off_by_default() -> None:
 def test_kl_importance_sampling_needs_behaviour_logprobs() -> None:
     with pytest.raises(ValueError, match="importance_sampling=true needs KLInput.behaviour"):
         kl_term(_kl_inp(behaviour=None), KLConfig(coef=0.1, importance_sampling=True))
+
+
+@pytest.mark.parametrize(
+    "cfg, key",
+    [
+        (PPOClipConfig(agg="seq_mean_token_sum_norm"), "algo.loss"),
+        (GSPOConfig(agg="seq_mean_token_sum_norm", norm_length=-1), "algo.loss"),
+        (CISPOConfig(agg="seq_mean_token_sum_norm"), "algo.loss"),
+        (ReinforceConfig(agg="seq_mean_token_sum_norm"), "algo.loss"),
+        (KLConfig(agg="seq_mean_token_sum_norm"), "algo.kl"),
+    ],
+)
+def test_norm_mode_needs_norm_length(cfg, key: str) -> None:
+    with pytest.raises(ValueError) as info:
+        cfg.validate(key)
+    message = str(info.value)
+    assert f"{key}.norm_length={cfg.norm_length}" in message
+    assert "rollout.max_new_tokens" in message
+    cfg.norm_length = 4096
+    cfg.validate(key)
 
 
 def test_unknown_kl_kind() -> None:

@@ -219,6 +219,20 @@ def test_presets_set_their_knobs() -> None:
     assert tis == TISConfig(cap=3.0)
 
 
+def test_norm_length_from_the_generation_budget() -> None:
+    # Dr. GRPO's L_max is the generation budget: interpolate it rather than repeat it.
+    typed = validate_config(
+        _compose(
+            "rollout.max_new_tokens=512",
+            "algo.loss.agg=seq_mean_token_sum_norm",
+            "algo.loss.norm_length=${rollout.max_new_tokens}",
+        ),
+        world_size=1,
+    )
+    assert typed.algo.loss.norm_length == 512
+    build_policy_loss(typed.algo.loss)
+
+
 def test_custom_correction_from_the_command_line() -> None:
     cfg = _compose(
         "correction=custom", f"correction._target_={TARGET}", "+correction.options.scale=3"
@@ -236,6 +250,11 @@ def test_custom_correction_from_the_command_line() -> None:
         (["correction=opsm", "correction.delta=-1"], "correction.delta=-1.0 must be >= 0.0"),
         (["algo.loss.agg=sum"], "algo.loss.agg='sum' is not supported"),
         (["algo.loss.dual_clip=0.5"], "algo.loss.dual_clip=0.5 must be > 1.0"),
+        (
+            ["algo.loss.agg=seq_mean_token_sum_norm"],
+            "algo.loss.norm_length=0 must be > 0 with algo.loss.agg='seq_mean_token_sum_norm'",
+        ),
+        (["algo.kl.agg=seq_mean_token_sum_norm"], "algo.kl.norm_length=0 must be > 0"),
         (["algo.kl.kind=k5"], "algo.kl.kind='k5' is not supported"),
         (["correction=custom"], "correction._target_ is empty"),
         (
