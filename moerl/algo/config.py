@@ -278,6 +278,34 @@ class ReinforceConfig(PolicyLossConfig):
 
 
 @dataclass
+class SAPOConfig(PolicyLossConfig):
+    """SAPO (Gao et al. 2025, Qwen, arXiv 2511.20347): -f(r)·A with the soft gate
+    f(r) = σ(τ(r - 1))·4/τ instead of a hard clip; τ = tau_pos for A > 0, tau_neg else."""
+
+    name: str = "sapo"
+    """Registered name of this loss."""
+    tau_pos: float = 1.0
+    """Gate temperature for positive advantages (the paper's 1.0)."""
+    tau_neg: float = 1.05
+    """Gate temperature for advantages <= 0 (the paper's 1.05); larger than tau_pos so the
+    gradient of a negative token fades faster off-policy."""
+    agg: str = "seq_mean_token_mean"
+    """Aggregation (see PPOClipConfig.agg); the paper's objective is 'seq_mean_token_mean'
+    (verl forces it)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (see PPOClipConfig.norm_length)."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.tau_pos", self.tau_pos, 0.0, strict=True)
+        at_least(f"{key}.tau_neg", self.tau_neg, 0.0, strict=True)
+        check_agg(key, self.agg, self.norm_length)
+
+
+@dataclass
 class CustomPolicyLossConfig(PolicyLossConfig):
     """A loss outside moerl: `fn(PolicyLossInput, **options) -> PolicyLossOutput`."""
 
@@ -351,6 +379,7 @@ LOSS_OPTIONS: dict[str, type[PolicyLossConfig]] = {
     "gspo": GSPOConfig,
     "cispo": CISPOConfig,
     "reinforce": ReinforceConfig,
+    "sapo": SAPOConfig,
     "custom": CustomPolicyLossConfig,
 }
 

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from moerl.algo.config import CISPOConfig, GSPOConfig, PPOClipConfig, ReinforceConfig
+from moerl.algo.config import (
+    CISPOConfig,
+    GSPOConfig,
+    PPOClipConfig,
+    ReinforceConfig,
+    SAPOConfig,
+)
 from moerl.algo.kl import mismatch_kl
 from moerl.algo.reduce import (
     aggregate,
@@ -33,6 +39,10 @@ from moerl.algo.reduce import (
 )
 from moerl.algo.registry import Registry
 
+# SAPO's log ratio is clamped to ±this before exp, as verl: past it the gate is flat, and
+# exp overflowing to inf would make the gate's backward 0·inf = nan.
+MAX_LOG_RATIO = 20.0
+
 __all__ = [
     "POLICY_LOSSES",
     "PolicyLossInput",
@@ -43,6 +53,7 @@ __all__ = [
     "gspo",
     "ppo_clip",
     "reinforce",
+    "sapo",
 ]
 
 
@@ -241,3 +252,29 @@ def reinforce(inp: PolicyLossInput, cfg: ReinforceConfig) -> PolicyLossOutput:
     """REINFORCE: loss_T = -A · log π_θ; off-policy use goes through is_weights_T (TOPR)."""
     loss_T = -inp.advantages_T * inp.logprobs_T
     return _finish(inp, loss_T, cfg.agg, cfg.norm_length, {})
+
+
+@POLICY_LOSSES.register("sapo", SAPOConfig)
+def sapo(inp: PolicyLossInput, cfg: SAPOConfig) -> PolicyLossOutput:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347):
+
+        loss_T = -f(r)·A,   f(r) = σ(τ·(r - 1))·4/τ,   r = π_θ / π_old,
+        τ = tau_pos where A > 0, tau_neg where A <= 0
+
+    The gate replaces the hard clip: d f / d log π_θ = 4·σ'(τ(r - 1))·r is 1 on-policy
+    (r = 1, the plain policy gradient) and fades smoothly as r leaves 1, faster for larger
+    τ. As verl's compute_policy_loss_sapo, the log ratio is clamped to ±20 first.
+    """
+    adv_T, mask_T = inp.advantages_T, inp.loss_mask_T
+    log_r_T = (inp.logprobs_T - inp.old_logprobs_T.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio_T = torch.exp(log_r_T)
+    tau_T = torch.full_like(ratio_T, cfg.tau_neg).masked_fill(adv_T > 0, cfg.tau_pos)
+    gate_T = torch.sigmoid(tau_T * (ratio_T - 1.0)) * 4.0 / tau_T
+    loss_T = -gate_T * adv_T
+    ratio_T = ratio_T.detach()
+    metrics = {
+        "loss/gate_mean": masked_mean(gate_T.detach(), mask_T),
+        "loss/ratio_mean": masked_mean(ratio_T, mask_T),
+        "loss/ratio_max": masked_max(ratio_T, mask_T),
+    }
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics)

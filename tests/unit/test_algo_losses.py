@@ -12,7 +12,14 @@ import math
 import pytest
 import torch
 
-from moerl.algo.config import CISPOConfig, GSPOConfig, KLConfig, PPOClipConfig, ReinforceConfig
+from moerl.algo.config import (
+    CISPOConfig,
+    GSPOConfig,
+    KLConfig,
+    PPOClipConfig,
+    ReinforceConfig,
+    SAPOConfig,
+)
 from moerl.algo.kl import KLInput, kl_penalty, kl_term
 from moerl.algo.losses import (
     POLICY_LOSSES,
@@ -23,6 +30,7 @@ from moerl.algo.losses import (
     gspo,
     ppo_clip,
     reinforce,
+    sapo,
 )
 
 F64 = torch.float64
@@ -318,11 +326,74 @@ def test_reinforce() -> None:
     assert _grad(out, inp) == pytest.approx([-1.0, 0.5])
 
 
+# --- sapo ----------------------------------------------------------------------
+
+
+# The gate and its derivative in plain floats: f(r) = 4/τ·σ(τ(r - 1)),
+# d f / d log π = 4·σ(1 - σ)·r. Two sequences, old logprobs 0 so r = π:
+#   t0  seq 0  r = 1,   A = +1, τ 1     f = 2,          d = 1 (the plain policy gradient)
+#   t1  seq 0  r = 2,   A = +1, τ 1     f = 4σ(1),      d = 8σ(1)(1 - σ(1))
+#   t2  seq 1  r = 0.5, A = -1, τ 1.05  f = 4/1.05·σ(-0.525)
+#   t3  seq 1  r = 1.5, A = 0,  τ 1.05  loss 0, grad 0
+#   t4  seq 1  masked, log r = 40: beyond exp's comfort, must stay out (no nan)
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _gate(r: float, tau: float) -> tuple[float, float]:
+    sig = _sigmoid(tau * (r - 1.0))
+    return 4.0 / tau * sig, 4.0 * sig * (1.0 - sig) * r
+
+
+SAPO_CASE = dict(
+    logp=[0.0, math.log(2.0), math.log(0.5), math.log(1.5), 40.0],
+    old=[0.0] * 5,
+    adv=[1.0, 1.0, -1.0, 0.0, 1.0],
+    mask=[True, True, True, True, False],
+    seq=[0, 0, 1, 1, 1],
+)
+
+
+def test_sapo_soft_gate() -> None:
+    inp = _inp(**SAPO_CASE)
+    out = sapo(inp, SAPOConfig())
+    (f0, d0), (f1, d1), (f2, d2) = _gate(1.0, 1.0), _gate(2.0, 1.0), _gate(0.5, 1.05)
+    assert (f0, d0) == pytest.approx((2.0, 1.0))
+    # Per-token loss -f·A; seq_mean_token_mean over two tokens per sequence, two sequences.
+    assert out.loss.item() == pytest.approx(((-f0 - f1) / 2 + (f2 + 0.0) / 2) / 2)
+    # Per-token grad -A·d, ÷ 2 tokens ÷ 2 sequences.
+    assert _grad(out, inp) == pytest.approx([-d0 / 4, -d1 / 4, d2 / 4, 0.0, 0.0])
+
+
+def test_sapo_larger_tau_fades_faster() -> None:
+    # r = 2, A = +1: the gradient at τ = 2 is smaller than at τ = 1 (8σ(2)(1-σ(2)) vs
+    # 8σ(1)(1-σ(1))): off-policy tokens are damped more.
+    grads = []
+    for tau in (1.0, 2.0):
+        inp = _inp(logp=[math.log(2.0)], old=[0.0], adv=[1.0])
+        grads.append(_grad(sapo(inp, SAPOConfig(tau_pos=tau)), inp)[0])
+    assert grads == pytest.approx([-_gate(2.0, 1.0)[1], -_gate(2.0, 2.0)[1]])
+    assert abs(grads[1]) < abs(grads[0])
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (SAPOConfig(tau_pos=0.0), "algo.loss.tau_pos=0.0 must be > 0.0"),
+        (SAPOConfig(tau_neg=-1.0), "algo.loss.tau_neg=-1.0 must be > 0.0"),
+    ],
+)
+def test_bad_sapo_options(cfg, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy_loss(cfg)
+
+
 def test_masked_tokens_get_no_gradient_in_every_loss() -> None:
     for name in POLICY_LOSSES.names():
         inp = _inp(**PPO_CASE)
         grads = _grad(build_policy_loss(name)(inp), inp)
         assert grads[4] == 0.0, name
+        assert all(math.isfinite(g) for g in grads), name
 
 
 def test_input_shapes_are_checked() -> None:

@@ -255,6 +255,7 @@ def test_custom_correction_from_the_command_line() -> None:
             "algo.loss.norm_length=0 must be > 0 with algo.loss.agg='seq_mean_token_sum_norm'",
         ),
         (["algo.kl.agg=seq_mean_token_sum_norm"], "algo.kl.norm_length=0 must be > 0"),
+        (["algo/loss=sapo", "algo.loss.tau_neg=0"], "algo.loss.tau_neg=0.0 must be > 0.0"),
         (["algo.kl.kind=k5"], "algo.kl.kind='k5' is not supported"),
         (["correction=custom"], "correction._target_ is empty"),
         (
@@ -319,6 +320,7 @@ def test_custom_reweights_is_not_passed_to_the_function() -> None:
         (["algo/loss=gspo"], True),
         (["algo/loss=cispo"], True),
         (["algo/loss=reinforce"], False),
+        (["algo/loss=sapo"], True),
         (["algo/loss=custom", f"algo.loss._target_={__name__}.sum_logprob_loss"], True),
         (
             [
