@@ -306,6 +306,34 @@ class SAPOConfig(PolicyLossConfig):
 
 
 @dataclass
+class GMPOConfig(PolicyLossConfig):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): the sequence ratio is the geometric mean
+    of its token ratios, each clipped in log space on the side its advantage pushes."""
+
+    name: str = "gmpo"
+    """Registered name of this loss."""
+    clip_low: float = 0.4
+    """Token log ratios are clipped below at -clip_low (for A < 0); the paper's range is
+    (e^-0.4, e^0.4)."""
+    clip_high: float = 0.4
+    """Token log ratios are clipped above at +clip_high (for A > 0)."""
+    agg: str = "seq_mean_token_mean"
+    """Aggregation (see PPOClipConfig.agg); every token carries its sequence's term, so
+    'seq_mean_token_mean' is the paper's mean over sequences (and verl's geo_mean)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (see PPOClipConfig.norm_length)."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.clip_low", self.clip_low, 0.0)
+        at_least(f"{key}.clip_high", self.clip_high, 0.0)
+        check_agg(key, self.agg, self.norm_length)
+
+
+@dataclass
 class CustomPolicyLossConfig(PolicyLossConfig):
     """A loss outside moerl: `fn(PolicyLossInput, **options) -> PolicyLossOutput`."""
 
@@ -380,6 +408,7 @@ LOSS_OPTIONS: dict[str, type[PolicyLossConfig]] = {
     "cispo": CISPOConfig,
     "reinforce": ReinforceConfig,
     "sapo": SAPOConfig,
+    "gmpo": GMPOConfig,
     "custom": CustomPolicyLossConfig,
 }
 

@@ -23,6 +23,7 @@ import torch
 
 from moerl.algo.config import (
     CISPOConfig,
+    GMPOConfig,
     GSPOConfig,
     PPOClipConfig,
     ReinforceConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "aggregate",
     "build_policy_loss",
     "cispo",
+    "gmpo",
     "gspo",
     "ppo_clip",
     "reinforce",
@@ -277,4 +279,37 @@ def sapo(inp: PolicyLossInput, cfg: SAPOConfig) -> PolicyLossOutput:
         "loss/ratio_mean": masked_mean(ratio_T, mask_T),
         "loss/ratio_max": masked_max(ratio_T, mask_T),
     }
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics)
+
+
+@POLICY_LOSSES.register("gmpo", GMPOConfig)
+def gmpo(inp: PolicyLossInput, cfg: GMPOConfig) -> PolicyLossOutput:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673):
+    the geometric mean of the clipped token ratios replaces GRPO's arithmetic mean.
+
+        ℓ_t = sgn(A_t) · min(sgn(A_t)·log r_t, sgn(A_t)·clip(log r_t, -clip_low, clip_high))
+        s_i = exp(mean_{t in o_i} ℓ_t),   A_i = mean_{t in o_i} A_t
+        loss = -(1/S) Σ_i A_i · s_i
+
+    The clip is in log space and binds only on the side the advantage pushes (above for
+    A > 0, below for A < 0), as PPO's; a clipped token gets no gradient while the rest of
+    its sequence keeps its own. This is verl's compute_policy_loss_geo_mean (after the
+    authors' code). Every token of sequence i carries -A_i·s_i, so 'seq_mean_token_mean'
+    is exactly the objective above. is_weights_T multiply per token as in every loss: a
+    sequence's weight is then the arithmetic mean of its tokens' weights, where verl takes
+    the geometric mean; with a sequence- or geometric-level correction they agree.
+    """
+    adv_T, mask_T, seq_T, S = inp.advantages_T, inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs
+    log_r_T = inp.logprobs_T - inp.old_logprobs_T.detach()
+    sign_T = torch.sign(adv_T)
+    bounded_T = log_r_T.clamp(-cfg.clip_low, cfg.clip_high)
+    clipped_log_r_T = sign_T * torch.minimum(sign_T * log_r_T, sign_T * bounded_T)
+    s_S = torch.exp(segment_mean(clipped_log_r_T, mask_T, seq_T, S))
+    adv_S = segment_mean(adv_T, mask_T, seq_T, S)
+    loss_T = (-adv_S * s_S)[seq_T]
+    log_r_T = log_r_T.detach()
+    high_T = (adv_T > 0) & (log_r_T > cfg.clip_high)
+    low_T = (adv_T < 0) & (log_r_T < -cfg.clip_low)
+    metrics = _clip_metrics(torch.exp(log_r_T), high_T, low_T, mask_T)
+    metrics["loss/seq_ratio_mean"] = masked_mean(s_S.detach()[seq_T], mask_T)
     return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics)

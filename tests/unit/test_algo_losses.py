@@ -14,6 +14,7 @@ import torch
 
 from moerl.algo.config import (
     CISPOConfig,
+    GMPOConfig,
     GSPOConfig,
     KLConfig,
     PPOClipConfig,
@@ -27,6 +28,7 @@ from moerl.algo.losses import (
     aggregate,
     build_policy_loss,
     cispo,
+    gmpo,
     gspo,
     ppo_clip,
     reinforce,
@@ -376,14 +378,59 @@ def test_sapo_larger_tau_fades_faster() -> None:
     assert abs(grads[1]) < abs(grads[0])
 
 
+# --- gmpo ----------------------------------------------------------------------
+
+# clip 0.4 both sides, old logprobs 0 so log r = logp. Three sequences:
+#   seq 0  A=+1  log r [0.2, 0.6, -0.7] → [0.2, 0.4 (clipped high), -0.7 (A > 0: the low
+#          side does not bind)], mean -0.1/3, s0 = e^(-0.1/3); loss -s0;
+#          grads -A·s0/3 on t0 and t2, 0 on t1
+#   seq 1  A=-1  log r [-0.6, 0.5, 0.1] (+ a masked 5.0) → [-0.4 (clipped low), 0.5
+#          (A < 0: the high side does not bind), 0.1], mean 0.2/3, s1 = e^(0.2/3); loss +s1;
+#          grads s1/3 on t4 and t5, 0 on t3
+#   seq 2  A=0   loss 0, grad 0
+# The mean over S = 3 sequences divides everything by 3.
+GMPO_CASE = dict(
+    logp=[0.2, 0.6, -0.7, -0.6, 0.5, 0.1, 5.0, 0.3],
+    old=[0.0] * 8,
+    adv=[1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0, 0.0],
+    mask=[True, True, True, True, True, True, False, True],
+    seq=[0, 0, 0, 1, 1, 1, 1, 2],
+)
+
+
+def test_gmpo_geometric_mean_of_clipped_ratios() -> None:
+    inp = _inp(**GMPO_CASE)
+    out = gmpo(inp, GMPOConfig())
+    s0, s1 = math.exp(-0.1 / 3), math.exp(0.2 / 3)
+    assert out.loss.item() == pytest.approx((-s0 + s1 + 0.0) / 3)
+    g0, g1 = -s0 / 3 / 3, s1 / 3 / 3
+    assert _grad(out, inp) == pytest.approx([g0, 0.0, g0, 0.0, g1, g1, 0.0, 0.0])
+    # One token clipped high (t1), one low (t3), of seven counted.
+    assert out.metrics["loss/clip_high_frac"] == pytest.approx(1 / 7)
+    assert out.metrics["loss/clip_low_frac"] == pytest.approx(1 / 7)
+
+
+def test_gmpo_without_clipping_is_the_geometric_mean() -> None:
+    # Wide clip: seq 0's s = exp(mean(0.2, 0.6, -0.7)) = e^(0.1/3) and every counted token
+    # gets gradient -A·s/3/S.
+    inp = _inp(**GMPO_CASE)
+    out = gmpo(inp, GMPOConfig(clip_low=10.0, clip_high=10.0))
+    s0, s1 = math.exp(0.1 / 3), math.exp(0.0)
+    assert out.loss.item() == pytest.approx((-s0 + s1) / 3)
+    g0, g1 = -s0 / 9, s1 / 9
+    assert _grad(out, inp) == pytest.approx([g0, g0, g0, g1, g1, g1, 0.0, 0.0])
+
+
 @pytest.mark.parametrize(
     "cfg, message",
     [
         (SAPOConfig(tau_pos=0.0), "algo.loss.tau_pos=0.0 must be > 0.0"),
         (SAPOConfig(tau_neg=-1.0), "algo.loss.tau_neg=-1.0 must be > 0.0"),
+        (GMPOConfig(clip_low=-0.1), "algo.loss.clip_low=-0.1 must be >= 0.0"),
+        (GMPOConfig(clip_high=-0.1), "algo.loss.clip_high=-0.1 must be >= 0.0"),
     ],
 )
-def test_bad_sapo_options(cfg, message: str) -> None:
+def test_bad_sapo_and_gmpo_options(cfg, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_policy_loss(cfg)
 

@@ -256,6 +256,7 @@ def test_custom_correction_from_the_command_line() -> None:
         ),
         (["algo.kl.agg=seq_mean_token_sum_norm"], "algo.kl.norm_length=0 must be > 0"),
         (["algo/loss=sapo", "algo.loss.tau_neg=0"], "algo.loss.tau_neg=0.0 must be > 0.0"),
+        (["algo/loss=gmpo", "algo.loss.clip_low=-1"], "algo.loss.clip_low=-1.0 must be >= 0.0"),
         (["algo.kl.kind=k5"], "algo.kl.kind='k5' is not supported"),
         (["correction=custom"], "correction._target_ is empty"),
         (
@@ -321,6 +322,7 @@ def test_custom_reweights_is_not_passed_to_the_function() -> None:
         (["algo/loss=cispo"], True),
         (["algo/loss=reinforce"], False),
         (["algo/loss=sapo"], True),
+        (["algo/loss=gmpo"], True),
         (["algo/loss=custom", f"algo.loss._target_={__name__}.sum_logprob_loss"], True),
         (
             [
