@@ -3,8 +3,8 @@ token tensors, registered by name and selected from config, with `_target_` for 
 
     advantages.py         ADVANTAGES: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline
     losses.py             POLICY_LOSSES: ppo_clip (clip-higher, dual clip, decoupled), gspo,
-                          cispo, reinforce
-    correction.py         CORRECTIONS: none, tis, mis, icepop, topr, version_gap
+                          cispo, reinforce, sapo, gmpo
+    correction.py         CORRECTIONS: none, tis, mis, icepop, topr, version_gap, opsm
     kl.py                 k1/k2/k3 KL estimators and the optional KL term
     reduce.py             per-sequence reductions and the loss aggregation modes
     registry.py           the Registry and how a config becomes a callable

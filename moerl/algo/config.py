@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_KINDS = ("k1", "k2", "k3")
 
 
@@ -37,6 +37,17 @@ def at_least(key: str, value: float, low: float, *, strict: bool = False) -> Non
     if value < low or (strict and value == low):
         bound = f"> {low}" if strict else f">= {low}"
         raise ValueError(f"{key}={value!r} must be {bound}")
+
+
+def check_agg(key: str, agg: str, norm_length: int) -> None:
+    """`key.agg` is one of AGG_MODES; the constant-length mode needs `key.norm_length`."""
+    one_of(f"{key}.agg", agg, AGG_MODES)
+    if agg == "seq_mean_token_sum_norm" and norm_length <= 0:
+        raise ValueError(
+            f"{key}.norm_length={norm_length!r} must be > 0 with "
+            f"{key}.agg='seq_mean_token_sum_norm': it is Dr. GRPO's constant length L_max; "
+            f"set it to rollout.max_new_tokens"
+        )
 
 
 # --- advantage estimators ---------------------------------------------------------
@@ -134,6 +145,17 @@ class PolicyLossConfig:
     name: str = "ppo_clip"
     """Loss registered in moerl.algo.losses.POLICY_LOSSES; pick one with `algo/loss=NAME`."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        """True if the loss takes the ratio π_θ / old_logprobs_T (PPO-like), False if it
+        only needs π_θ (REINFORCE); the trainer's start-up check reads it. Each option
+        overrides it; a bare PolicyLossConfig means its `name` with default options, so it
+        answers for that."""
+        option = LOSS_OPTIONS.get(self.name)
+        if option is None or isinstance(self, option):
+            return True
+        return option().ratio_loss
+
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
 
@@ -155,7 +177,11 @@ class PPOClipConfig(PolicyLossConfig):
     agg: str = "token_mean"
     """How per-token losses become one number: 'token_mean' (over all counted tokens of
     the batch), 'seq_mean_token_mean' or 'seq_mean_token_sum' (per sequence, then the mean
-    over num_seqs sequences)."""
+    over num_seqs sequences), or 'seq_mean_token_sum_norm' (the sum over all counted tokens
+    / (num_seqs · norm_length), Dr. GRPO's constant normaliser); moerl.algo.reduce.aggregate."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
     decoupled: bool = False
     """AReaL's decoupled PPO: clip the ratio against the proximal policy
     (PolicyLossInput.proximal_logprobs_T) and weight each token by the detached
@@ -165,6 +191,10 @@ class PPOClipConfig(PolicyLossConfig):
     """With decoupled: tokens whose behaviour→proximal weight exceeds this are dropped
     (weight 0), as AReaL's behav_imp_weight_cap. None = keep all."""
 
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
@@ -172,7 +202,7 @@ class PPOClipConfig(PolicyLossConfig):
             at_least(f"{key}.dual_clip", self.dual_clip, 1.0, strict=True)
         if self.decoupled_weight_cap is not None:
             at_least(f"{key}.decoupled_weight_cap", self.decoupled_weight_cap, 0.0, strict=True)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -187,11 +217,18 @@ class GSPOConfig(PolicyLossConfig):
     """The sequence ratio is clipped above at 1 + eps_high (the paper's 4e-4)."""
     agg: str = "seq_mean_token_mean"
     """Aggregation (see PPOClipConfig.agg); the paper's objective is 'seq_mean_token_mean'."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return True
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -206,11 +243,18 @@ class CISPOConfig(PolicyLossConfig):
     """The IS weight is clipped above at 1 + eps_high (the only bound the paper tunes)."""
     agg: str = "token_mean"
     """Aggregation (see PPOClipConfig.agg); the paper normalises by all tokens."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return True
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.eps_low", self.eps_low, 0.0)
         at_least(f"{key}.eps_high", self.eps_high, 0.0)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -221,9 +265,72 @@ class ReinforceConfig(PolicyLossConfig):
     """Registered name of this loss."""
     agg: str = "token_mean"
     """Aggregation (see PPOClipConfig.agg)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return False
 
     def validate(self, key: str) -> None:
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
+
+
+@dataclass
+class SAPOConfig(PolicyLossConfig):
+    """SAPO (Gao et al. 2025, Qwen, arXiv 2511.20347): -f(r)·A with the soft gate
+    f(r) = σ(τ(r - 1))·4/τ instead of a hard clip; τ = tau_pos for A > 0, tau_neg else."""
+
+    name: str = "sapo"
+    """Registered name of this loss."""
+    tau_pos: float = 1.0
+    """Gate temperature for positive advantages (the paper's 1.0)."""
+    tau_neg: float = 1.05
+    """Gate temperature for advantages <= 0 (the paper's 1.05); larger than tau_pos so the
+    gradient of a negative token fades faster off-policy."""
+    agg: str = "seq_mean_token_mean"
+    """Aggregation (see PPOClipConfig.agg); the paper's objective is 'seq_mean_token_mean'
+    (verl forces it)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (see PPOClipConfig.norm_length)."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.tau_pos", self.tau_pos, 0.0, strict=True)
+        at_least(f"{key}.tau_neg", self.tau_neg, 0.0, strict=True)
+        check_agg(key, self.agg, self.norm_length)
+
+
+@dataclass
+class GMPOConfig(PolicyLossConfig):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): the sequence ratio is the geometric mean
+    of its token ratios, each clipped in log space on the side its advantage pushes."""
+
+    name: str = "gmpo"
+    """Registered name of this loss."""
+    clip_low: float = 0.4
+    """Token log ratios are clipped below at -clip_low (for A < 0); the paper's range is
+    (e^-0.4, e^0.4)."""
+    clip_high: float = 0.4
+    """Token log ratios are clipped above at +clip_high (for A > 0)."""
+    agg: str = "seq_mean_token_mean"
+    """Aggregation (see PPOClipConfig.agg); every token carries its sequence's term, so
+    'seq_mean_token_mean' is the paper's mean over sequences (and verl's geo_mean)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (see PPOClipConfig.norm_length)."""
+
+    @property
+    def ratio_loss(self) -> bool:
+        return True
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.clip_low", self.clip_low, 0.0)
+        at_least(f"{key}.clip_high", self.clip_high, 0.0)
+        check_agg(key, self.agg, self.norm_length)
 
 
 @dataclass
@@ -236,6 +343,10 @@ class CustomPolicyLossConfig(PolicyLossConfig):
     """Import path of the function, e.g. 'mylab.losses.my_loss'."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function (`+algo.loss.options.tau=0.1`)."""
+    ratio_loss: bool = True
+    """Declare whether the function takes the ratio π_θ / old_logprobs_T (false if it only
+    needs π_θ, as REINFORCE); moerl cannot see inside the function, and the trainer's
+    start-up check reads this (`algo.loss.ratio_loss=false`)."""
 
 
 # --- KL term and the algo group ---------------------------------------------------
@@ -252,13 +363,21 @@ class KLConfig:
     ratio) or 'k3' ((ref/policy) - 1 - log(ref/policy), unbiased and >= 0)."""
     agg: str = "token_mean"
     """Aggregation of the per-token KL (see PPOClipConfig.agg)."""
+    norm_length: int = 0
+    """L_max of 'seq_mean_token_sum_norm' (the generation budget, rollout.max_new_tokens);
+    unused by the other modes."""
     clamp: float | None = None
-    """Clamp each token's estimate to [-clamp, clamp] (verl's low_var_kl uses 10). None = off."""
+    """Clamp each token's estimate to [-clamp, clamp] (verl's low_var_kl uses 10). None = off.
+    With importance_sampling the IS-weighted estimate is clamped, as slime."""
+    importance_sampling: bool = False
+    """DeepSeek-V3.2's unbiased KL estimate: weight each token's estimate by
+    π_θ / π_behaviour, the gradient flowing through the weight too (moerl.algo.kl.kl_term);
+    needs KLInput.behaviour_logprobs_T. slime's --use-unbiased-kl."""
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.coef", self.coef, 0.0)
         one_of(f"{key}.kind", self.kind, KL_KINDS)
-        one_of(f"{key}.agg", self.agg, AGG_MODES)
+        check_agg(key, self.agg, self.norm_length)
         if self.clamp is not None:
             at_least(f"{key}.clamp", self.clamp, 0.0, strict=True)
 
@@ -288,6 +407,8 @@ LOSS_OPTIONS: dict[str, type[PolicyLossConfig]] = {
     "gspo": GSPOConfig,
     "cispo": CISPOConfig,
     "reinforce": ReinforceConfig,
+    "sapo": SAPOConfig,
+    "gmpo": GMPOConfig,
     "custom": CustomPolicyLossConfig,
 }
 

@@ -26,6 +26,7 @@ from moerl.algo.correction_config import (
     CorrectionConfig,
     IcePopConfig,
     MISConfig,
+    OPSMConfig,
     TISConfig,
     TOPRConfig,
     VersionGapConfig,
@@ -36,6 +37,7 @@ from moerl.algo.reduce import (
     masked,
     masked_max,
     masked_mean,
+    segment_count,
     segment_mean,
     segment_sum,
     to_floats,
@@ -62,7 +64,8 @@ class CorrectionInput:
     current_version: int | None = None
     """The trainer's policy version now; needed by version_gap."""
     advantages_T: torch.Tensor | None = None
-    """float [T]: advantage of each token; needed by topr (its rule depends on the sign)."""
+    """float [T]: advantage of each token; needed by topr and opsm (their rules depend on
+    the sign)."""
 
     def __post_init__(self) -> None:
         check_tokens(
@@ -91,7 +94,8 @@ class CorrectionOutput:
     """bool [T]: counted tokens the correction keeps (a subset of loss_mask_T)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """'is/weight_mean', 'is/weight_max', 'is/masked_frac', 'is/clipped_frac' (tis, topr),
-    'is/mismatch_kl' (k3 estimate of KL(rollout || trainer) per counted token)."""
+    'is/mismatch_kl' (k3 estimate of KL(rollout || trainer) per counted token),
+    'is/batch_norm_factor' (the mean divided out by batch_normalize)."""
 
 
 CORRECTIONS: Registry[CorrectionInput, CorrectionOutput] = Registry("correction", "correction")
@@ -118,6 +122,33 @@ def log_ratio_at_level(inp: CorrectionInput, level: str) -> torch.Tensor:
         return masked(segment_mean(log_r_T, mask_T, seq_T, S)[seq_T], mask_T)
     choices = ", ".join(repr(v) for v in LEVELS)
     raise ValueError(f"correction level {level!r} is not supported; choose one of {choices}")
+
+
+def normalize_weights(
+    inp: CorrectionInput, weights_T: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights divided by their batch mean, and that mean (verl's rollout_is_batch_normalize).
+
+        token                 w_t / mean_{t counted} w_t
+        sequence, geometric   w_t / mean_{i: seq has a counted token} w_i
+
+    `weights_T` must already be 0 where the correction drops a token: dropped tokens stay in
+    the mean, as they stay in the loss's normaliser, so the weights of a batch sum to its
+    counted tokens (token) or to its sequences (sequence, geometric). At the sequence levels
+    every token of sequence i carries w_i, so its mean over the sequence's counted tokens
+    is w_i. A mean <= 1e-8 (every token dropped) leaves the weights as they are, as verl.
+    The trainer calls the correction once over the whole step, so "batch" is the step.
+    """
+    mask_T, seq_T, S = inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs
+    weights_T = masked(weights_T, mask_T)
+    if level == "token":
+        mean = masked_mean(weights_T, mask_T)
+    else:
+        w_S = segment_mean(weights_T, mask_T, seq_T, S)
+        counted_S = segment_count(mask_T, seq_T, S) > 0
+        mean = w_S.sum() / counted_S.sum().clamp(min=1).to(w_S.dtype)
+    mean = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+    return weights_T / mean, mean
 
 
 def _output(
@@ -163,18 +194,27 @@ def none(inp: CorrectionInput, cfg: CorrectionConfig) -> CorrectionOutput:
 
 @CORRECTIONS.register("tis", TISConfig)
 def tis(inp: CorrectionInput, cfg: TISConfig) -> CorrectionOutput:
-    """Truncated IS: weight = min(ratio, cap); every counted token is kept."""
+    """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): weight = clamp(ratio, low, cap); every counted token is kept.
+    'is/clipped_frac' counts the tokens clamped on either side."""
     ratio_T = torch.exp(log_ratio_at_level(inp, cfg.level))
-    clipped_T = ratio_T > cfg.cap
+    clipped_T = (ratio_T > cfg.cap) | (ratio_T < cfg.low)
     extra = {"is/clipped_frac": masked_mean(clipped_T.float(), inp.loss_mask_T)}
-    return _output(inp, ratio_T.clamp(max=cfg.cap), inp.loss_mask_T.clone(), extra)
+    weights_T = ratio_T.clamp(cfg.low, cfg.cap)
+    if cfg.batch_normalize:
+        weights_T, extra["is/batch_norm_factor"] = normalize_weights(inp, weights_T, cfg.level)
+    return _output(inp, weights_T, inp.loss_mask_T.clone(), extra)
 
 
 def _masked_is(inp: CorrectionInput, cfg: MISConfig) -> CorrectionOutput:
     ratio_T = torch.exp(log_ratio_at_level(inp, cfg.level))
     keep_T = (ratio_T >= cfg.low) & (ratio_T <= cfg.high)
     weights_T = ratio_T if cfg.reweight else torch.ones_like(ratio_T)
-    return _output(inp, weights_T, keep_T)
+    extra: dict[str, torch.Tensor] = {}
+    if cfg.batch_normalize:
+        kept_T = torch.where(keep_T, weights_T, 0.0)
+        weights_T, extra["is/batch_norm_factor"] = normalize_weights(inp, kept_T, cfg.level)
+    return _output(inp, weights_T, keep_T, extra)
 
 
 @CORRECTIONS.register("mis", MISConfig)
@@ -230,3 +270,35 @@ def version_gap(inp: CorrectionInput, cfg: VersionGapConfig) -> CorrectionOutput
     gap_f_T = gap_T.to(torch.float32)
     extra = {"is/gap_mean": masked_mean(gap_f_T, mask_T), "is/gap_max": masked_max(gap_f_T, mask_T)}
     return _output(inp, torch.ones_like(inp.trainer_logprobs_T), ~stale_T, extra)
+
+
+@CORRECTIONS.register("opsm", OPSMConfig)
+def opsm(inp: CorrectionInput, cfg: OPSMConfig) -> CorrectionOutput:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, §3.1):
+
+        keep_t = not (A_t < 0 and 1/|o_i| Σ_{s in o_i} log(μ_s / π_s) > δ),   t in o_i
+
+    with μ = rollout_logprobs_T (the sampler) and π = trainer_logprobs_T, the mean over
+    the sequence's counted tokens; weight 1 on kept tokens, 0 on dropped ones. The paper
+    takes π as the policy being trained; here it is the trainer's logprobs the correction
+    is given (the pre-update policy), once per step. A sequence that drifted far from the
+    trainer and would be pushed down is not learned from; positive ones always are. With a
+    per-sequence advantage (GRPO) whole sequences are dropped, as the paper; a token's own
+    advantage decides, as slime's compute_opsm_mask.
+    """
+    if inp.advantages_T is None:
+        raise ValueError(
+            "correction=opsm needs CorrectionInput.advantages_T (it drops only sequences "
+            "with a negative advantage); pass the per-token advantages"
+        )
+    mask_T, seq_T, S = inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs
+    log_mu_over_pi_T = (inp.rollout_logprobs_T - inp.trainer_logprobs_T).detach()
+    seq_kl_S = segment_mean(log_mu_over_pi_T, mask_T, seq_T, S)
+    negative_T = inp.advantages_T < 0
+    drop_T = negative_T & (seq_kl_S[seq_T] > cfg.delta)
+    counted_S = segment_count(mask_T, seq_T, S) > 0
+    extra = {
+        "is/negative_frac": masked_mean(negative_T.float(), mask_T),
+        "is/seq_kl_mean": seq_kl_S.sum() / counted_S.sum().clamp(min=1).to(seq_kl_S.dtype),
+    }
+    return _output(inp, torch.ones_like(inp.trainer_logprobs_T), mask_T & ~drop_T, extra)

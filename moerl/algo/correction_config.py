@@ -30,23 +30,47 @@ class CorrectionConfig:
     """Correction registered in moerl.algo.correction.CORRECTIONS; pick one with
     `correction=NAME`."""
 
+    @property
+    def reweights(self) -> bool:
+        """True if the weights can differ from 1 on kept tokens (an IS weight, not only a
+        mask); the trainer's start-up check reads it. Each option overrides it; a bare
+        CorrectionConfig means its `name` with default options, so it answers for that."""
+        option = CORRECTION_OPTIONS.get(self.name)
+        if option is None or isinstance(self, option):
+            return False
+        return option().reweights
+
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
 
 
 @dataclass
 class TISConfig(CorrectionConfig):
-    """Truncated IS (Yao et al. 2025): weight = min(ratio, cap); no token is dropped."""
+    """Truncated IS (Yao et al. 2025): weight = clamp(ratio, low, cap); no token is dropped."""
 
     name: str = "tis"
     """Registered name of this correction."""
     cap: float = 2.0
     """Upper bound C of the weight."""
+    low: float = 0.0
+    """Lower bound of the weight (slime's --tis-clip-low); 0 = none, the paper's form.
+    Must be below cap."""
     level: str = "token"
     """'token', 'sequence' or 'geometric' (see the module docstring)."""
+    batch_normalize: bool = False
+    """Divide the weights by their batch mean so it is 1 (verl's
+    rollout_is_batch_normalize): at level 'token' the mean over the counted tokens, at
+    'sequence' / 'geometric' the mean of the sequences' weights (see normalize_weights)."""
+
+    @property
+    def reweights(self) -> bool:
+        return True
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.cap", self.cap, 0.0, strict=True)
+        at_least(f"{key}.low", self.low, 0.0)
+        if self.low >= self.cap:
+            raise ValueError(f"{key}.low={self.low!r} must be < {key}.cap={self.cap!r}")
         one_of(f"{key}.level", self.level, LEVELS)
 
 
@@ -65,11 +89,24 @@ class MISConfig(CorrectionConfig):
     reweight: bool = True
     """Kept tokens are weighted by their ratio (MIS, IcePop); false = weight 1, a pure
     rejection mask."""
+    batch_normalize: bool = False
+    """Divide the weights by their batch mean so it is 1 (verl's
+    rollout_is_batch_normalize): at level 'token' the mean over the counted tokens, at
+    'sequence' / 'geometric' the mean of the sequences' weights (see normalize_weights)."""
+
+    @property
+    def reweights(self) -> bool:
+        return self.reweight
 
     def validate(self, key: str) -> None:
         at_least(f"{key}.low", self.low, 0.0)
         at_least(f"{key}.high", self.high, self.low, strict=True)
         one_of(f"{key}.level", self.level, LEVELS)
+        if self.batch_normalize and not self.reweight:
+            raise ValueError(
+                f"{key}.batch_normalize=true needs {key}.reweight=true: a pure rejection mask "
+                "has no IS weights to normalise"
+            )
 
 
 @dataclass
@@ -100,6 +137,10 @@ class TOPRConfig(CorrectionConfig):
     """The paper truncates the trajectory ratio ('sequence'); 'token' and 'geometric' are
     variants."""
 
+    @property
+    def reweights(self) -> bool:
+        return True
+
     def validate(self, key: str) -> None:
         one_of(f"{key}.level", self.level, LEVELS)
 
@@ -116,9 +157,33 @@ class VersionGapConfig(CorrectionConfig):
     """'token' drops the stale tokens only; 'sequence' drops every sequence holding one
     (a partial rollout that spans weight updates)."""
 
+    @property
+    def reweights(self) -> bool:
+        return False
+
     def validate(self, key: str) -> None:
         at_least(f"{key}.max_gap", self.max_gap, 0)
         one_of(f"{key}.level", self.level, ("token", "sequence"))
+
+
+@dataclass
+class OPSMConfig(CorrectionConfig):
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, §3.1): drop every
+    token with a negative advantage whose sequence's mean log(rollout / trainer) exceeds
+    delta; weight 1 elsewhere. Needs CorrectionInput.advantages_T."""
+
+    name: str = "opsm"
+    """Registered name of this correction."""
+    delta: float = 1.0e-4
+    """Threshold δ on the sequence's KL estimate mean_t log(μ_t / π_t). The paper leaves it
+    a hyper-parameter; 1e-4 is slime's --opsm-delta default (Trinity-RFT uses 0.1)."""
+
+    @property
+    def reweights(self) -> bool:
+        return False
+
+    def validate(self, key: str) -> None:
+        at_least(f"{key}.delta", self.delta, 0.0)
 
 
 @dataclass
@@ -131,6 +196,10 @@ class CustomCorrectionConfig(CorrectionConfig):
     """Import path of the function, e.g. 'mylab.corrections.my_is'."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function (`+correction.options.cap=3`)."""
+    reweights: bool = True
+    """Declare whether the function's weights can differ from 1 on kept tokens (an IS
+    weight); false if it only masks. moerl cannot see inside the function, and the
+    trainer's start-up check reads this (`correction.reweights=false`)."""
 
 
 CORRECTION_OPTIONS: dict[str, type[CorrectionConfig]] = {
@@ -140,5 +209,6 @@ CORRECTION_OPTIONS: dict[str, type[CorrectionConfig]] = {
     "icepop": IcePopConfig,
     "topr": TOPRConfig,
     "version_gap": VersionGapConfig,
+    "opsm": OPSMConfig,
     "custom": CustomCorrectionConfig,
 }

@@ -52,6 +52,9 @@ class KLInput:
     """int64 [T]: sequence of each token, 0..S-1."""
     num_seqs: int
     """S, the number of sequences (for the per-sequence aggregations)."""
+    behaviour_logprobs_T: torch.Tensor | None = None
+    """float [T], detached: logprobs of the policy that sampled the tokens; needed by
+    KLConfig.importance_sampling."""
 
     def __post_init__(self) -> None:
         check_tokens(
@@ -61,6 +64,7 @@ class KLInput:
             ref_logprobs_T=self.ref_logprobs_T,
             loss_mask_T=self.loss_mask_T,
             seq_ids_T=self.seq_ids_T,
+            behaviour_logprobs_T=self.behaviour_logprobs_T,
         )
 
 
@@ -71,17 +75,40 @@ class KLOutput:
     loss: torch.Tensor
     """Scalar: coef · aggregate(kl_T); add it to the policy loss."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """'kl/value' (the aggregated KL before coef) and 'kl/coef'."""
+    """'kl/value' (the aggregated KL before coef), 'kl/coef', and with importance_sampling
+    'kl/is_weight_mean'."""
 
 
 def kl_term(inp: KLInput, cfg: KLConfig) -> KLOutput:
-    """The KL penalty of `cfg`: coef · agg(kl_penalty(logprobs, ref, kind)), clamped if set."""
+    """The KL penalty of `cfg`: coef · agg(kl_T), kl_T = kl_penalty(logprobs, ref, kind),
+    clamped if set.
+
+    With cfg.importance_sampling (DeepSeek-V3.2's unbiased KL estimate, arXiv 2512.02556
+    §3.1), for tokens sampled by a behaviour policy μ rather than by π_θ:
+
+        kl_T = (π_θ / μ) · k(π_θ, π_ref)
+
+    the weight not detached, as the paper writes it: with k3 the gradient per token is then
+    (π_θ / μ) · ∇log π_θ · log(π_θ / π_ref), an unbiased estimate of ∇KL(π_θ || π_ref).
+    """
     kl_T = kl_penalty(inp.logprobs_T, inp.ref_logprobs_T, cfg.kind)
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.importance_sampling:
+        if inp.behaviour_logprobs_T is None:
+            raise ValueError(
+                "algo.kl.importance_sampling=true needs KLInput.behaviour_logprobs_T (the "
+                "logprobs of the policy that sampled the tokens); pass them or turn it off"
+            )
+        weight_T = torch.exp(inp.logprobs_T - inp.behaviour_logprobs_T.detach())
+        kl_T = weight_T * kl_T
+        metrics["kl/is_weight_mean"] = masked_mean(weight_T.detach(), inp.loss_mask_T)
     if cfg.clamp is not None:
         kl_T = kl_T.clamp(-cfg.clamp, cfg.clamp)
-    value = aggregate(kl_T, inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs, cfg.agg)
-    metrics = to_floats({"kl/value": value, "kl/coef": value.new_tensor(cfg.coef)})
-    return KLOutput(loss=cfg.coef * value, metrics=metrics)
+    value = aggregate(
+        kl_T, inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs, cfg.agg, norm_length=cfg.norm_length
+    )
+    metrics.update({"kl/value": value, "kl/coef": value.new_tensor(cfg.coef)})
+    return KLOutput(loss=cfg.coef * value, metrics=to_floats(metrics))
 
 
 def mismatch_kl(

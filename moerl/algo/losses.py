@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-from moerl.algo.config import CISPOConfig, GSPOConfig, PPOClipConfig, ReinforceConfig
+from moerl.algo.config import (
+    CISPOConfig,
+    GMPOConfig,
+    GSPOConfig,
+    PPOClipConfig,
+    ReinforceConfig,
+    SAPOConfig,
+)
 from moerl.algo.kl import mismatch_kl
 from moerl.algo.reduce import (
     aggregate,
@@ -33,6 +40,10 @@ from moerl.algo.reduce import (
 )
 from moerl.algo.registry import Registry
 
+# SAPO's log ratio is clamped to ±this before exp, as verl: past it the gate is flat, and
+# exp overflowing to inf would make the gate's backward 0·inf = nan.
+MAX_LOG_RATIO = 20.0
+
 __all__ = [
     "POLICY_LOSSES",
     "PolicyLossInput",
@@ -40,9 +51,11 @@ __all__ = [
     "aggregate",
     "build_policy_loss",
     "cispo",
+    "gmpo",
     "gspo",
     "ppo_clip",
     "reinforce",
+    "sapo",
 ]
 
 
@@ -108,6 +121,7 @@ def _finish(
     inp: PolicyLossInput,
     loss_T: torch.Tensor,
     agg: str,
+    norm_length: int,
     metrics: dict[str, torch.Tensor],
     anchor_T: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
@@ -121,7 +135,7 @@ def _finish(
         w_T = inp.is_weights_T.detach()
         loss_T = loss_T * w_T
         metrics["loss/is_weight_mean"] = masked_mean(w_T, mask_T)
-    loss = aggregate(loss_T, mask_T, inp.seq_ids_T, inp.num_seqs, agg)
+    loss = aggregate(loss_T, mask_T, inp.seq_ids_T, inp.num_seqs, agg, norm_length=norm_length)
     metrics["loss/value"] = loss.detach()
     anchor_T = inp.old_logprobs_T if anchor_T is None else anchor_T
     metrics["loss/approx_kl"] = mismatch_kl(anchor_T, inp.logprobs_T, mask_T)
@@ -195,7 +209,7 @@ def ppo_clip(inp: PolicyLossInput, cfg: PPOClipConfig) -> PolicyLossOutput:
     if behav_w_T is not None:
         loss_T = loss_T * behav_w_T
     metrics.update(_clip_metrics(ratio_T, high_T, low_T, mask_T))
-    return _finish(inp, loss_T, cfg.agg, metrics, anchor_T=anchor_T)
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics, anchor_T=anchor_T)
 
 
 @POLICY_LOSSES.register("gspo", GSPOConfig)
@@ -214,7 +228,7 @@ def gspo(inp: PolicyLossInput, cfg: GSPOConfig) -> PolicyLossOutput:
     log_s_T = seq_log_r_S[inp.seq_ids_T] + inp.logprobs_T - inp.logprobs_T.detach()
     s_T = torch.exp(log_s_T)
     loss_T, high_T, low_T = _clip(s_T, inp.advantages_T, cfg.eps_low, cfg.eps_high)
-    return _finish(inp, loss_T, cfg.agg, _clip_metrics(s_T, high_T, low_T, mask_T))
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, _clip_metrics(s_T, high_T, low_T, mask_T))
 
 
 @POLICY_LOSSES.register("cispo", CISPOConfig)
@@ -230,11 +244,72 @@ def cispo(inp: PolicyLossInput, cfg: CISPOConfig) -> PolicyLossOutput:
     weight_T = ratio_T.clamp(lower, upper)
     loss_T = -weight_T * inp.advantages_T * inp.logprobs_T
     high_T, low_T = ratio_T > upper, ratio_T < lower
-    return _finish(inp, loss_T, cfg.agg, _clip_metrics(ratio_T, high_T, low_T, mask_T))
+    return _finish(
+        inp, loss_T, cfg.agg, cfg.norm_length, _clip_metrics(ratio_T, high_T, low_T, mask_T)
+    )
 
 
 @POLICY_LOSSES.register("reinforce", ReinforceConfig)
 def reinforce(inp: PolicyLossInput, cfg: ReinforceConfig) -> PolicyLossOutput:
     """REINFORCE: loss_T = -A · log π_θ; off-policy use goes through is_weights_T (TOPR)."""
     loss_T = -inp.advantages_T * inp.logprobs_T
-    return _finish(inp, loss_T, cfg.agg, {})
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, {})
+
+
+@POLICY_LOSSES.register("sapo", SAPOConfig)
+def sapo(inp: PolicyLossInput, cfg: SAPOConfig) -> PolicyLossOutput:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347):
+
+        loss_T = -f(r)·A,   f(r) = σ(τ·(r - 1))·4/τ,   r = π_θ / π_old,
+        τ = tau_pos where A > 0, tau_neg where A <= 0
+
+    The gate replaces the hard clip: d f / d log π_θ = 4·σ'(τ(r - 1))·r is 1 on-policy
+    (r = 1, the plain policy gradient) and fades smoothly as r leaves 1, faster for larger
+    τ. As verl's compute_policy_loss_sapo, the log ratio is clamped to ±20 first.
+    """
+    adv_T, mask_T = inp.advantages_T, inp.loss_mask_T
+    log_r_T = (inp.logprobs_T - inp.old_logprobs_T.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio_T = torch.exp(log_r_T)
+    tau_T = torch.full_like(ratio_T, cfg.tau_neg).masked_fill(adv_T > 0, cfg.tau_pos)
+    gate_T = torch.sigmoid(tau_T * (ratio_T - 1.0)) * 4.0 / tau_T
+    loss_T = -gate_T * adv_T
+    ratio_T = ratio_T.detach()
+    metrics = {
+        "loss/gate_mean": masked_mean(gate_T.detach(), mask_T),
+        "loss/ratio_mean": masked_mean(ratio_T, mask_T),
+        "loss/ratio_max": masked_max(ratio_T, mask_T),
+    }
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics)
+
+
+@POLICY_LOSSES.register("gmpo", GMPOConfig)
+def gmpo(inp: PolicyLossInput, cfg: GMPOConfig) -> PolicyLossOutput:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673):
+    the geometric mean of the clipped token ratios replaces GRPO's arithmetic mean.
+
+        ℓ_t = sgn(A_t) · min(sgn(A_t)·log r_t, sgn(A_t)·clip(log r_t, -clip_low, clip_high))
+        s_i = exp(mean_{t in o_i} ℓ_t),   A_i = mean_{t in o_i} A_t
+        loss = -(1/S) Σ_i A_i · s_i
+
+    The clip is in log space and binds only on the side the advantage pushes (above for
+    A > 0, below for A < 0), as PPO's; a clipped token gets no gradient while the rest of
+    its sequence keeps its own. This is verl's compute_policy_loss_geo_mean (after the
+    authors' code). Every token of sequence i carries -A_i·s_i, so 'seq_mean_token_mean'
+    is exactly the objective above. is_weights_T multiply per token as in every loss: a
+    sequence's weight is then the arithmetic mean of its tokens' weights, where verl takes
+    the geometric mean; with a sequence- or geometric-level correction they agree.
+    """
+    adv_T, mask_T, seq_T, S = inp.advantages_T, inp.loss_mask_T, inp.seq_ids_T, inp.num_seqs
+    log_r_T = inp.logprobs_T - inp.old_logprobs_T.detach()
+    sign_T = torch.sign(adv_T)
+    bounded_T = log_r_T.clamp(-cfg.clip_low, cfg.clip_high)
+    clipped_log_r_T = sign_T * torch.minimum(sign_T * log_r_T, sign_T * bounded_T)
+    s_S = torch.exp(segment_mean(clipped_log_r_T, mask_T, seq_T, S))
+    adv_S = segment_mean(adv_T, mask_T, seq_T, S)
+    loss_T = (-adv_S * s_S)[seq_T]
+    log_r_T = log_r_T.detach()
+    high_T = (adv_T > 0) & (log_r_T > cfg.clip_high)
+    low_T = (adv_T < 0) & (log_r_T < -cfg.clip_low)
+    metrics = _clip_metrics(torch.exp(log_r_T), high_T, low_T, mask_T)
+    metrics["loss/seq_ratio_mean"] = masked_mean(s_S.detach()[seq_T], mask_T)
+    return _finish(inp, loss_T, cfg.agg, cfg.norm_length, metrics)

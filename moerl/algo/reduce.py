@@ -60,18 +60,26 @@ def aggregate(
     seq_ids_T: torch.Tensor,
     num_seqs: int,
     mode: str,
+    *,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses to one scalar.
 
-    token_mean            sum over counted tokens / number of counted tokens (DAPO)
-    seq_mean_token_mean   each sequence's mean over its counted tokens, averaged over
-                          num_seqs sequences (GRPO, GSPO)
-    seq_mean_token_sum    each sequence's sum, averaged over num_seqs sequences; with
-                          a fixed num_seqs this is Dr. GRPO's length-unbiased sum
+    token_mean               sum over counted tokens / number of counted tokens (DAPO)
+    seq_mean_token_mean      each sequence's mean over its counted tokens, averaged over
+                             num_seqs sequences (GRPO, GSPO)
+    seq_mean_token_sum       each sequence's sum, averaged over num_seqs sequences
+    seq_mean_token_sum_norm  sum over counted tokens / (num_seqs · norm_length): Dr. GRPO's
+                             constant normaliser (Liu et al. 2025, arXiv 2503.20783),
+                             norm_length = L_max the generation budget; verl's
+                             'seq-mean-token-sum-norm' with loss_scale_factor = L_max, here
+                             also divided by num_seqs
 
     The sequence modes divide by `num_seqs`, counting sequences with no counted token
     (e.g. dropped by a sequence-level correction) as 0, so the scale of the update does
-    not depend on how many sequences a correction dropped.
+    not depend on how many sequences a correction dropped. They are linear in the
+    sequences: aggregate over a micro-batch times its num_seqs, summed over micro-batches,
+    divided by the step's sequences, is the aggregate over the step.
     """
     if mode == "token_mean":
         return masked_mean(values_T, loss_mask_T)
@@ -80,6 +88,12 @@ def aggregate(
     if mode == "seq_mean_token_sum":
         sums_S = segment_sum(masked(values_T, loss_mask_T), seq_ids_T, num_seqs)
         return sums_S.sum() / max(num_seqs, 1)
+    if mode == "seq_mean_token_sum_norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(
+                f"aggregation mode {mode!r} needs norm_length > 0 (L_max), got {norm_length!r}"
+            )
+        return masked(values_T, loss_mask_T).sum() / (max(num_seqs, 1) * norm_length)
     choices = ", ".join(repr(m) for m in AGG_MODES)
     raise ValueError(f"aggregation mode {mode!r} is not supported; choose one of {choices}")
 

@@ -28,8 +28,10 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Keys of a mapping spec that are not keyword arguments of a `_target_` function.
-_RESERVED = ("_target_", "name", "options")
+# Keys of a mapping spec that are not keyword arguments of a `_target_` function: the
+# selectors, and what a custom option declares to the trainer about its function
+# (CustomCorrectionConfig.reweights, CustomPolicyLossConfig.ratio_loss).
+_RESERVED = ("_target_", "name", "options", "reweights", "ratio_loss")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,9 @@ Geometric level: seq 0 → sqrt(1.8) = 1.341641, seq 1 → 0.45^(1/3) = 0.766309
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from moerl.algo.correction import (
     icepop,
     mis,
     none,
+    opsm,
     tis,
     topr,
     version_gap,
@@ -33,6 +36,7 @@ from moerl.algo.correction_config import (
     CorrectionConfig,
     IcePopConfig,
     MISConfig,
+    OPSMConfig,
     TISConfig,
     TOPRConfig,
     VersionGapConfig,
@@ -94,6 +98,33 @@ def test_tis(cfg: TISConfig, weights: list[float], clipped: float) -> None:
     assert out.metrics["is/clipped_frac"] == pytest.approx(clipped)
 
 
+@pytest.mark.parametrize(
+    "cfg, weights, clipped",
+    [
+        # token, [0.5, 2]: 3 → 2 above, 0.25 → 0.5 below: two of five clipped.
+        (TISConfig(low=0.5, cap=2.0), [2, 0.6, 0, 1.5, 1.2, 0.5], 2 / 5),
+        # sequence, [0.5, 2]: seq 1's 0.45 is raised to 0.5 on its three tokens.
+        (TISConfig(low=0.5, level="sequence"), [1.8, 1.8, 0, 0.5, 0.5, 0.5], 3 / 5),
+    ],
+)
+def test_tis_lower_clip(cfg: TISConfig, weights: list[float], clipped: float) -> None:
+    out = tis(_inp(), cfg)
+    _check(out, weights, KEEP_COUNTED)
+    assert out.metrics["is/clipped_frac"] == pytest.approx(clipped)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (TISConfig(low=-0.1), "correction.low=-0.1 must be >= 0.0"),
+        (TISConfig(low=2.0, cap=2.0), "correction.low=2.0 must be < correction.cap=2.0"),
+    ],
+)
+def test_tis_bad_low(cfg: TISConfig, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_correction(cfg)
+
+
 def test_tis_metrics() -> None:
     out = tis(_inp(), TISConfig(cap=2.0))
     # (2 + 0.6 + 1.5 + 1.2 + 0.25)/5 = 1.11; max 2; nothing masked.
@@ -134,13 +165,14 @@ def test_masked_is(fn, cfg: MISConfig, weights: list[float], keep: list[bool]) -
 
 def test_bounds_are_inclusive() -> None:
     # trainer == rollout gives ratio 1 exactly: kept by [1, 2] and by [0.5, 1], not
-    # clipped by cap 1.
+    # clipped by cap 1 nor by low 1.
     inp = _inp(ratios=[1.0, 1.0], mask=[True, True], seq=[0, 1])
     _check(mis(inp, MISConfig(low=1.0, high=2.0)), [1, 1], [True, True])
     _check(mis(inp, MISConfig(low=0.5, high=1.0)), [1, 1], [True, True])
-    out = tis(inp, TISConfig(cap=1.0))
-    _check(out, [1, 1], [True, True])
-    assert out.metrics["is/clipped_frac"] == 0.0
+    for cfg in (TISConfig(cap=1.0), TISConfig(low=1.0, cap=2.0)):
+        out = tis(inp, cfg)
+        _check(out, [1, 1], [True, True])
+        assert out.metrics["is/clipped_frac"] == 0.0
 
 
 def test_sequence_level_overflow_is_safe() -> None:
@@ -148,6 +180,58 @@ def test_sequence_level_overflow_is_safe() -> None:
     inp = _inp(ratios=[math.exp(400.0), math.exp(400.0)], mask=[True, True], seq=[0, 0])
     _check(tis(inp, TISConfig(level="sequence")), [2, 2], [True, True])
     _check(mis(inp, MISConfig(level="sequence")), [0, 0], [False, False])
+
+
+# Batch normalisation: the weights after truncation / masking divided by their mean.
+#   tis token, cap 2: [2, 0.6, 1.5, 1.2, 0.25] sum 5.55 over 5 counted → ÷ 1.11
+#   tis sequence, cap 2: sequences 1.8 and 0.45 → ÷ 1.125 (a token mean, 0.99, would be
+#       wrong: seq 1 has more tokens)
+#   tis geometric: sqrt(1.8) and 0.45^(1/3) → ÷ their mean
+#   mis token [0.5, 2]: kept [0.6, 1.5, 1.2], dropped 3 and 0.25 count as 0: ÷ 3.3/5 = 0.66
+#   mis sequence [0.5, 2]: seq 0 kept at 1.8, seq 1 dropped (0) → ÷ 0.9
+GEO = (SQ18 + CB45) / 2
+
+
+@pytest.mark.parametrize(
+    "fn, cfg, factor, weights",
+    [
+        (tis, TISConfig(), 1.11, [2, 0.6, 0, 1.5, 1.2, 0.25]),
+        (tis, TISConfig(level="sequence"), 1.125, [1.8, 1.8, 0, 0.45, 0.45, 0.45]),
+        (tis, TISConfig(level="geometric"), GEO, [SQ18, SQ18, 0, CB45, CB45, CB45]),
+        (mis, MISConfig(), 0.66, [0, 0.6, 0, 1.5, 1.2, 0]),
+        (mis, MISConfig(level="sequence"), 0.9, [1.8, 1.8, 0, 0, 0, 0]),
+        (icepop, IcePopConfig(), (3 + 0.6 + 1.5 + 1.2) / 5, [3, 0.6, 0, 1.5, 1.2, 0]),
+    ],
+)
+def test_batch_normalize(fn, cfg, factor: float, weights: list[float]) -> None:
+    cfg = dataclasses.replace(cfg, batch_normalize=True)
+    out = fn(_inp(), cfg)
+    expected = [w / factor for w in weights]
+    _check(out, expected, [w > 0 for w in weights])
+    assert out.metrics["is/batch_norm_factor"] == pytest.approx(factor)
+    w = out.weights_T.tolist()
+    if cfg.level == "token":
+        assert sum(w[i] for i in (0, 1, 3, 4, 5)) / 5 == pytest.approx(1.0, abs=1e-12)
+    else:
+        assert (w[0] + w[3]) / 2 == pytest.approx(1.0, abs=1e-12)
+
+
+def test_batch_normalize_skips_sequences_with_nothing_counted() -> None:
+    # Sequences 4 (cap) and 0.5, and a third with no counted token: mean over two, 2.25.
+    inp = _inp(ratios=[2.0, 2.0, 0.5, 9.0], mask=[True, True, True, False], seq=[0, 0, 1, 2])
+    out = tis(inp, TISConfig(cap=4.0, level="sequence", batch_normalize=True))
+    _check(out, [4 / 2.25, 4 / 2.25, 0.5 / 2.25, 0], [True, True, True, False])
+
+
+def test_batch_normalize_with_everything_dropped_leaves_zeros() -> None:
+    out = mis(_inp(), MISConfig(low=10.0, high=20.0, batch_normalize=True))
+    _check(out, [0] * 6, [False] * 6)
+    assert out.metrics["is/batch_norm_factor"] == 1.0
+
+
+def test_batch_normalize_needs_reweight() -> None:
+    with pytest.raises(ValueError, match="correction.batch_normalize=true needs"):
+        build_correction(MISConfig(reweight=False, batch_normalize=True))
 
 
 def test_topr() -> None:
@@ -166,6 +250,59 @@ def test_topr() -> None:
 def test_topr_needs_advantages() -> None:
     with pytest.raises(ValueError, match="advantages_T"):
         topr(_inp(), TOPRConfig())
+
+
+# OPSM: trainer logprobs 0, so log(μ/π) = rollout logprob. Token 2 is a prompt token.
+#   seq 0  A=-1  log μ/π [0.3, 0.1] (+ 50 uncounted)  mean 0.2 > 0.1 → dropped
+#   seq 1  A=+1  [0.5, 0.5]                            mean 0.5, but A > 0 → kept
+#   seq 2  A=-1  [0.3, -0.2]                           mean 0.05 → kept
+#   seq 3  A=-1  [0.1]                                 mean 0.1 = δ, not above → kept
+# With the sign reversed (log π/μ) seq 0 would be kept: the direction is tested.
+OPSM_MU = [0.3, 0.1, 50.0, 0.5, 0.5, 0.3, -0.2, 0.1]
+OPSM_ADV = [-1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, -1.0]
+OPSM_MASK = [True, True, False, True, True, True, True, True]
+OPSM_SEQ = [0, 0, 0, 1, 1, 2, 2, 3]
+
+
+def _opsm_inp(advantages=OPSM_ADV) -> CorrectionInput:
+    return CorrectionInput(
+        trainer_logprobs_T=torch.zeros(8, dtype=F64),
+        rollout_logprobs_T=torch.tensor(OPSM_MU, dtype=F64),
+        loss_mask_T=torch.tensor(OPSM_MASK),
+        seq_ids_T=torch.tensor(OPSM_SEQ),
+        num_seqs=4,
+        advantages_T=None if advantages is None else torch.tensor(advantages, dtype=F64),
+    )
+
+
+@pytest.mark.parametrize(
+    "delta, keep",
+    [
+        (0.1, [False, False, False, True, True, True, True, True]),
+        # δ 0: seq 2 (0.05) and seq 3 (0.1) drift above it too.
+        (0.0, [False, False, False, True, True, False, False, False]),
+        # δ 0.3: nothing negative drifts that far.
+        (0.3, [True, True, False, True, True, True, True, True]),
+    ],
+)
+def test_opsm(delta: float, keep: list[bool]) -> None:
+    out = opsm(_opsm_inp(), OPSMConfig(delta=delta))
+    _check(out, [float(k) for k in keep], keep)
+    dropped = sum(1 for k, m in zip(keep, OPSM_MASK) if m and not k)
+    assert out.metrics["is/masked_frac"] == pytest.approx(dropped / 7)
+    assert out.metrics["is/negative_frac"] == pytest.approx(5 / 7)
+    # Sequence means 0.2, 0.5, 0.05, 0.1 over the four sequences.
+    assert out.metrics["is/seq_kl_mean"] == pytest.approx(0.85 / 4)
+
+
+def test_opsm_needs_advantages() -> None:
+    with pytest.raises(ValueError, match="correction=opsm needs CorrectionInput.advantages_T"):
+        opsm(_opsm_inp(advantages=None), OPSMConfig())
+
+
+def test_opsm_bad_delta() -> None:
+    with pytest.raises(ValueError, match=re.escape("correction.delta=-0.1 must be >= 0.0")):
+        build_correction(OPSMConfig(delta=-0.1))
 
 
 VERSIONS = torch.tensor([5, 4, 0, 3, 5, 5])  # gaps at version 5: [0, 1, 5*, 2, 0, 0]

@@ -12,7 +12,15 @@ import math
 import pytest
 import torch
 
-from moerl.algo.config import CISPOConfig, GSPOConfig, KLConfig, PPOClipConfig, ReinforceConfig
+from moerl.algo.config import (
+    CISPOConfig,
+    GMPOConfig,
+    GSPOConfig,
+    KLConfig,
+    PPOClipConfig,
+    ReinforceConfig,
+    SAPOConfig,
+)
 from moerl.algo.kl import KLInput, kl_penalty, kl_term
 from moerl.algo.losses import (
     POLICY_LOSSES,
@@ -20,9 +28,11 @@ from moerl.algo.losses import (
     aggregate,
     build_policy_loss,
     cispo,
+    gmpo,
     gspo,
     ppo_clip,
     reinforce,
+    sapo,
 )
 
 F64 = torch.float64
@@ -69,14 +79,46 @@ def test_aggregate_modes() -> None:
     assert aggregate(values, mask, seq, 3, "token_mean").item() == pytest.approx(2.5)
     assert aggregate(values, mask, seq, 3, "seq_mean_token_mean").item() == pytest.approx(5 / 3)
     assert aggregate(values, mask, seq, 3, "seq_mean_token_sum").item() == pytest.approx(10 / 3)
+    # seq_mean_token_sum_norm with L_max 4: 10 / (3 · 4), whatever the sequences' lengths.
+    norm = aggregate(values, mask, seq, 3, "seq_mean_token_sum_norm", norm_length=4)
+    assert norm.item() == pytest.approx(10 / 12)
     with pytest.raises(ValueError, match="token_sum"):
         aggregate(values, mask, seq, 3, "token_sum")
+
+
+@pytest.mark.parametrize("norm_length", [None, 0])
+def test_aggregate_norm_needs_a_length(norm_length) -> None:
+    values, mask, seq = _t([1.0]), torch.tensor([True]), torch.tensor([0])
+    with pytest.raises(ValueError, match="needs norm_length > 0"):
+        aggregate(values, mask, seq, 1, "seq_mean_token_sum_norm", norm_length=norm_length)
+
+
+def test_aggregate_norm_is_linear_over_micro_batches() -> None:
+    # The trainer sums aggregate(micro-batch) · its sequences and divides by the step's.
+    # Micro-batch 1: seqs {[1, 2], [3]}; micro-batch 2: seq {[4, 5, 6]}; L_max 3.
+    # Whole step: 21 / (3 · 3) = 7/3. Parts: 6/(2·3)·2 + 15/(1·3)·1 = 6/3 + 15/3 = 21/3, ÷ 3.
+    mode = "seq_mean_token_sum_norm"
+    whole = aggregate(
+        _t([1.0, 2, 3, 4, 5, 6]), torch.ones(6, dtype=torch.bool),
+        torch.tensor([0, 0, 1, 2, 2, 2]), 3, mode, norm_length=3,
+    )  # fmt: skip
+    first = aggregate(
+        _t([1.0, 2, 3]), torch.ones(3, dtype=torch.bool), torch.tensor([0, 0, 1]), 2, mode,
+        norm_length=3,
+    )  # fmt: skip
+    second = aggregate(
+        _t([4.0, 5, 6]), torch.ones(3, dtype=torch.bool), torch.tensor([0, 0, 0]), 1, mode,
+        norm_length=3,
+    )  # fmt: skip
+    assert whole.item() == pytest.approx(7 / 3)
+    assert ((first * 2 + second * 1) / 3).item() == pytest.approx(7 / 3)
 
 
 def test_aggregate_nothing_counted_is_zero() -> None:
     values, mask, seq = _t([5.0]), torch.tensor([False]), torch.tensor([0])
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
         assert aggregate(values, mask, seq, 1, mode).item() == 0.0
+    assert aggregate(values, mask, seq, 1, "seq_mean_token_sum_norm", norm_length=8).item() == 0.0
 
 
 # --- ppo_clip ------------------------------------------------------------------
@@ -115,11 +157,13 @@ def test_ppo_clip_token_mean() -> None:
         ("seq_mean_token_mean", -0.3, [0.0, -0.5 / 6, 0.0, 1.5 / 6, 0.0]),
         # seq_mean_token_sum: (-1.2 + 1.8)/2; grads per-token / 2.
         ("seq_mean_token_sum", 0.3, [0.0, -0.25, 0.0, 0.75, 0.0]),
+        # seq_mean_token_sum_norm, L_max 5: 0.6 / (2 · 5); grads per-token / 10.
+        ("seq_mean_token_sum_norm", 0.06, [0.0, -0.05, 0.0, 0.15, 0.0]),
     ],
 )
 def test_ppo_clip_sequence_aggregations(agg: str, loss: float, grads: list[float]) -> None:
     inp = _inp(**PPO_CASE)
-    out = ppo_clip(inp, PPOClipConfig(agg=agg))
+    out = ppo_clip(inp, PPOClipConfig(agg=agg, norm_length=5))
     assert out.loss.item() == pytest.approx(loss)
     assert _grad(out, inp) == pytest.approx(grads)
 
@@ -284,11 +328,119 @@ def test_reinforce() -> None:
     assert _grad(out, inp) == pytest.approx([-1.0, 0.5])
 
 
+# --- sapo ----------------------------------------------------------------------
+
+
+# The gate and its derivative in plain floats: f(r) = 4/τ·σ(τ(r - 1)),
+# d f / d log π = 4·σ(1 - σ)·r. Two sequences, old logprobs 0 so r = π:
+#   t0  seq 0  r = 1,   A = +1, τ 1     f = 2,          d = 1 (the plain policy gradient)
+#   t1  seq 0  r = 2,   A = +1, τ 1     f = 4σ(1),      d = 8σ(1)(1 - σ(1))
+#   t2  seq 1  r = 0.5, A = -1, τ 1.05  f = 4/1.05·σ(-0.525)
+#   t3  seq 1  r = 1.5, A = 0,  τ 1.05  loss 0, grad 0
+#   t4  seq 1  masked, log r = 40: beyond exp's comfort, must stay out (no nan)
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _gate(r: float, tau: float) -> tuple[float, float]:
+    sig = _sigmoid(tau * (r - 1.0))
+    return 4.0 / tau * sig, 4.0 * sig * (1.0 - sig) * r
+
+
+SAPO_CASE = dict(
+    logp=[0.0, math.log(2.0), math.log(0.5), math.log(1.5), 40.0],
+    old=[0.0] * 5,
+    adv=[1.0, 1.0, -1.0, 0.0, 1.0],
+    mask=[True, True, True, True, False],
+    seq=[0, 0, 1, 1, 1],
+)
+
+
+def test_sapo_soft_gate() -> None:
+    inp = _inp(**SAPO_CASE)
+    out = sapo(inp, SAPOConfig())
+    (f0, d0), (f1, d1), (f2, d2) = _gate(1.0, 1.0), _gate(2.0, 1.0), _gate(0.5, 1.05)
+    assert (f0, d0) == pytest.approx((2.0, 1.0))
+    # Per-token loss -f·A; seq_mean_token_mean over two tokens per sequence, two sequences.
+    assert out.loss.item() == pytest.approx(((-f0 - f1) / 2 + (f2 + 0.0) / 2) / 2)
+    # Per-token grad -A·d, ÷ 2 tokens ÷ 2 sequences.
+    assert _grad(out, inp) == pytest.approx([-d0 / 4, -d1 / 4, d2 / 4, 0.0, 0.0])
+
+
+def test_sapo_larger_tau_fades_faster() -> None:
+    # r = 2, A = +1: the gradient at τ = 2 is smaller than at τ = 1 (8σ(2)(1-σ(2)) vs
+    # 8σ(1)(1-σ(1))): off-policy tokens are damped more.
+    grads = []
+    for tau in (1.0, 2.0):
+        inp = _inp(logp=[math.log(2.0)], old=[0.0], adv=[1.0])
+        grads.append(_grad(sapo(inp, SAPOConfig(tau_pos=tau)), inp)[0])
+    assert grads == pytest.approx([-_gate(2.0, 1.0)[1], -_gate(2.0, 2.0)[1]])
+    assert abs(grads[1]) < abs(grads[0])
+
+
+# --- gmpo ----------------------------------------------------------------------
+
+# clip 0.4 both sides, old logprobs 0 so log r = logp. Three sequences:
+#   seq 0  A=+1  log r [0.2, 0.6, -0.7] → [0.2, 0.4 (clipped high), -0.7 (A > 0: the low
+#          side does not bind)], mean -0.1/3, s0 = e^(-0.1/3); loss -s0;
+#          grads -A·s0/3 on t0 and t2, 0 on t1
+#   seq 1  A=-1  log r [-0.6, 0.5, 0.1] (+ a masked 5.0) → [-0.4 (clipped low), 0.5
+#          (A < 0: the high side does not bind), 0.1], mean 0.2/3, s1 = e^(0.2/3); loss +s1;
+#          grads s1/3 on t4 and t5, 0 on t3
+#   seq 2  A=0   loss 0, grad 0
+# The mean over S = 3 sequences divides everything by 3.
+GMPO_CASE = dict(
+    logp=[0.2, 0.6, -0.7, -0.6, 0.5, 0.1, 5.0, 0.3],
+    old=[0.0] * 8,
+    adv=[1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0, 0.0],
+    mask=[True, True, True, True, True, True, False, True],
+    seq=[0, 0, 0, 1, 1, 1, 1, 2],
+)
+
+
+def test_gmpo_geometric_mean_of_clipped_ratios() -> None:
+    inp = _inp(**GMPO_CASE)
+    out = gmpo(inp, GMPOConfig())
+    s0, s1 = math.exp(-0.1 / 3), math.exp(0.2 / 3)
+    assert out.loss.item() == pytest.approx((-s0 + s1 + 0.0) / 3)
+    g0, g1 = -s0 / 3 / 3, s1 / 3 / 3
+    assert _grad(out, inp) == pytest.approx([g0, 0.0, g0, 0.0, g1, g1, 0.0, 0.0])
+    # One token clipped high (t1), one low (t3), of seven counted.
+    assert out.metrics["loss/clip_high_frac"] == pytest.approx(1 / 7)
+    assert out.metrics["loss/clip_low_frac"] == pytest.approx(1 / 7)
+
+
+def test_gmpo_without_clipping_is_the_geometric_mean() -> None:
+    # Wide clip: seq 0's s = exp(mean(0.2, 0.6, -0.7)) = e^(0.1/3) and every counted token
+    # gets gradient -A·s/3/S.
+    inp = _inp(**GMPO_CASE)
+    out = gmpo(inp, GMPOConfig(clip_low=10.0, clip_high=10.0))
+    s0, s1 = math.exp(0.1 / 3), math.exp(0.0)
+    assert out.loss.item() == pytest.approx((-s0 + s1) / 3)
+    g0, g1 = -s0 / 9, s1 / 9
+    assert _grad(out, inp) == pytest.approx([g0, g0, g0, g1, g1, g1, 0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (SAPOConfig(tau_pos=0.0), "algo.loss.tau_pos=0.0 must be > 0.0"),
+        (SAPOConfig(tau_neg=-1.0), "algo.loss.tau_neg=-1.0 must be > 0.0"),
+        (GMPOConfig(clip_low=-0.1), "algo.loss.clip_low=-0.1 must be >= 0.0"),
+        (GMPOConfig(clip_high=-0.1), "algo.loss.clip_high=-0.1 must be >= 0.0"),
+    ],
+)
+def test_bad_sapo_and_gmpo_options(cfg, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy_loss(cfg)
+
+
 def test_masked_tokens_get_no_gradient_in_every_loss() -> None:
     for name in POLICY_LOSSES.names():
         inp = _inp(**PPO_CASE)
         grads = _grad(build_policy_loss(name)(inp), inp)
         assert grads[4] == 0.0, name
+        assert all(math.isfinite(g) for g in grads), name
 
 
 def test_input_shapes_are_checked() -> None:
@@ -334,9 +486,71 @@ def test_kl_term_and_k3_gradient() -> None:
     # d k3 / d logp = 1 - ref/p: [1 - 0.5, 1 - 2] → × 0.1 / 2.
     (grad,) = torch.autograd.grad(out.loss, logp)
     assert grad.tolist() == pytest.approx([0.025, -0.05])
+    # seq_mean_token_sum_norm, L_max 4: (ln2 - 0.5 + 1 - ln2) / (2 · 4) = 0.0625.
+    norm = kl_term(inp, KLConfig(coef=1.0, agg="seq_mean_token_sum_norm", norm_length=4))
+    assert norm.loss.item() == pytest.approx(0.0625)
     # clamp 0.2 caps token 1's 0.306853.
     clamped = kl_term(inp, KLConfig(coef=1.0, clamp=0.2))
     assert clamped.loss.item() == pytest.approx((LN2 - 0.5 + 0.2) / 2)
+
+
+# IS-corrected KL, behaviour μ = [0.25, 0.4] → weights π/μ = [2, 0.5]:
+#   value  w·k3 = [2(ln2 - 0.5), 0.5(1 - ln2)], token_mean over 2
+#   grad   w·k3 = (ref - p)/μ - (p/μ)·log(ref/p), so d/dlogp = -(p/μ)·log(ref/p) = w·log(p/ref):
+#          [2·ln2, 0.5·(-ln2)] / 2. Detaching w would give w·(1 - ref/p) = [1, -0.5] / 2.
+KL_MU = [math.log(0.25), math.log(0.4)]
+
+
+def _kl_inp(behaviour=KL_MU) -> KLInput:
+    return KLInput(
+        logprobs_T=torch.tensor(KL_P, dtype=F64, requires_grad=True),
+        ref_logprobs_T=torch.tensor(KL_REF, dtype=F64),
+        loss_mask_T=torch.tensor([True, True]),
+        seq_ids_T=torch.tensor([0, 1]),
+        num_seqs=2,
+        behaviour_logprobs_T=None if behaviour is None else torch.tensor(behaviour, dtype=F64),
+    )
+
+
+def test_kl_importance_sampling_value_and_gradient() -> None:
+    inp = _kl_inp()
+    out = kl_term(inp, KLConfig(coef=0.1, importance_sampling=True))
+    value = (2 * (LN2 - 0.5) + 0.5 * (1 - LN2)) / 2
+    assert out.metrics["kl/value"] == pytest.approx(value)
+    assert out.loss.item() == pytest.approx(0.1 * value)
+    assert out.metrics["kl/is_weight_mean"] == pytest.approx(1.25)
+    (grad,) = torch.autograd.grad(out.loss, inp.logprobs_T)
+    assert grad.tolist() == pytest.approx([0.1 * 2 * LN2 / 2, 0.1 * 0.5 * -LN2 / 2])
+
+
+def test_kl_importance_sampling_is_off_by_default() -> None:
+    # The behaviour logprobs are ignored without the flag: plain k3 mean 0.25.
+    assert kl_term(_kl_inp(), KLConfig(coef=1.0)).loss.item() == pytest.approx(0.25)
+
+
+def test_kl_importance_sampling_needs_behaviour_logprobs() -> None:
+    with pytest.raises(ValueError, match="importance_sampling=true needs KLInput.behaviour"):
+        kl_term(_kl_inp(behaviour=None), KLConfig(coef=0.1, importance_sampling=True))
+
+
+@pytest.mark.parametrize(
+    "cfg, key",
+    [
+        (PPOClipConfig(agg="seq_mean_token_sum_norm"), "algo.loss"),
+        (GSPOConfig(agg="seq_mean_token_sum_norm", norm_length=-1), "algo.loss"),
+        (CISPOConfig(agg="seq_mean_token_sum_norm"), "algo.loss"),
+        (ReinforceConfig(agg="seq_mean_token_sum_norm"), "algo.loss"),
+        (KLConfig(agg="seq_mean_token_sum_norm"), "algo.kl"),
+    ],
+)
+def test_norm_mode_needs_norm_length(cfg, key: str) -> None:
+    with pytest.raises(ValueError) as info:
+        cfg.validate(key)
+    message = str(info.value)
+    assert f"{key}.norm_length={cfg.norm_length}" in message
+    assert "rollout.max_new_tokens" in message
+    cfg.norm_length = 4096
+    cfg.validate(key)
 
 
 def test_unknown_kl_kind() -> None:

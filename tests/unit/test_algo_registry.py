@@ -16,10 +16,16 @@ from moerl.algo.config import (
     LOSS_OPTIONS,
     AdvantageConfig,
     GRPOConfig,
+    PolicyLossConfig,
     RLOOConfig,
 )
 from moerl.algo.correction import CORRECTIONS, CorrectionInput, CorrectionOutput, build_correction
-from moerl.algo.correction_config import CORRECTION_OPTIONS, CustomCorrectionConfig, TISConfig
+from moerl.algo.correction_config import (
+    CORRECTION_OPTIONS,
+    CorrectionConfig,
+    CustomCorrectionConfig,
+    TISConfig,
+)
 from moerl.algo.losses import POLICY_LOSSES, PolicyLossInput, PolicyLossOutput, build_policy_loss
 from moerl.algo.registry import Registry
 from moerl.config.store import register_configs
@@ -213,6 +219,20 @@ def test_presets_set_their_knobs() -> None:
     assert tis == TISConfig(cap=3.0)
 
 
+def test_norm_length_from_the_generation_budget() -> None:
+    # Dr. GRPO's L_max is the generation budget: interpolate it rather than repeat it.
+    typed = validate_config(
+        _compose(
+            "rollout.max_new_tokens=512",
+            "algo.loss.agg=seq_mean_token_sum_norm",
+            "algo.loss.norm_length=${rollout.max_new_tokens}",
+        ),
+        world_size=1,
+    )
+    assert typed.algo.loss.norm_length == 512
+    build_policy_loss(typed.algo.loss)
+
+
 def test_custom_correction_from_the_command_line() -> None:
     cfg = _compose(
         "correction=custom", f"correction._target_={TARGET}", "+correction.options.scale=3"
@@ -226,8 +246,17 @@ def test_custom_correction_from_the_command_line() -> None:
     [
         (["correction=mis", "correction.high=0.1"], "correction.high=0.1 must be > 0.5"),
         (["correction=tis", "correction.level=seq"], "correction.level='seq' is not supported"),
+        (["correction=tis", "correction.low=3"], "correction.low=3.0 must be < correction.cap=2.0"),
+        (["correction=opsm", "correction.delta=-1"], "correction.delta=-1.0 must be >= 0.0"),
         (["algo.loss.agg=sum"], "algo.loss.agg='sum' is not supported"),
         (["algo.loss.dual_clip=0.5"], "algo.loss.dual_clip=0.5 must be > 1.0"),
+        (
+            ["algo.loss.agg=seq_mean_token_sum_norm"],
+            "algo.loss.norm_length=0 must be > 0 with algo.loss.agg='seq_mean_token_sum_norm'",
+        ),
+        (["algo.kl.agg=seq_mean_token_sum_norm"], "algo.kl.norm_length=0 must be > 0"),
+        (["algo/loss=sapo", "algo.loss.tau_neg=0"], "algo.loss.tau_neg=0.0 must be > 0.0"),
+        (["algo/loss=gmpo", "algo.loss.clip_low=-1"], "algo.loss.clip_low=-1.0 must be >= 0.0"),
         (["algo.kl.kind=k5"], "algo.kl.kind='k5' is not supported"),
         (["correction=custom"], "correction._target_ is empty"),
         (
@@ -242,3 +271,74 @@ def test_bad_objective_fails_validation(overrides: list[str], message: str) -> N
     with pytest.raises(ValueError) as info:
         validate_config(_compose(*overrides), world_size=1)
     assert message in str(info.value)
+
+
+# --- what the trainer's start-up check reads: reweights, ratio_loss -----------------
+
+
+@pytest.mark.parametrize(
+    "override, reweights",
+    [
+        ("correction=none", False),
+        ("correction=tis", True),
+        ("correction=mis", True),
+        ("correction=icepop", True),
+        ("correction=topr", True),
+        ("correction=version_gap", False),
+        ("correction=opsm", False),
+        (["correction=mis", "correction.reweight=false"], False),
+        (["correction=icepop", "correction.reweight=false"], False),
+        (["correction=custom", f"correction._target_={TARGET}"], True),
+        (
+            ["correction=custom", f"correction._target_={TARGET}", "correction.reweights=false"],
+            False,
+        ),
+    ],
+)
+def test_correction_reweights(override, reweights: bool) -> None:
+    overrides = [override] if isinstance(override, str) else override
+    typed = validate_config(_compose(*overrides), world_size=1)
+    assert typed.correction.reweights is reweights
+
+
+def test_reweights_of_a_bare_base_is_that_of_its_name() -> None:
+    assert CorrectionConfig().reweights is False
+    assert CorrectionConfig(name="tis").reweights is True
+    assert CorrectionConfig(name="version_gap").reweights is False
+    assert CorrectionConfig(name="nope").reweights is False
+
+
+def test_custom_reweights_is_not_passed_to_the_function() -> None:
+    # A mapping spec may carry the declaration; it is not a keyword of the function.
+    fn = build_correction({"_target_": TARGET, "scale": 2.0, "reweights": True})
+    assert fn(_corr_inp()).weights_T.tolist() == [2.0, 0.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "overrides, ratio_loss",
+    [
+        (["algo/loss=ppo_clip"], True),
+        (["algo/loss=gspo"], True),
+        (["algo/loss=cispo"], True),
+        (["algo/loss=reinforce"], False),
+        (["algo/loss=sapo"], True),
+        (["algo/loss=gmpo"], True),
+        (["algo/loss=custom", f"algo.loss._target_={__name__}.sum_logprob_loss"], True),
+        (
+            [
+                "algo/loss=custom",
+                f"algo.loss._target_={__name__}.sum_logprob_loss",
+                "algo.loss.ratio_loss=false",
+            ],
+            False,
+        ),
+    ],
+)
+def test_policy_loss_ratio_loss(overrides: list[str], ratio_loss: bool) -> None:
+    typed = validate_config(_compose(*overrides), world_size=1)
+    assert typed.algo.loss.ratio_loss is ratio_loss
+
+
+def test_ratio_loss_of_a_bare_base_is_that_of_its_name() -> None:
+    assert PolicyLossConfig().ratio_loss is True
+    assert PolicyLossConfig(name="reinforce").ratio_loss is False
