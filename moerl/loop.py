@@ -203,18 +203,16 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             wait_s = time.time() - t0
             trajs = _broadcast(trajs)
             with span("train", step=step):
-                # probes first: they measure the weights that the batch's IS ratios use
-                probes: dict[str, float] = {}
-                every = cfg.telemetry.decompose_every
-                if every and step % every == 0:  # also measures the router flip rates
-                    probes.update(trainer.mismatch_decomposition(trajs, cfg.telemetry.flip_sample))
-                flip_every = cfg.telemetry.flip_every
-                flip_due = flip_every and (
-                    step % flip_every == 0 or step == cfg.trainer.train_iters - 1
+                every, flip_every = cfg.telemetry.decompose_every, cfg.telemetry.flip_every
+                last_step = step == cfg.trainer.train_iters - 1
+                sample = cfg.telemetry.flip_sample
+                metrics = trainer.step(
+                    trajs,
+                    decompose_sample=sample if every and step % every == 0 else 0,
+                    flip_sample=sample
+                    if flip_every and (step % flip_every == 0 or last_step)
+                    else 0,
                 )
-                if flip_due and "router_flip/mean" not in probes:
-                    probes.update(trainer.router_flip_rates(trajs, cfg.telemetry.flip_sample))
-                metrics = {**trainer.step(trajs), **probes}
             if (step + 1) % cfg.sync.every == 0 or step == cfg.trainer.train_iters - 1:
                 with span("sync", step=step, version=trainer.version):
                     # engines restarted since the last push join a new weight group
@@ -243,7 +241,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             if leader:
                 assert aio is not None and buffer is not None and orch is not None
                 metrics.update(_step_metrics(trajs, trainer.version - 1, wall, wait_s))
-                metrics["mismatch_k3"] = metrics.get("mismatch/k3", 0.0)
+                if "mismatch/k3" in metrics:  # a metric that was not computed stays absent
+                    metrics["mismatch_k3"] = metrics["mismatch/k3"]
                 metrics["time_s"] = time.time() - t_run
                 metrics.update(aio.run(_call(buffer.metrics)))
                 metrics.update(aio.run(_call(orch.metrics)))

@@ -392,6 +392,12 @@ class AlgoConfig:
     """Policy loss (group `algo/loss`)."""
     kl: KLConfig = field(default_factory=KLConfig)
     """Optional KL penalty against a reference policy."""
+    old_policy: str = "recompute"
+    """What ratio losses take their ratio against (moerl/algo/offpolicy.py has the table):
+    'recompute' = the trainer's own weights at the start of the batch, recomputed with
+    one extra forward (no grad); the correction then weights or masks π_old/μ.
+    'rollout' (bypass) = the engine's behaviour logprobs μ, no extra forward; a
+    correction may then only mask, since the ratio π_θ/μ is already the IS weight."""
 
 
 ADVANTAGE_OPTIONS: dict[str, type[AdvantageConfig]] = {
@@ -440,3 +446,6 @@ def check_algo_config(algo: AlgoConfig, correction: Any) -> None:
     build_policy_loss(algo.loss)
     algo.kl.validate("algo.kl")
     build_correction(correction)
+    from moerl.algo.offpolicy import check_composition
+
+    check_composition(algo.old_policy, algo.loss, correction)

@@ -21,9 +21,10 @@ class TrainerConfig:
     minibatches: int = 1
     """Optimizer steps per rollout batch (verl's ppo_mini_batch_size, slime's steps per
     rollout): the batch is split into this many minibatches in order; 1 = one step per
-    batch."""
+    batch. The ratios of every minibatch are taken against the weights at the start of
+    the batch (algo.old_policy=recompute); the policy version bumps once per batch."""
     global_batch_size: int = 8
-    """Sequences per optimizer step, summed over all data-parallel ranks."""
+    """Sequences per rollout batch (per step), summed over all data-parallel ranks."""
     dtype: str = "fp32"
     """Parameter and compute precision: 'fp32' or 'bf16'."""
     use_distributed_optimizer: bool = False

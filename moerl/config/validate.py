@@ -146,15 +146,16 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
     _positive("trainer.train_iters", t.train_iters)
-    at_least("trainer.minibatches", t.minibatches, 1)
+    _positive("trainer.minibatches", t.minibatches)
     _check_optimizer(t)
     _positive("trainer.global_batch_size", t.global_batch_size)
     per_step = p.micro_batch_size * p.dp(world_size)
-    if t.global_batch_size % per_step:
+    if t.global_batch_size % (per_step * t.minibatches):
         raise ValueError(
             f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-            f"parallel.micro_batch_size × DP = {p.micro_batch_size} × {p.dp(world_size)} = "
-            f"{per_step}; use a multiple of {per_step}"
+            f"trainer.minibatches × parallel.micro_batch_size × DP = {t.minibatches} × "
+            f"{p.micro_batch_size} × {p.dp(world_size)} = {per_step * t.minibatches}; "
+            f"use a multiple of {per_step * t.minibatches}"
         )
     if t.resume and not t.checkpoint_dir:
         raise ValueError(

@@ -39,6 +39,8 @@ class MicroBatch:
     seq_ids: torch.Tensor  # int64 [B, S] position of the token's trajectory in seq_index; -1 = pad
     attention_mask: torch.Tensor | None = None  # bool [B, 1, S, S], True = masked (packed rows)
     ref_logprobs: torch.Tensor | None = None  # fp32 [B, S] reference policy (KL term)
+    old_logprobs: torch.Tensor | None = None  # fp32 [B, S] π_old, the trainer before the update
+    is_weights: torch.Tensor | None = None  # fp32 [B, S] the correction's weights (0 = dropped)
 
     def valid(self) -> torch.Tensor:
         """bool [B, S]: real (non-padding) input tokens."""
@@ -65,6 +67,14 @@ class MicroBatch:
 
 
 PACKING = ("padded", "packed")
+
+
+def behaviour_logprobs(t: Trajectory, use_mask: bool) -> np.ndarray:
+    """μ of each response token: over the sampling mask's kept set when one was recorded
+    and the mask is replayed, else over the full vocabulary: [R]."""
+    if use_mask and t.sampling_logprobs is not None:
+        return np.asarray(t.sampling_logprobs, dtype=np.float32)
+    return np.asarray(t.response_logprobs, dtype=np.float32)
 
 
 def input_len(t: Trajectory) -> int:
@@ -105,6 +115,8 @@ def build_microbatch(
     use_mask: bool = False,
     advantages: list[float] | None = None,
     ref_logprobs: list[np.ndarray] | None = None,
+    old_logprobs: list[np.ndarray] | None = None,
+    is_weights: list[np.ndarray] | None = None,
     rows: list[list[int]] | None = None,
 ) -> MicroBatch:
     """``rows[b]`` lists the trajectories (positions in ``trajs``) packed one after the
@@ -125,7 +137,9 @@ def build_microbatch(
     versions = torch.zeros(b, seq_len, dtype=torch.long)
     temperature = torch.ones(b, seq_len)
     adv = torch.zeros(b, seq_len)
-    ref = torch.zeros(b, seq_len) if ref_logprobs is not None else None
+    # per response token, given per trajectory: reference, old policy, correction weights
+    given = {"ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs, "is_weights": is_weights}
+    per_token = {k: torch.zeros(b, seq_len) for k, v in given.items() if v is not None}
     routes = None
     if use_routes:
         # Padding positions route to experts 0..K-1 (valid, distinct); they carry no loss.
@@ -164,19 +178,19 @@ def build_microbatch(
             resp = slice(o + p - 1, o + p - 1 + r)  # positions whose label is a response token
             loss_mask[row, resp] = True
             rollout[row, resp] = torch.from_numpy(t.response_logprobs.astype(np.float32))
-            sl = (
-                t.sampling_logprobs
-                if (use_mask and t.sampling_logprobs is not None)
-                else t.response_logprobs
-            )
-            sampling[row, resp] = torch.from_numpy(np.asarray(sl, dtype=np.float32))
+            sampling[row, resp] = torch.from_numpy(behaviour_logprobs(t, use_mask))
             versions[row, resp] = torch.from_numpy(t.versions.astype(np.int64))
             temperature[row, span] = float(t.temperature)
             if advantages is not None:
                 adv[row, resp] = float(advantages[i])
-            if ref is not None:
-                assert ref_logprobs is not None
-                ref[row, resp] = torch.from_numpy(np.asarray(ref_logprobs[i], dtype=np.float32))
+            for key, values in per_token.items():
+                given_i = np.asarray(given[key][i], dtype=np.float32)  # type: ignore[index]
+                if given_i.shape != (r,):
+                    raise ValueError(
+                        f"{key} of trajectory {t.group_id}/{t.index} has shape "
+                        f"{given_i.shape}; expected ({r},), one per response token"
+                    )
+                values[row, resp] = torch.from_numpy(given_i)
             if use_routes:
                 assert routes is not None
                 routes[row, span] = torch.from_numpy(np.asarray(t.routed_experts, dtype=np.int64))
@@ -212,7 +226,7 @@ def build_microbatch(
         lengths=lengths,
         seq_ids=seq_ids,
         attention_mask=attention_mask,
-        ref_logprobs=ref,
+        **per_token,
     )
 
 
@@ -277,6 +291,8 @@ def step_microbatches(
     num_experts: int | None = None,
     advantages: list[float] | None = None,
     ref_logprobs: list[np.ndarray] | None = None,
+    old_logprobs: list[np.ndarray] | None = None,
+    is_weights: list[np.ndarray] | None = None,
     packing: str = "padded",
     pack_length: int = 0,
 ) -> tuple[list[MicroBatch], int]:
@@ -284,7 +300,8 @@ def step_microbatches(
     sequence parallelism splits the sequence). ``padded``: one sequence per row, rows as
     long as the step's longest sequence. ``packed``: sequences first-fit into rows of
     ``pack_length`` tokens (at least the longest sequence); ``micro_batch_size`` then
-    counts rows."""
+    counts rows. ``ref_logprobs``, ``old_logprobs`` and ``is_weights`` hold one [R] array
+    per trajectory."""
     from megatron.core import parallel_state
 
     if packing not in PACKING:
@@ -310,6 +327,8 @@ def step_microbatches(
             num_experts=num_experts, use_routes=use_routes, use_mask=use_mask,
             advantages=None if advantages is None else [advantages[i] for i in g],
             ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in g],
+            old_logprobs=None if old_logprobs is None else [old_logprobs[i] for i in g],
+            is_weights=None if is_weights is None else [is_weights[i] for i in g],
             rows=rows,
         )
         for g, rows in groups

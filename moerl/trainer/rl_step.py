@@ -1,5 +1,5 @@
-"""One RL optimizer step on rollouts: Keep Routing, sampling-mask replay, an IS
-correction and a policy loss, over megatron-core's schedules, DDP and optimizer.
+"""One RL optimizer step on rollouts: Keep Routing, sampling-mask replay, the IS
+correction's weights and a policy loss, over megatron-core's schedules, DDP and optimizer.
 
 Normalisation is global over the step: each micro-batch returns ``loss × units`` and its
 unit count (response tokens for ``token_mean``, sequences otherwise), and megatron-core's
@@ -20,19 +20,20 @@ import torch
 import torch.distributed as dist
 
 from moerl.algo.config import KLConfig
-from moerl.algo.correction import CorrectionInput, CorrectionOutput
 from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
+from moerl.algo.offpolicy import loss_input
 from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
+from moerl.trainer.offpolicy import OffPolicyBatch, finite_metrics, mismatch_metrics
 from moerl.trainer.replay import RoutingReplay
 from moerl.trainer.step import run_microbatches
 
 
 @dataclass
 class RLStepResult:
-    loss: float | None  # on the last pipeline stage: the step's normalised objective
+    loss: float | None  # the step's normalised objective (the last pipeline stage's)
     grad_norm: float | None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -42,7 +43,8 @@ def _micro_loss(
     logits_BSV: torch.Tensor,
     *,
     loss_fn: Callable[[PolicyLossInput], PolicyLossOutput],
-    correction_fn: Callable[[CorrectionInput], CorrectionOutput],
+    old_policy: str,
+    decoupled: bool,
     agg: str,
     use_mask: bool,
     current_version: int,
@@ -52,65 +54,44 @@ def _micro_loss(
     m = mb.loss_mask
     if not bool(m.any()):  # only padding rows (packed ranks with fewer sequences)
         return logits_BSV.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-    lp_BS = logprobs_of(mb, logits_BSV, use_mask, fused)
-    lp_T = lp_BS[m]
-    old_T = (mb.sampling_logprobs if use_mask else mb.rollout_logprobs)[m]
-    adv_T = mb.advantages[m]
+    lp_T = logprobs_of(mb, logits_BSV, use_mask, fused)[m]
+    behaviour_T = mb.sampling_logprobs[m]  # μ: over the kept set when the mask is replayed
+    old_T = None if mb.old_logprobs is None else mb.old_logprobs[m]
     seq_T = mb.seq_ids[m]
     n = len(mb.seq_index)
     counted_T = torch.ones_like(lp_T, dtype=torch.bool)
-    corr = correction_fn(
-        CorrectionInput(
-            trainer_logprobs_T=lp_T.detach(), rollout_logprobs_T=old_T, loss_mask_T=counted_T,
-            seq_ids_T=seq_T, num_seqs=n, versions_T=mb.versions[m],
-            current_version=current_version, advantages_T=adv_T,
-        )
+    inp = loss_input(
+        old_policy=old_policy, decoupled=decoupled, logprobs_T=lp_T,
+        behaviour_logprobs_T=behaviour_T, old_logprobs_T=old_T,
+        weights_T=None if mb.is_weights is None else mb.is_weights[m],
+        advantages_T=mb.advantages[m], loss_mask_T=counted_T, seq_ids_T=seq_T, num_seqs=n,
     )  # fmt: skip
-    out = loss_fn(
-        PolicyLossInput(
-            logprobs_T=lp_T, old_logprobs_T=old_T, advantages_T=adv_T, loss_mask_T=counted_T,
-            seq_ids_T=seq_T, num_seqs=n, is_weights_T=corr.weights_T,
-        )
-    )  # fmt: skip
+    out = loss_fn(inp)
     loss, extra = out.loss, {}
     if kl is not None and kl.coef > 0:
         if mb.ref_logprobs is None:
             raise ValueError("algo.kl.coef > 0 but the step has no reference logprobs")
         term = kl_term(
             KLInput(logprobs_T=lp_T, ref_logprobs_T=mb.ref_logprobs[m], loss_mask_T=counted_T,
-                    seq_ids_T=seq_T, num_seqs=n),
+                    seq_ids_T=seq_T, num_seqs=n, behaviour_logprobs_T=behaviour_T),
             kl,
         )  # fmt: skip
         loss, extra = loss + term.loss, term.metrics
     units = int(m.sum()) if agg == "token_mean" else n
-    metrics = {
-        k: torch.tensor(float(v)) for k, v in {**corr.metrics, **out.metrics, **extra}.items()
-    }
+    metrics = {k: torch.tensor(float(v)) for k, v in {**out.metrics, **extra}.items()}
     metrics["loss"] = loss.detach()
-    d_T = lp_T.detach().double() - old_T.double()
-    metrics["mismatch/k3"] = (torch.expm1(d_T) - d_T).mean().float()
-    gap_T = (current_version - mb.versions[m]).float()
-    metrics["staleness/mean"] = gap_T.mean()
-    metrics["staleness/stale_frac"] = (gap_T > 0).float().mean()
-    metrics["mismatch/log_ratio_abs_max"] = (lp_T.detach() - old_T).abs().max()
-    metrics["mismatch/mean_abs_dlogp"] = (lp_T.detach() - old_T).abs().mean()
-    # sequences sampled entirely by the current policy: with replay and mask in fp32 their
-    # log ratio is numerics only (the on-policy anchor check, step after step)
-    stale_S = torch.zeros(n).index_add_(0, seq_T, (gap_T > 0).float()) > 0
-    onpolicy_T = ~stale_S[seq_T]
-    metrics["mismatch/onpolicy_log_ratio_abs_max"] = (
-        (lp_T.detach() - old_T)[onpolicy_T].abs().max()
-        if bool(onpolicy_T.any())
-        else torch.tensor(0.0)
-    )
-    metrics["mismatch/onpolicy_frac"] = onpolicy_T.float().mean()
+    if old_T is None:  # no old-policy forward: the mismatch is measured here (π_θ = π_old
+        # on the first minibatch's forward)
+        metrics.update(
+            mismatch_metrics(lp_T, behaviour_T, mb.versions[m], seq_T, n, current_version)
+        )
     metrics["units"] = torch.tensor(float(units))
     return loss * units, torch.tensor(units, dtype=torch.int), metrics
 
 
 def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], group: Any) -> dict[str, float]:
     """Unit-weighted means over micro-batches and DP ranks; keys ending in ``_max`` are
-    maxima instead."""
+    maxima instead (a maximum that saw no token, -inf, is left out)."""
     names = sorted(outputs[0])
     maxima = [k for k in names if k.endswith("_max")]
     means = [k for k in names if k not in maxima and k != "units"]
@@ -126,7 +107,23 @@ def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], group: Any) -> dict[
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
     out = {k: float(totals[1 + i] / totals[0]) for i, k in enumerate(means)}
     out.update({k: float(peaks[i]) for i, k in enumerate(maxima)})
-    return out
+    return finite_metrics(out)
+
+
+def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
+    """The last pipeline stage's metrics on every stage of its pipeline (rank 0, which
+    writes metrics.jsonl, is on the first stage)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    box = [metrics]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
 
 
 def rl_train_step(
@@ -136,7 +133,9 @@ def rl_train_step(
     advantages: list[float],
     *,
     loss_fn: Callable[[PolicyLossInput], PolicyLossOutput],
-    correction_fn: Callable[[CorrectionInput], CorrectionOutput],
+    offpolicy: OffPolicyBatch | None = None,
+    old_policy: str = "rollout",
+    decoupled: bool = False,
     agg: str = "token_mean",
     replay: str = "all",
     use_mask: bool = True,
@@ -153,8 +152,12 @@ def rl_train_step(
     ref_logprobs: list[Any] | None = None,
     logprobs_from: str = "logits",
 ) -> RLStepResult:
-    """Forward/backward over every trajectory of the global batch, then one optimizer step.
+    """Forward/backward over every trajectory of ``trajs``, then one optimizer step.
 
+    ``offpolicy`` carries π_old and the correction's weights per trajectory, computed over
+    the whole rollout batch before its first update (moerl.trainer.offpolicy.prepare);
+    ``old_policy``/``decoupled`` say how they compose with the loss
+    (moerl.algo.offpolicy). Every rank returns the last pipeline stage's metrics.
     With ``kl`` (coef > 0), ``ref_logprobs`` holds each trajectory's reference-policy
     logprobs of its response tokens ([R] each) and ``kl``'s term joins the loss.
     ``logprobs_from='hidden'``: the output layer returns logprobs (``FusedHead``)."""
@@ -171,13 +174,14 @@ def rl_train_step(
         config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none",
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
         advantages=advantages, ref_logprobs=ref_logprobs, packing=packing,
-        pack_length=pack_length,
+        pack_length=pack_length, old_logprobs=offpolicy.old_logprobs if offpolicy else None,
+        is_weights=offpolicy.is_weights if offpolicy else None,
     )  # fmt: skip
     replayer = RoutingReplay(modules, policy=replay, recent_window=recent_window)
     chunk_of = {id(c): i for i, c in enumerate(chunks)}
     head = FusedHead(modules, use_mask) if logprobs_from == "hidden" else None
     loss_func = partial(
-        _micro_loss, loss_fn=loss_fn, correction_fn=correction_fn, agg=agg,
+        _micro_loss, loss_fn=loss_fn, old_policy=old_policy, decoupled=decoupled, agg=agg,
         use_mask=use_mask, current_version=current_version, kl=kl, fused=head is not None,
     )  # fmt: skip
 
@@ -201,9 +205,9 @@ def rl_train_step(
     )  # fmt: skip
     replayer.finish()
     grad_norm = optimizer.step()[1] if step else None
-    result = RLStepResult(loss=None, grad_norm=grad_norm)
     outputs = [o for o in outputs or [] if o]  # padding-only micro-batches report nothing
+    metrics: dict[str, float] = {}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and outputs:
-        result.metrics = _reduce_metrics(outputs, parallel_state.get_data_parallel_group())
-        result.loss = result.metrics["loss"]
-    return result
+        metrics = _reduce_metrics(outputs, parallel_state.get_data_parallel_group())
+    metrics = _from_last_stage(metrics)
+    return RLStepResult(loss=metrics.get("loss"), grad_norm=grad_norm, metrics=metrics)

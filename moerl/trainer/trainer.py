@@ -105,6 +105,9 @@ class Trainer:
         self.advantage_fn = build_advantage(algo.advantage)
         self.loss_fn = build_policy_loss(algo.loss)
         self.correction_fn = build_correction(correction)
+        self.correction_cfg = correction
+        self.old_policy = algo.old_policy
+        self.decoupled = bool(getattr(algo.loss, "decoupled", False))
         self.agg = getattr(algo.loss, "agg", "token_mean")
         self.version = 0
         self.progress: dict[str, Any] = {}
@@ -135,25 +138,17 @@ class Trainer:
             mine.requires_grad_(False)
         return ref
 
-    def reference_logprobs(self, trajs: list[Trajectory]) -> list[Any]:
-        """Each trajectory's response-token logprobs under the reference policy, with the
-        same routing replay and sampling mask as the policy's forward."""
-        from moerl.trainer.forward import trainer_logprobs
-
-        assert self.reference is not None
-        res = trainer_logprobs(
-            self.reference,
-            trajs,
-            replay=self.cfg.replay,
-            use_mask=self.cfg.sampling_mask,
-            **self._batching(),
-        )
-        return [res.logprobs[i] for i in range(len(trajs))]
-
-    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One optimizer step on ``trajs`` (rewards set); returns metrics, bumps the version."""
+    def step(
+        self, trajs: list[Trajectory], *, decompose_sample: int = 0, flip_sample: int = 0
+    ) -> dict[str, float]:
+        """One rollout batch (rewards set): advantages over the batch, π_old and the IS
+        correction over the batch before any update, the probes asked for (mismatch
+        decomposition / router flip rates on that many trajectories: they measure the
+        weights the batch's ratios use), then ``trainer.minibatches`` optimizer steps.
+        Returns the metrics; the version bumps once."""
         from moerl.algo.advantages import AdvantageInput
-        from moerl.trainer.rl_step import rl_train_step
+        from moerl.algo.offpolicy import needs_old_policy
+        from moerl.trainer.offpolicy import prepare
 
         missing = [f"{t.group_id}/{t.index}" for t in trajs if t.reward is None]
         if missing:
@@ -165,22 +160,89 @@ class Trainer:
             [int(t.group_id if t.group_id is not None else i) for i, t in enumerate(trajs)]
         )
         adv = self.advantage_fn(AdvantageInput(rewards_S=rewards, group_ids_S=groups))
-        ref = self.reference_logprobs(trajs) if self.reference is not None else None
-        result = rl_train_step(
-            self.chunks, self.optimizer, trajs, adv.advantages_S.tolist(),
-            loss_fn=self.loss_fn, correction_fn=self.correction_fn, agg=self.agg,
-            replay=self.cfg.replay, use_mask=self.cfg.sampling_mask, kl=self.kl,
-            ref_logprobs=ref, **self._batching(),
+        advantages = adv.advantages_S.tolist()
+        old = None
+        if needs_old_policy(self.old_policy, self.correction_cfg):
+            old = self.policy_logprobs(trajs)
+        probes: dict[str, float] = {}
+        if decompose_sample:  # also measures the router flip rates
+            probes.update(self.mismatch_decomposition(trajs, decompose_sample, old=old))
+        if flip_sample and "router_flip/mean" not in probes:
+            probes.update(self.router_flip_rates(trajs, flip_sample))
+        offpolicy = prepare(
+            trajs, advantages, old_logprobs=old,
+            correction_fn=self.correction_fn if old is not None else None,
+            use_mask=self.cfg.sampling_mask, current_version=self.version,
         )  # fmt: skip
-        # one optimizer step per batch here; with minibatches, after each optimizer.step()
-        lr = self.current_lr()
-        self.scheduler.step(1)
+        ref = self.reference_logprobs(trajs) if self.reference is not None else None
+        results = [
+            self._minibatch_step(trajs, advantages, offpolicy, ref, indices)
+            for indices in self._minibatches(len(trajs))
+        ]
         self.version += 1
-        metrics = {**result.metrics, **{f"advantage/{k}": float(v) for k, v in adv.metrics.items()}}
-        metrics.update(version=float(self.version), reward_mean=float(rewards.mean()), lr=lr)
-        if result.grad_norm is not None:
-            metrics["grad_norm"] = float(result.grad_norm)
-        return metrics
+        metrics = {**offpolicy.metrics, **_combine([r.metrics for r in results])}
+        metrics.update({f"advantage/{k}": float(v) for k, v in adv.metrics.items()})
+        metrics.update(version=float(self.version), reward_mean=float(rewards.mean()))
+        norms = [float(r.grad_norm) for r in results if r.grad_norm is not None]
+        if norms:  # before clipping; the mean over the batch's optimizer steps
+            metrics["grad_norm"] = sum(norms) / len(norms)
+        return {**metrics, **probes}
+
+    def _minibatches(self, num: int) -> list[list[int]]:
+        """The batch's trajectory indices split in order into trainer.minibatches parts."""
+        n = self.cfg.minibatches
+        if num % n:
+            raise ValueError(
+                f"a batch of {num} trajectories does not split into trainer.minibatches={n}"
+            )
+        per = num // n
+        return [list(range(k * per, (k + 1) * per)) for k in range(n)]
+
+    def _minibatch_step(
+        self,
+        trajs: list[Trajectory],
+        advantages: list[float],
+        offpolicy: Any,
+        ref: list[Any] | None,
+        indices: list[int],
+    ) -> Any:
+        """One optimizer step on the trajectories at ``indices``."""
+        from moerl.trainer.rl_step import rl_train_step
+
+        lr = self.current_lr()  # the lr this optimizer step uses
+        result = rl_train_step(
+            self.chunks, self.optimizer, [trajs[i] for i in indices],
+            [advantages[i] for i in indices], loss_fn=self.loss_fn,
+            offpolicy=offpolicy.select(indices), old_policy=self.old_policy,
+            decoupled=self.decoupled, agg=self.agg, replay=self.cfg.replay,
+            use_mask=self.cfg.sampling_mask, kl=self.kl,
+            ref_logprobs=None if ref is None else [ref[i] for i in indices],
+            **self._batching(),
+        )  # fmt: skip
+        result.metrics["lr"] = lr
+        self.scheduler.step(1)
+        return result
+
+    def policy_logprobs(self, trajs: list[Trajectory]) -> list[Any]:
+        """Each trajectory's response-token logprobs under the current weights."""
+        return self._logprobs(self.chunks, trajs)
+
+    def reference_logprobs(self, trajs: list[Trajectory]) -> list[Any]:
+        """Each trajectory's response-token logprobs under the reference policy."""
+        assert self.reference is not None
+        return self._logprobs(self.reference, trajs)
+
+    def _logprobs(self, chunks: list[Any], trajs: list[Trajectory]) -> list[Any]:
+        """Each trajectory's response-token logprobs under ``chunks`` (the policy before
+        its update, or the reference), with the training forward's routing replay and
+        sampling mask; no grad. Every rank gets all of them."""
+        from moerl.trainer.forward import trainer_logprobs
+
+        res = trainer_logprobs(
+            chunks, trajs, replay=self.cfg.replay, use_mask=self.cfg.sampling_mask,
+            **self._batching(),
+        )  # fmt: skip
+        return [res.logprobs[i] for i in range(len(trajs))]
 
     def router_flip_rates(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
         """Per-layer router flip rate on a sample of ``trajs``: a forward without replay,
@@ -188,7 +250,7 @@ class Trainer:
 
         from moerl.trainer.forward import trainer_logprobs
 
-        picked = self._sample(trajs, sample)
+        picked = [trajs[i] for i in self._sample(trajs, sample)]
         if not picked:
             return {}
         res = trainer_logprobs(
@@ -213,21 +275,25 @@ class Trainer:
             logprobs_from=self.logprobs_from,
         )  # fmt: skip
 
-    def _sample(self, trajs: list[Trajectory], sample: int) -> list[Trajectory]:
-        """Up to ``sample`` trajectories with routes, a whole number of micro-batches per
-        data-parallel rank (empty when there are too few)."""
+    def _sample(self, trajs: list[Trajectory], sample: int) -> list[int]:
+        """Indices of up to ``sample`` trajectories with routes, a whole number of
+        micro-batches per data-parallel rank (empty when there are too few)."""
         from megatron.core import parallel_state
 
         unit = parallel_state.get_data_parallel_world_size() * self.micro_batch_size
-        picked = [t for t in trajs if t.routed_experts is not None]
+        picked = [i for i, t in enumerate(trajs) if t.routed_experts is not None]
         count = min(len(picked), max(unit, -(-sample // unit) * unit))
         return picked[: count - count % unit]
 
-    def mismatch_decomposition(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
+    def mismatch_decomposition(
+        self, trajs: list[Trajectory], sample: int = 8, old: list[Any] | None = None
+    ) -> dict[str, float]:
         """Trainer-vs-rollout mismatch (k3) on a sample of ``trajs``, split into routing
         (replay on/off), sampling mask (on/off), staleness (tokens of older versions) and
         numerics (the rest), by four forwards of the same tokens; with the router flip
-        rates of its no-replay forward. Needs a model built with routing replay
+        rates of its no-replay forward. ``old``, the step's π_old of every trajectory,
+        stands in for the replay-and-mask forward when the trainer replays all routes
+        with the mask (it is that forward). Needs a model built with routing replay
         (trainer.replay != 'none'); {} otherwise."""
         import numpy as np
 
@@ -235,12 +301,16 @@ class Trainer:
         from moerl.telemetry.mismatch import decompose
         from moerl.trainer.forward import trainer_logprobs
 
-        picked = self._sample(trajs, sample)
+        indices = self._sample(trajs, sample)
+        picked = [trajs[i] for i in indices]
         if self.cfg.replay == "none" or not picked:
             return {}
         runs, flips = {}, {}
         for replay in ("all", "none"):
             for mask in (True, False):
+                if old is not None and (replay, mask) == (self.cfg.replay, self.cfg.sampling_mask):
+                    runs[replay, mask] = np.concatenate([old[i] for i in indices])
+                    continue
                 res = trainer_logprobs(
                     self.chunks, picked, replay=replay, use_mask=mask, **self._batching()
                 )
@@ -317,3 +387,13 @@ class Trainer:
             extra=extra,
             scheduler=self.scheduler,
         )
+
+
+def _combine(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of a batch's optimizer steps: the mean of each key over the steps that
+    report it, the maximum for keys ending in ``_max``."""
+    out: dict[str, float] = {}
+    for key in {k for m in per_step for k in m}:
+        values = [m[key] for m in per_step if key in m]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out

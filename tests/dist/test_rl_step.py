@@ -24,7 +24,11 @@ def _step(
     layout: str, hf_dir: str, rollouts: str, out: str, family: str = "deepseek_moe",
     recompute: str = "none", name: str | None = None, packing: str = "padded",
     logprobs_from: str = "logits", kernels: str = "auto", lora: bool = False,
+    objective: dict | None = None,
 ) -> None:  # fmt: skip
+    """One RL step (gradients and metrics saved). ``objective`` overrides the default
+    ppo_clip + tis under old_policy=recompute: keys loss, correction, old_policy, and
+    behaviour_noise (std of noise added to the rollouts' logprobs μ, seeded)."""
     from moerl.algo.advantages import AdvantageInput, build_advantage
     from moerl.algo.correction import build_correction
     from moerl.algo.losses import build_policy_loss
@@ -35,6 +39,8 @@ def _step(
     from moerl.parallel.full_state import gather_full
     from moerl.parallel.state import initialize_model_parallel
     from moerl.rollout.trajectory import load_jsonl
+    from moerl.trainer.forward import trainer_logprobs
+    from moerl.trainer.offpolicy import prepare
     from moerl.trainer.rl_step import rl_train_step
     from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
@@ -59,18 +65,34 @@ def _step(
     ddp = wrap_ddp(chunks, use_distributed_optimizer=True)
     optimizer = build_optimizer(ddp, OptimConfig(lr=1e-3, adam_eps=1e-6))
     attach_schedule_hooks(ddp, optimizer)
+    opts = {"loss": "ppo_clip", "correction": "tis", "old_policy": "recompute",
+            "behaviour_noise": 0.0, **(objective or {})}  # fmt: skip
     trajs = load_jsonl(rollouts)
+    rng = np.random.default_rng(0)
+    for t in trajs:  # μ away from the trainer's π_old: IS weights ≠ 1, some truncated
+        eps = (opts["behaviour_noise"] * rng.normal(size=t.response_len)).astype(np.float32)
+        t.response_logprobs = t.response_logprobs + eps
+        if t.sampling_logprobs is not None:
+            t.sampling_logprobs = t.sampling_logprobs + eps
     rewards = torch.tensor([_reward(t) for t in trajs])
     adv = build_advantage("reinforce_pp")(
         AdvantageInput(rewards_S=rewards, group_ids_S=torch.arange(len(trajs)))
     )
-    result = rl_train_step(
-        ddp, optimizer, trajs, adv.advantages_S.tolist(),
-        loss_fn=build_policy_loss("ppo_clip"), correction_fn=build_correction("tis"),
+    batching = dict(
         num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
-        step=False, packing=packing, pack_length=64, micro_batch_size=2 if packing == "packed" else 1,
+        packing=packing, pack_length=64, micro_batch_size=2 if packing == "packed" else 1,
         logprobs_from=logprobs_from,
     )  # fmt: skip
+    old = trainer_logprobs(ddp, trajs, **batching)
+    offpolicy = prepare(
+        trajs, adv.advantages_S.tolist(), old_logprobs=[old.logprobs[i] for i in range(len(trajs))],
+        correction_fn=build_correction(opts["correction"]), use_mask=True, current_version=0,
+    )  # fmt: skip
+    result = rl_train_step(
+        ddp, optimizer, trajs, adv.advantages_S.tolist(), loss_fn=build_policy_loss(opts["loss"]),
+        offpolicy=offpolicy, old_policy=opts["old_policy"], step=False, **batching,
+    )  # fmt: skip
+    result.metrics = {**offpolicy.metrics, **result.metrics}
     from moerl.parallel.full_state import allgather_sharded_grads
 
     allgather_sharded_grads(ddp)
@@ -280,3 +302,30 @@ def test_fused_head_under_tensor_parallelism(tiny_checkpoints, tmp_path):
     spawn(_step, 4, "tp2ep2", str(hf), str(path), str(tmp_path), "qwen3_moe", "none",
           "tp-hidden", "padded", "hidden")  # fmt: skip
     _compare(tmp_path, "single", "tp-hidden")
+
+
+def test_recompute_weights_the_gradient_once(rollouts, tmp_path):
+    """ppo_clip + tis with old_policy=recompute, first optimizer step of a batch whose
+    behaviour logprobs μ sit away from the trainer (noise, so weights ≠ 1 and some are
+    truncated): every parameter's gradient equals REINFORCE's with the weight
+    min(π_old/μ, C), i.e. the per-token gradient min(π_old/μ, C)·A·∇log π. The former
+    composition (ratio against μ, the correction on top) does not."""
+    hf, path = rollouts
+    runs = {
+        "rc-ppo": {"loss": "ppo_clip"},
+        "rc-reinforce": {"loss": "reinforce"},
+        "former": {"loss": "ppo_clip", "old_policy": "rollout"},
+    }
+    for name, objective in runs.items():
+        spawn(_step, 1, "single", str(hf), str(path), str(tmp_path), "deepseek_moe", "none",
+              name, "padded", "logits", "auto", False, {**objective, "behaviour_noise": 1.0})  # fmt: skip
+    metrics = json.loads((tmp_path / "rc-ppo.json").read_text())
+    assert metrics["is/clipped_frac"] > 0.1 and metrics["mismatch/mean_abs_dlogp"] > 0.5
+    assert metrics["loss/ratio_max"] == pytest.approx(1.0, abs=1e-5)  # r = π_θ/π_old
+    ppo, reinforce, former = (torch.load(tmp_path / f"{n}.grad.pt") for n in runs)
+    far = 0
+    for key in ppo:
+        scale = reinforce[key].norm().clamp_min(1e-30)
+        assert (ppo[key] - reinforce[key]).norm() / scale < 1e-5, key
+        far += bool((former[key] - reinforce[key]).norm() / scale > 1e-2)
+    assert far > len(ppo) // 2

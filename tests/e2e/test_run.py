@@ -74,7 +74,13 @@ def test_async_run_under_torchrun_ep2(tmp_path):
     # step 0 trains fresh fp32 rollouts: with routes replayed and the mask applied the
     # IS ratio is 1 (the strict anchor check); later on-policy tokens stay that close
     assert m[0]["mismatch/onpolicy_log_ratio_abs_max"] < 1e-5
-    assert all(r["mismatch/onpolicy_log_ratio_abs_max"] < 1e-4 for r in m)
+    # (a step whose every sequence is stale has no on-policy tokens: the key is absent)
+    onpolicy = [
+        r["mismatch/onpolicy_log_ratio_abs_max"]
+        for r in m
+        if "mismatch/onpolicy_log_ratio_abs_max" in r
+    ]
+    assert onpolicy and max(onpolicy) < 1e-4
     # fresh routing differs from the engine's on some tokens: replay is doing work
     assert any(r.get("router_flip/mean", 0.0) > 0 for r in m)
     # the mismatch decomposition (every 10 steps): nothing to decompose on step 0

@@ -234,7 +234,7 @@ def test_trainer_replay_policy_is_checked() -> None:
         ("trainer.clip_grad=-1", ["trainer.clip_grad=-1.0", ">= 0.0"]),
         ("trainer.weight_decay=inf", ["trainer.weight_decay=inf", "finite"]),
         ("trainer.adam_beta2=1.0", ["trainer.adam_beta2=1.0", "[0, 1)"]),
-        ("trainer.minibatches=0", ["trainer.minibatches=0", ">= 1"]),
+        ("trainer.minibatches=0", ["trainer.minibatches=0", "positive integer"]),
         # warmup must end before the schedule does (megatron asserts it without a key)
         ("trainer.lr_warmup_steps=100", ["trainer.lr_warmup_steps=100", "100 × 1 = 100"]),
     ],
@@ -254,3 +254,29 @@ def test_warmup_is_checked_against_decay_steps() -> None:
     overrides = ["trainer.lr_warmup_steps=10", "trainer.train_iters=6", "trainer.minibatches=2"]
     typed = validate_config(_compose(*overrides), world_size=1)
     assert typed.trainer.minibatches == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["algo.old_policy=rollout"], ["algo.old_policy=rollout", "algo.old_policy=recompute"]),
+        (["algo.old_policy=rollout", "correction=icepop"], ["correction.reweight=false"]),
+        (["algo.loss.decoupled=true"], ["algo.loss.decoupled=true", "correction=none"]),
+        (["trainer.minibatches=3"], ["trainer.minibatches × parallel.micro_batch_size", "3"]),
+    ],
+)
+def test_off_policy_composition_is_checked_at_start_up(overrides, fragments) -> None:
+    """The shipped recipe (ppo_clip + tis) under bypass double-counts the IS weight; the
+    batch must split into whole minibatches."""
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose("+recipe=deepseek_moe", *overrides), world_size=1)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_dr_grpo_takes_the_rollout_length_as_its_normaliser() -> None:
+    cfg = validate_config(
+        _compose("+recipe=deepseek_moe", "algo=dr_grpo", "rollout.max_new_tokens=12"), 1
+    )
+    assert (cfg.algo.loss.agg, cfg.algo.loss.norm_length) == ("seq_mean_token_sum_norm", 12)
+    assert cfg.algo.old_policy == "recompute"
