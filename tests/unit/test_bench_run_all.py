@@ -108,7 +108,7 @@ def test_report_from_saved_results_covers_every_bench(tmp_path):
     assert not [r for r in rows if r.status.startswith(("error", "failed", "not run"))]
     written = report.write_plots(results, tmp_path / "plots")
     # the timeline PNG is copied from the async bench's output dir, absent here
-    assert set(written) == {"reward", "staleness", "mismatch", "weight_sync"}
+    assert set(written) == {"reward", "staleness", "mismatch", "weight_sync", "offpolicy"}
     for file in written.values():
         assert _is_png(tmp_path / "plots" / file), file
     results["plots"] = written

@@ -32,6 +32,7 @@ BENCHES = (
     "mismatch",
     "lora_sync",
     "kernels",
+    "offpolicy",
 )
 PLOTS = {
     "timeline": "timeline_async.png",
@@ -39,6 +40,7 @@ PLOTS = {
     "staleness": "staleness.png",
     "mismatch": "mismatch.png",
     "weight_sync": "weight_sync_buckets.png",
+    "offpolicy": "offpolicy_reward.png",
 }
 CAVEAT = (
     "Our numbers are ratios measured side by side on one machine with tiny random models "
@@ -195,6 +197,35 @@ def _mismatch(r: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
 
 
+OFFPOLICY_VARIANTS = ("bypass", "recompute", "former")
+
+
+def _offpolicy_bounds(r: dict[str, Any]) -> list[int]:
+    return sorted({int(k.split("/")[0]) for k in r if "/" in k})
+
+
+def _offpolicy(r: dict[str, Any]) -> list[Row]:
+    rows = []
+    for bound in _offpolicy_bounds(r):
+        runs = [r.get(f"{bound}/{v}") or {} for v in OFFPOLICY_VARIANTS]
+        rewards = " / ".join(f"{run.get('reward_last5', float('nan')):.3f}" for run in runs)
+        rec = r.get(f"{bound}/recompute") or {}
+        rows.append(Row(
+            "offpolicy",
+            f"max_staleness={bound}: reward, last 5 of {r.get('steps', '?')} steps "
+            "(bypass / recompute+TIS / former)",
+            rewards, "—", "—",
+        ))  # fmt: skip
+        rows.append(Row(
+            "offpolicy",
+            f"max_staleness={bound}: trainer–engine gap, mean abs Δ log p; IS weight max (recompute)",
+            f"{rec.get('abs_log_ratio', float('nan')):.3g}; "
+            f"{rec.get('is_weight_max', float('nan')):.3g}",
+            "—", "—",
+        ))  # fmt: skip
+    return rows
+
+
 def _lora(r: dict[str, Any]) -> list[Row]:
     targets = r.get("targets", {"bytes_ratio": 50.0, "time_ratio": 20.0})
     rows = []
@@ -242,6 +273,7 @@ HEADLINES = {
     "weight_sync": _weight_sync,
     "replay_overhead": _replay,
     "mismatch": _mismatch,
+    "offpolicy": _offpolicy,
     "lora_sync": _lora,
     "kernels": _kernels,
 }
@@ -390,6 +422,26 @@ def plot_weight_sync(w: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_offpolicy(r: dict[str, Any], path: Path) -> Path | None:
+    """Reward vs step of the off-policy variants, one panel per staleness bound."""
+    bounds = _offpolicy_bounds(r)
+    if not bounds:
+        return None
+    fig = Figure(figsize=(4.2 * len(bounds), 3.2))
+    for i, bound in enumerate(bounds):
+        ax = fig.add_subplot(1, len(bounds), i + 1)
+        for variant in OFFPOLICY_VARIANTS:
+            run = r.get(f"{bound}/{variant}") or {}
+            if run.get("reward"):
+                ax.plot(run["reward"], label=variant)
+        ax.set_title(f"max_staleness={bound}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward_mean")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def write_plots(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
     """The plots the results allow, under ``out_dir``; {kind: file name}."""
     out = Path(out_dir)
@@ -407,6 +459,7 @@ def write_plots(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
         "staleness": lambda p: plot_staleness(a, p),
         "mismatch": lambda p: plot_mismatch(_result(results, "mismatch") or {}, p),
         "weight_sync": lambda p: plot_weight_sync(_result(results, "weight_sync") or {}, p),
+        "offpolicy": lambda p: plot_offpolicy(_result(results, "offpolicy") or {}, p),
     }
     for kind, job in jobs.items():
         if job(out / PLOTS[kind]) is not None:
@@ -422,6 +475,7 @@ PLOT_TITLES = {
     "staleness": "Staleness histogram (async run)",
     "mismatch": "Mismatch decomposition (replay × mask)",
     "weight_sync": "Weight sync latency vs bucket size",
+    "offpolicy": "Reward vs step: bypass, recompute + TIS, the former composition",
 }
 
 
