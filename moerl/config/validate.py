@@ -42,6 +42,11 @@ def _finite(key: str, value: object) -> None:
         raise ValueError(f"{key}={value!r} must be a finite number")
 
 
+def _non_negative(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}={value!r} must be an integer >= 0")
+
+
 def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         choices = ", ".join(repr(a) for a in allowed)
@@ -160,6 +165,12 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
         raise ValueError(
             "trainer.resume=true needs trainer.checkpoint_dir; set the folder to resume from"
         )
+    _check_checkpointing(t)
+
+
+def _check_checkpointing(t: TrainerConfig) -> None:
+    _non_negative("trainer.save_every", t.save_every)
+    _non_negative("trainer.keep_checkpoints", t.keep_checkpoints)
 
 
 def _check_optimizer(t: TrainerConfig) -> None:
