@@ -104,3 +104,33 @@ def test_prune_keeps_the_newest_and_the_latest(tmp_path) -> None:
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["latest", "step_000001", "step_000003", "step_000004"]
     assert newest_loadable(tmp_path) == tmp_path / "step_000001"
+
+
+def test_launcher_checks_the_resume_point_before_any_rank(tmp_path, monkeypatch, capsys) -> None:
+    """`trainer.resume=true` in the launcher (and its dry run): the checkpoint it would
+    load, after skipping a corrupt one, and that it was saved in this run's layout."""
+    from hydra import compose, initialize_config_module
+
+    from moerl.config.store import register_configs
+    from moerl.launch import preflight
+
+    register_configs()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _write(tmp_path, 1)
+    _truncate(_write(tmp_path, 2) / "progress.json")
+    resume = [
+        "model=deepseek_moe_tiny",
+        "trainer.resume=true",
+        f"trainer.checkpoint_dir={tmp_path}",
+    ]
+    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
+        same = compose(
+            config_name="config", overrides=[*resume, "parallel=ep2", "launcher.nproc=2"]
+        )
+        other = compose(config_name="config", overrides=resume)
+    preflight(same)
+    assert f"resuming from {tmp_path / 'step_000001'}" in capsys.readouterr().out
+    with pytest.raises(ValueError) as info:
+        preflight(other)
+    assert "holds optimizer state for layout" in str(info.value)
+    assert "'world': 2" in str(info.value) and "'world': 1" in str(info.value)
