@@ -9,8 +9,8 @@ for this job's world size, then runs the job:
 Trainer rank 0 prepares the initial HF checkpoint (a local `model.path`, or a random
 model built from the config and written into the run directory), starts the embedded
 engines (`engine=embedded`) or attaches to SGLang servers (`engine.urls=[...]`), and
-every rank runs `moerl.loop.run_training`. Engines die with the process that started
-them; Ctrl-C stops the ranks and the engines.
+every rank runs `moerl.loop.run_training`. Ranks die with the launcher and engines with
+rank 0, however either dies (even by SIGKILL); Ctrl-C stops the ranks and the engines.
 Everything checkable without a rank (`preflight`: the config, model.path's config.json,
 the checkpoint to resume) is checked first, also by `launcher.dry_run=true`. `--help`
 lists the groups; `--cfg job` prints the config without running.
@@ -213,8 +213,10 @@ def main(cfg: DictConfig) -> None:
         return
     print(f"moerl: run dir {run_dir}, {world} trainer rank(s), engine={typed.engine.kind}")
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun: we are a rank
+        from moerl.parallel.spawn import die_with_parent
         from moerl.parallel.state import destroy, init_process_group
 
+        die_with_parent(os.getppid())  # and die with torchrun's agent
         init_process_group(typed.launcher.backend)
         try:
             run_rank(typed, run_dir)
