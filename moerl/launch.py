@@ -9,9 +9,11 @@ for this job's world size, then runs the job:
 Trainer rank 0 prepares the initial HF checkpoint (a local `model.path`, or a random
 model built from the config and written into the run directory), starts the embedded
 engines (`engine=embedded`) or attaches to SGLang servers (`engine.urls=[...]`), and
-every rank runs `moerl.loop.run_training`. Engines die with the process that started
-them; Ctrl-C stops the ranks and the engines. `--help` lists the groups; `--cfg job`
-prints the config without running.
+every rank runs `moerl.loop.run_training`. Ranks die with the launcher and engines with
+rank 0, however either dies (even by SIGKILL); Ctrl-C stops the ranks and the engines.
+Everything checkable without a rank (`preflight`: the config, model.path's config.json,
+the checkpoint to resume) is checked first, also by `launcher.dry_run=true`. `--help`
+lists the groups; `--cfg job` prints the config without running.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from moerl.config.schema import MoerlConfig
 from moerl.config.store import register_configs
 from moerl.config.validate import validate_config
 
@@ -52,19 +55,79 @@ def prepare_checkpoint(cfg: Any, run_dir: Path) -> Path:
 
 def model_from_checkpoint(model: Any) -> Any:
     """The architecture of ``model.path`` (its config.json), keeping the configured
-    sequence length."""
+    sequence length. Raises ValueError naming the file for a missing, broken or
+    incomplete config.json or weight file."""
     from moerl.convert import HFCheckpoint
     from moerl.models.families import get_family
 
     path = Path(model.path)
-    if not (path / "config.json").is_file():
-        raise SystemExit(
-            f"moerl: model.path={path} has no config.json: point it at a local Hugging Face "
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(
+            f"model.path={path} has no config.json: point it at a local Hugging Face "
             "checkpoint directory (nothing is downloaded)"
         )
-    loaded = get_family(model.family).from_hf(HFCheckpoint(path).config())
+    hf = HFCheckpoint(path)  # also checks every weight file's size against its header
+    try:
+        loaded = get_family(model.family).from_hf(hf.config())
+    except KeyError as err:
+        raise ValueError(
+            f"{config} has no {err.args[0]!r}, which model.family={model.family} reads: "
+            "is it the config of another model family?"
+        ) from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model.path={path}: {err}") from None
     loaded.path, loaded.seq_length = model.path, model.seq_length
     return loaded
+
+
+def preflight(cfg: DictConfig) -> MoerlConfig:
+    """Everything that can be checked before a rank starts, also in a dry run: the
+    config, the architecture in ``model.path``'s config.json against the layout, and the
+    checkpoint ``trainer.resume`` would load. Raises ValueError in user words."""
+    typed = validate_config(cfg)
+    world = typed.launcher.world_size()
+    if not typed.model.path:
+        from moerl.models.families import FAMILIES
+
+        if typed.model.family not in FAMILIES:  # the engines serve a Hugging Face model
+            raise ValueError(
+                f"model.family={typed.model.family} has no Hugging Face format, so there is "
+                "no initial checkpoint for the engines; pick a family's model (e.g. "
+                f"+recipe=deepseek_moe, model=deepseek_moe_tiny; families: {sorted(FAMILIES)}) "
+                "or set model.path"
+            )
+    else:
+        typed.model = model_from_checkpoint(typed.model)
+        try:
+            validate_config(typed, world)
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (model.* as read from {typed.model.path}/config.json)"
+            ) from None
+    if typed.trainer.resume:
+        check_resume(typed, world)
+    return typed
+
+
+def check_resume(cfg: MoerlConfig, world: int) -> None:
+    """The checkpoint a resume loads exists, is whole (older ones stand in for corrupt
+    ones, with a warning) and holds optimizer state for this layout."""
+    from moerl.trainer.checkpoint_files import newest_loadable, read_progress
+
+    assert cfg.trainer.checkpoint_dir  # validate_config checked it
+    path = newest_loadable(cfg.trainer.checkpoint_dir)
+    progress = read_progress(path)
+    saved = progress.get("layout")
+    p = cfg.parallel
+    layout = {"world": world, "tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp}
+    if progress.get("optimizer_state") and saved != layout:
+        raise ValueError(
+            f"trainer.resume=true: {path} holds optimizer state for layout {saved}, this run "
+            f"is {layout}; resume with the saved parallel.* and launcher.nproc"
+        )
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(f"moerl: resuming from {path}", flush=True)
 
 
 def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], list[Any]]:
@@ -137,13 +200,11 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        typed = validate_config(cfg)
-    except ValueError as err:
+        typed = preflight(cfg)
+    except ValueError as err:  # CheckpointError too
         # A user error: one readable line, no traceback, non-zero exit.
         print(f"moerl: invalid config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    if typed.model.path:
-        typed.model = model_from_checkpoint(typed.model)
     run_dir = HydraConfig.get().runtime.output_dir
     world = typed.launcher.world_size()
     if typed.launcher.dry_run:
@@ -152,8 +213,10 @@ def main(cfg: DictConfig) -> None:
         return
     print(f"moerl: run dir {run_dir}, {world} trainer rank(s), engine={typed.engine.kind}")
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun: we are a rank
+        from moerl.parallel.spawn import die_with_parent
         from moerl.parallel.state import destroy, init_process_group
 
+        die_with_parent(os.getppid())  # and die with torchrun's agent
         init_process_group(typed.launcher.backend)
         try:
             run_rank(typed, run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ENGINE_KINDS = ("embedded", "sglang")
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass

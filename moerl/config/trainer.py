@@ -33,8 +33,12 @@ class TrainerConfig:
     """Where checkpoints are written and read; None = no checkpoints."""
     save_every: int = 0
     """Checkpoint every this many steps (and always after the last); 0 = only at the end."""
+    keep_checkpoints: int = 0
+    """Checkpoints to keep in checkpoint_dir: after a new one is published, all but the
+    newest this many are deleted (never the one ``latest`` points to); 0 = keep all."""
     resume: bool = False
-    """Continue from the latest checkpoint in checkpoint_dir instead of starting fresh."""
+    """Continue from the newest complete checkpoint in checkpoint_dir instead of starting
+    fresh; a corrupt newer one is skipped with a warning naming it."""
     replay: str = "all"
     """Keep Routing: 'all' replays the engine's routes for every token, 'recent' only for
     tokens within recent_window versions of the trainer, 'none' routes freshly."""

@@ -13,7 +13,7 @@ import typing
 from omegaconf import DictConfig, OmegaConf
 
 from moerl.algo.config import at_least, check_algo_config
-from moerl.config.engine import ENGINE_KINDS, EngineConfig
+from moerl.config.engine import ENGINE_DTYPES, ENGINE_KINDS, EngineConfig
 from moerl.config.launcher import BACKENDS, LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
@@ -40,6 +40,28 @@ def _positive(key: str, value: object) -> None:
 def _finite(key: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key}={value!r} must be a finite number")
+
+
+def _non_negative(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}={value!r} must be an integer >= 0")
+
+
+def _positive_seconds(key: str, value: object) -> None:
+    _finite(key, value)
+    at_least(key, value, 0.0, strict=True)  # type: ignore[arg-type]
+
+
+def _check_finite(node: object, prefix: str) -> None:
+    """Every float in the config tree is finite: a NaN passes every `<` check and an inf
+    lr or temperature fails only once the engines serve NaN weights."""
+    for f in dataclasses.fields(node):  # type: ignore[arg-type]
+        value = getattr(node, f.name)
+        key = f"{prefix}{f.name}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}={value!r} must be a finite number")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _check_finite(value, f"{key}.")
 
 
 def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -161,6 +183,14 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
         raise ValueError(
             "trainer.resume=true needs trainer.checkpoint_dir; set the folder to resume from"
         )
+    _check_checkpointing(t)
+
+
+def _check_checkpointing(t: TrainerConfig) -> None:
+    _non_negative("trainer.seed", t.seed)
+    _non_negative("trainer.save_every", t.save_every)
+    _non_negative("trainer.keep_checkpoints", t.keep_checkpoints)
+    _non_negative("trainer.pack_length", t.pack_length)
 
 
 def _check_optimizer(t: TrainerConfig) -> None:
@@ -222,6 +252,34 @@ def _check_engine(e: EngineConfig) -> None:
         )
 
 
+def _check_engine_numbers(e: EngineConfig) -> None:
+    _one_of("engine.dtype", e.dtype, ENGINE_DTYPES)
+    for key in ("threads", "max_running_requests", "max_health_failures"):
+        _positive(f"engine.{key}", getattr(e, key))
+    _non_negative("engine.max_restarts", e.max_restarts)
+    for key in ("startup_timeout_s", "health_interval_s"):
+        _positive_seconds(f"engine.{key}", getattr(e, key))
+
+
+def _check_groups(cfg: MoerlConfig, world_size: int) -> None:
+    """A step trains on whole groups, and the buffer must hold one step's groups."""
+    batch, group = cfg.trainer.global_batch_size, cfg.rollout.group_size
+    if batch % group:
+        per_step = cfg.parallel.micro_batch_size * cfg.parallel.dp(world_size)
+        raise ValueError(
+            f"trainer.global_batch_size={batch} is not a multiple of rollout.group_size="
+            f"{group}: a step trains on whole groups; use a multiple of "
+            f"{math.lcm(group, per_step)}"
+        )
+    groups = batch // group
+    if cfg.buffer.max_groups < groups:
+        raise ValueError(
+            f"buffer.max_groups={cfg.buffer.max_groups} is smaller than the {groups} groups a "
+            f"step takes (trainer.global_batch_size / rollout.group_size = {batch} / {group}), "
+            f"so the trainer would wait forever; set buffer.max_groups >= {groups}"
+        )
+
+
 def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
     if lc.nproc is not None:
         _positive("launcher.nproc", lc.nproc)
@@ -234,6 +292,15 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
         _positive("launcher.threads", lc.threads)
     if lc.backend is not None:
         _one_of("launcher.backend", lc.backend, BACKENDS)
+
+
+def _check_telemetry_and_sync(cfg: MoerlConfig) -> None:
+    at_least("telemetry.progress_interval_s", cfg.telemetry.progress_interval_s, 0.0)
+    port = cfg.sync.master_port
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise ValueError(f"sync.master_port={port!r} must be a TCP port in 1..65535, or null")
 
 
 def _check_rollout(cfg: MoerlConfig) -> None:
@@ -308,11 +375,15 @@ def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None
         world_size = cfg.launcher.world_size()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size {world_size!r} must be a positive integer")
+    _check_finite(cfg, "")
     _check_model(cfg.model)
     _check_layout(cfg.parallel, cfg.model, world_size)
     _check_trainer(cfg.trainer, cfg.parallel, world_size)
     _check_engine(cfg.engine)
+    _check_engine_numbers(cfg.engine)
     _check_launcher(cfg.launcher, world_size)
     check_algo_config(cfg.algo, cfg.correction)
     _check_rollout(cfg)
+    _check_groups(cfg, world_size)
+    _check_telemetry_and_sync(cfg)
     return cfg

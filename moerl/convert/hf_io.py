@@ -39,6 +39,15 @@ def _check_file(path: Path) -> None:
         )
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}): fix or re-download the file"
+        ) from None
+
+
 class HFCheckpoint:
     """Tensor names → files of an HF checkpoint directory."""
 
@@ -48,7 +57,9 @@ class HFCheckpoint:
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         index = self.dir / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map: re-download or re-convert it")
             self.files = {name: self.dir / fname for name, fname in weight_map.items()}
         elif (self.dir / SINGLE).is_file():
             path = self.dir / SINGLE
@@ -67,7 +78,10 @@ class HFCheckpoint:
         path = self.dir / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing: every HF checkpoint needs its config.json")
-        return json.loads(path.read_text())
+        config = _read_json(path)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path} holds {type(config).__name__}, not a JSON object")
+        return config
 
     def names(self) -> set[str]:
         return set(self.files)

@@ -11,21 +11,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 
-from moerl.parallel.spawn import free_port
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): get SIGTERM when the process that started the
-    engine dies, even by SIGKILL, so a killed run leaves no orphan engines."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+from moerl.parallel.spawn import die_with_parent, free_port
 
 
 class EngineProcess:
@@ -67,7 +58,8 @@ class EngineProcess:
             env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            # in the child before exec: a killed run leaves no orphan engine
+            preexec_fn=partial(die_with_parent, os.getpid()),
         )
 
     def restart(self, wait: bool = True) -> None:

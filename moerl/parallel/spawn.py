@@ -1,18 +1,45 @@
 """Run a function on N local processes joined in one gloo/NCCL group.
 
 For tools and tests on one machine; clusters use torchrun, which sets the same
-environment variables.
+environment variables. Every rank dies with the process that spawned it, however that
+process dies (``die_with_parent``), and a failed rank leaves no error file in /tmp.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+_PR_SET_PDEATHSIG = 1
+# Loaded here, in the parent: a child between fork and exec only calls it.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent exits, even by
+    SIGKILL (Linux; a no-op elsewhere). ``parent``: the pid the caller expects as its
+    parent; if that one is already gone, the signal comes at once.
+
+    SIGKILL by default: torch's spawn arms SIGINT, which a process started from a
+    non-interactive shell's background job ignores, so ranks outlived a killed launcher.
+    Linux ties the signal to the *thread* that started the child: start children from
+    a thread that lives as long as they should."""
+    if _LIBC is None:
+        return
+    if _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
 
 
 def free_port() -> int:
@@ -43,8 +70,10 @@ def _entry(
     world_size: int,
     port: int,
     threads: int,
+    parent: int,
     args: tuple[Any, ...],
 ) -> None:
+    die_with_parent(parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -71,10 +100,19 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | No
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    mp.start_processes(
+    context = mp.start_processes(
         _entry,
-        args=(fn, world_size, free_port(), threads, args),
+        args=(fn, world_size, free_port(), threads, os.getpid(), args),
         nprocs=world_size,
-        join=True,
+        join=False,
         start_method="spawn",
     )
+    try:
+        while not context.join():
+            pass
+    finally:
+        # torch passes a failed rank's traceback through /tmp/pytorch-errorfile-*.pickle
+        # and leaves the file there; the exception raised above already carries it
+        for name in context.error_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)

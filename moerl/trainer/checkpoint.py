@@ -12,6 +12,10 @@ in ``optim_rank*.pt`` and resumes exactly in the same layout; another layout rai
 clear error. The lr scheduler's state (its optimizer-step count and settings, the same
 on every rank) is a ``scheduler`` entry of ``progress.json``. (megatron-core 0.16's resharding DistributedOptimizer formats do not
 round-trip without TE/apex here: the Adam moments came back empty in tests.)
+
+On resume every file is checked first (``checkpoint_files.verify``): a corrupt or
+incomplete checkpoint is skipped with a warning naming the bad file, and the newest
+whole one loads. ``keep`` prunes older checkpoints once a new one is published.
 """
 
 from __future__ import annotations
@@ -26,8 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-LATEST = "latest"
-PROGRESS = "progress.json"
+from moerl.convert.hf_io import CheckpointError
+from moerl.trainer.checkpoint_files import (
+    LATEST,
+    PROGRESS,
+    newest_loadable,
+    prune,
+    read_progress,
+)
 
 
 def _rank() -> int:
@@ -106,11 +116,13 @@ def save(
     optimizer: Any | None = None,
     extra: Callable[[Path], None] | None = None,
     scheduler: Any | None = None,
+    keep: int = 0,
 ) -> Path:
     """Save step ``step`` under ``root`` on every rank; returns the final directory.
     ``extra(tmp_dir)`` runs on rank 0 inside the checkpoint before it is published, for
     state outside the model's sharded state dict (LoRA adapters). ``scheduler``: an
-    OptimizerParamScheduler whose state joins the progress record."""
+    OptimizerParamScheduler whose state joins the progress record. ``keep`` > 0: once
+    published, delete all but the ``keep`` newest checkpoints (never the latest)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -144,6 +156,7 @@ def save(
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(name)
         os.replace(pointer, root / LATEST)
+        prune(root, keep)
     _barrier()
     return final
 
@@ -162,31 +175,64 @@ def latest(root: str | Path) -> Path | None:
     return None
 
 
+def resume_point(root: str | Path) -> Path:
+    """The checkpoint under ``root`` a resume loads (``newest_loadable``), decided on rank 0
+    and shared, so every rank loads the same one and warnings print once. Raises the same
+    CheckpointError on every rank if there is none."""
+    choice: list[Any] = [None]
+    if _rank() == 0:
+        try:
+            choice = [str(newest_loadable(root))]
+        except CheckpointError as err:
+            choice = [err]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], Exception):
+        raise CheckpointError(str(choice[0]))
+    return Path(choice[0])
+
+
+def _torch_load(file: Path) -> Any:
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as err:  # a damaged archive fails in zip, pickle or storage code
+        raise CheckpointError(
+            f"{file} cannot be loaded ({type(err).__name__}: {err}): the checkpoint "
+            f"{file.parent} is corrupt; restore the file, or delete {file.parent} to resume "
+            "from the previous checkpoint"
+        ) from err
+
+
 def load(
     root: str | Path,
     chunks: list[Any],
     optimizer: Any | None = None,
     scheduler: Any | None = None,
 ) -> dict[str, Any]:
-    """Restore the latest checkpoint into ``chunks`` (any layout), and into ``optimizer``
-    and ``scheduler`` when given; returns its progress record. Raises FileNotFoundError
-    naming ``root`` if none."""
+    """Restore a checkpoint into ``chunks`` (any layout), and into ``optimizer`` and
+    ``scheduler`` when given; returns its progress record. ``root`` is one checkpoint
+    (``step_*``, as ``resume_point`` returns) or a folder of them (its resume point).
+    Raises CheckpointError naming a missing or corrupt file and the fix."""
     from megatron.core import dist_checkpointing
 
-    path = latest(root)
-    if path is None:
-        raise FileNotFoundError(
-            f"no complete checkpoint under {root}: start without trainer.resume, or point "
-            "trainer.checkpoint_dir at a directory holding step_*/progress.json"
-        )
-    state = dist_checkpointing.load(_sharded(chunks), str(path))
+    path = Path(root)
+    if not (path / PROGRESS).is_file():
+        path = resume_point(path)
+    progress = read_progress(path)
+    try:
+        state = dist_checkpointing.load(_sharded(chunks), str(path))
+    except Exception as err:  # checked files can still hold bad bytes
+        raise CheckpointError(
+            f"the model in {path} cannot be loaded ({type(err).__name__}: {err}): the "
+            f"checkpoint is corrupt or from another model; delete {path} to resume from the "
+            "previous checkpoint"
+        ) from err
     modules = [getattr(c, "module", c) for c in chunks]
     if len(modules) == 1:
         modules[0].load_state_dict(state["model"], strict=False)
     else:
         for i, m in enumerate(modules):
             m.load_state_dict(state["model"][f"model{i}"], strict=False)
-    progress = json.loads((path / PROGRESS).read_text())
     if optimizer is not None:
         if not progress.get("optimizer_state"):
             raise ValueError(
@@ -197,9 +243,7 @@ def load(
                 f"{path} holds optimizer state for layout {progress.get('layout')}, this run is "
                 f"{_layout()}: resume in the saved layout, or without the optimizer state"
             )
-        _load_optimizer_state(
-            optimizer, torch.load(path / f"optim_rank{_rank():05d}.pt", weights_only=True)
-        )
+        _load_optimizer_state(optimizer, _torch_load(path / f"optim_rank{_rank():05d}.pt"))
     if scheduler is not None:
         from moerl.trainer.schedule import load_scheduler_state
 
@@ -211,5 +255,5 @@ def load(
         load_scheduler_state(scheduler, progress["scheduler"])  # after the optimizer's groups
     rng = path / f"rng_rank{_rank():05d}.pt"
     if rng.is_file():  # same world size: restore this rank's streams exactly
-        _set_rng_state(torch.load(rng, weights_only=True))
+        _set_rng_state(_torch_load(rng))
     return progress

@@ -114,12 +114,11 @@ class Trainer:
         if trainer.resume:
             if not trainer.checkpoint_dir:
                 raise ValueError("trainer.resume=true needs trainer.checkpoint_dir")
-            self.progress = checkpoint.load(
-                trainer.checkpoint_dir, self.chunks, self.optimizer, self.scheduler
-            )
+            path = checkpoint.resume_point(trainer.checkpoint_dir)  # skips corrupt ones
+            self.progress = checkpoint.load(path, self.chunks, self.optimizer, self.scheduler)
             self.version = int(self.progress["version"])
             if self.lora is not None:
-                self._load_adapters(checkpoint.latest(trainer.checkpoint_dir))
+                self._load_adapters(path)
 
     def _reference(
         self, chunks: list[Any], model: ModelConfig, parallel: ParallelConfig
@@ -384,6 +383,7 @@ class Trainer:
             self.chunks,
             {"version": self.version, **progress},
             self.optimizer,
+            keep=self.cfg.keep_checkpoints,
             extra=extra,
             scheduler=self.scheduler,
         )

@@ -190,7 +190,10 @@ def test_launch_help(tmp_path) -> None:
 
 
 def test_launch_valid_config(tmp_path) -> None:
-    proc = _launch("parallel=ep2", "launcher.nproc=2", "launcher.dry_run=true", cwd=str(tmp_path))
+    proc = _launch(
+        "model=deepseek_moe_tiny", "parallel=ep2", "launcher.nproc=2", "launcher.dry_run=true",
+        cwd=str(tmp_path),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "ep: 2" in proc.stdout
     assert "dry run, nothing started" in proc.stdout

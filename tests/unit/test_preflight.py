@@ -1,0 +1,143 @@
+"""Validation before heavy work: `moerl.launch.preflight` (what the launcher and its dry
+run check before any rank starts) refuses each bad config naming the key, reading the
+checkpoint's config.json and the checkpoint a resume would load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
+from safetensors.torch import save_file
+
+from moerl.config.store import register_configs
+from moerl.launch import preflight
+from moerl.models.families import get_family
+from moerl.models.tiny import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun(monkeypatch) -> None:
+    register_configs()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _hf_dir(path: Path, **changes: object) -> Path:
+    """A checkpoint directory whose config.json is moerl's tiny DeepSeek with `changes`
+    (the weights file only needs a valid header: preflight reads no tensor)."""
+    model = dataclasses.replace(tiny_config("deepseek_moe"), **changes)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(get_family("deepseek_moe").to_hf(model)))
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        # fails after the model is written and the engines are up today
+        (["trainer.global_batch_size=12"], ["trainer.global_batch_size=12", "group_size=8"]),
+        (["trainer.save_every=-3"], ["trainer.save_every=-3", ">= 0"]),
+        (["trainer.keep_checkpoints=-1"], ["trainer.keep_checkpoints=-1", ">= 0"]),
+        (["trainer.lr=inf"], ["trainer.lr=inf", "finite"]),
+        (["rollout.temperature=nan"], ["rollout.temperature=nan", "finite"]),
+        (["sync.bucket_mb=inf"], ["sync.bucket_mb=inf", "finite"]),
+        (["engine.max_restarts=-1"], ["engine.max_restarts=-1", ">= 0"]),
+        (["engine.startup_timeout_s=0"], ["engine.startup_timeout_s=0.0", "> 0"]),
+        (
+            ["trainer.global_batch_size=32", "buffer.max_groups=2"],
+            ["buffer.max_groups=2", "4 groups", "buffer.max_groups >= 4"],
+        ),
+    ],
+)
+def test_preflight_refuses_bad_numbers(overrides, fragments) -> None:
+    with pytest.raises(ValueError) as info:
+        preflight(_compose(*overrides))
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_preflight_needs_a_model_the_engines_can_serve() -> None:
+    with pytest.raises(ValueError, match="model.family=gpt has no Hugging Face format"):
+        preflight(_compose())  # the base config's model: fine for the trainer alone
+    assert preflight(_compose("model=deepseek_moe_tiny")).model.family == "deepseek_moe"
+
+
+def test_preflight_checks_the_checkpoints_architecture(tmp_path) -> None:
+    """The configured model (8 experts) fits ep=4; the checkpoint's 6 experts do not."""
+    ckpt = _hf_dir(tmp_path / "hf", num_experts=6, moe_router_num_groups=2)
+    ok = ["+recipe=deepseek_moe", "parallel.ep=4", "launcher.nproc=4"]
+    assert preflight(_compose(*ok)).model.num_experts == 8
+    with pytest.raises(ValueError) as info:
+        preflight(_compose(*ok, f"model.path={ckpt}"))
+    message = str(info.value)
+    assert "parallel.ep=4" in message and "num_experts=6" in message
+    assert str(ckpt / "config.json") in message
+    loaded = preflight(_compose(*ok[:1], f"model.path={ckpt}", "parallel.ep=2", "launcher.nproc=2"))
+    assert loaded.model.num_experts == 6
+
+
+def test_preflight_names_a_broken_config_json(tmp_path) -> None:
+    ckpt = _hf_dir(tmp_path / "hf")
+    text = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=f"{ckpt / 'config.json'} is not valid JSON"):
+        preflight(_compose("+recipe=deepseek_moe", f"model.path={ckpt}"))
+    config = json.loads(text)
+    del config["n_routed_experts"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json has no 'n_routed_experts'"):
+        preflight(_compose("+recipe=deepseek_moe", f"model.path={ckpt}"))
+
+
+def test_preflight_refuses_a_resume_with_nothing_to_resume(tmp_path) -> None:
+    for folder in (tmp_path / "missing", tmp_path):
+        cfg = _compose(
+            "model=deepseek_moe_tiny", "trainer.resume=true", f"trainer.checkpoint_dir={folder}"
+        )
+        with pytest.raises(ValueError) as info:
+            preflight(cfg)
+        assert "trainer.resume=true" in str(info.value) and str(folder) in str(info.value)
+
+
+def _launch(run: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    return subprocess.run(
+        [sys.executable, "-m", "moerl.launch", f"hydra.run.dir={run}", *overrides],
+        cwd=run.parent, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_launch_refuses_before_any_rank_starts(tmp_path) -> None:
+    """A real launch (not a dry run) of a config that today fails after 25 s, once the
+    model is written and an engine is up, stops at once: no model, no engine log."""
+    run = tmp_path / "run"
+    t0 = time.time()
+    proc = _launch(run, "trainer.global_batch_size=12")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "invalid config: trainer.global_batch_size=12" in proc.stderr
+    assert not (run / "init_hf").exists() and not list(run.glob("engine*.log"))
+    assert time.time() - t0 < 60
+
+
+def test_dry_run_reads_the_checkpoints_config(tmp_path) -> None:
+    ckpt = _hf_dir(tmp_path / "hf", num_experts=6, moe_router_num_groups=2)
+    proc = _launch(
+        tmp_path / "run", "+recipe=deepseek_moe", f"model.path={ckpt}", "parallel.ep=4",
+        "launcher.nproc=4", "launcher.dry_run=true",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert "parallel.ep=4" in proc.stderr and "dry run" not in proc.stdout
