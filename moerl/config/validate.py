@@ -265,7 +265,9 @@ def _check_groups(cfg: MoerlConfig, world_size: int) -> None:
     """A step trains on whole groups, and the buffer must hold one step's groups."""
     batch, group = cfg.trainer.global_batch_size, cfg.rollout.group_size
     if batch % group:
-        per_step = cfg.parallel.micro_batch_size * cfg.parallel.dp(world_size)
+        per_step = (
+            cfg.trainer.minibatches * cfg.parallel.micro_batch_size * cfg.parallel.dp(world_size)
+        )
         raise ValueError(
             f"trainer.global_batch_size={batch} is not a multiple of rollout.group_size="
             f"{group}: a step trains on whole groups; use a multiple of "
