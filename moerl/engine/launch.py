@@ -39,6 +39,7 @@ def build_state(args: argparse.Namespace) -> Any:
     scheduler = Scheduler(
         runner,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests or None,
         eos_token_ids=eos_ids,
         weight_version=args.weight_version,
         enable_routed_experts=args.enable_return_routed_experts,
