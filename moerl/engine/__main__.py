@@ -3,7 +3,8 @@
 Flags are named as SGLang's (``--model-path``, ``--port``, ``--host``,
 ``--max-running-requests``, ``--max-queued-requests``, ``--enable-return-routed-experts``,
 ``--enable-lora``, ``--api-key``), so scripts move between the two by changing the module.
-SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
+The API key can come from the ``MOERL_API_KEY`` environment variable instead, which keeps
+it out of the process list. SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--lora-target-modules", nargs="*", default=None, help="e.g. q_proj o_proj")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="default: $MOERL_API_KEY")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version")

@@ -8,8 +8,8 @@ Every body is checked by ``moerl.engine.validate`` before it reaches the schedul
 naming the field). Limits as SGLang's: a full queue (--max-queued-requests) or a scheduler
 that stopped answers 503 at once; a client that disconnects aborts its requests, streaming
 or not. ``/health`` is 503 with the reason once the scheduler thread ended;
-``/health_generate`` generates one token. The API key (--api-key) guards every endpoint
-but the health checks, as SGLang's does.
+``/health_generate`` generates one token. The API key (--api-key, or the MOERL_API_KEY
+environment variable) guards every endpoint but the health checks, as SGLang's does.
 """
 
 from __future__ import annotations
