@@ -246,6 +246,8 @@ def check_generate(body: Mapping[str, Any]) -> dict[str, Any]:
             "input_ids": list_of(INTS, "a list of lists of token ids") if batch else INTS,
         },
     )
+    if batch and body.get("text") == []:
+        raise RequestError("text", "a batch needs at least one prompt, got []")
     check_fields(body, PER_CALL)
     for name, kind in PER_REQUEST.items():
         per_item = list_of(kind | NULL, f"a list of {name} values, one per request")

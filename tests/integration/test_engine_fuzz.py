@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from moerl.engine.validate import SAMPLING
 
 TIMEOUT_S = 30.0
-MAX_BODY = 1 << 20
+MAX_BODY = 1 << 20  # a response (or stream event)
+MAX_ERROR = 1 << 14  # an error's JSON
 
 leaf = (
     st.none()
@@ -153,14 +154,19 @@ def _would_join_a_group(path: str, body: object) -> bool:
     )
 
 
-def _check(r: httpx.Response) -> None:
+def _check(r: httpx.Response, stream: bool = False) -> None:
     assert r.status_code < 300 or 400 <= r.status_code < 500 or r.status_code == 503, (
         r.status_code,
         r.text[:2000],
     )
-    assert len(r.content) <= MAX_BODY
     if r.status_code >= 400:
-        assert isinstance(r.json(), dict), r.text[:2000]
+        assert len(r.content) <= MAX_ERROR and isinstance(r.json(), dict), r.text[:2000]
+    elif stream:  # each event is one JSON response; events repeat the output so far
+        events = r.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""], r.text[-2000:]
+        assert all(len(e) <= MAX_BODY and json.loads(e[6:]) for e in events[:-2])
+    else:
+        assert len(r.content) <= MAX_BODY
 
 
 def _send(http, path: str, body: object) -> None:  # type: ignore[no-untyped-def]
@@ -175,9 +181,9 @@ def _send(http, path: str, body: object) -> None:  # type: ignore[no-untyped-def
             timeout=TIMEOUT_S,
         ) as r:
             r.read()
+        _check(r, stream=True)
     else:
-        r = http.post(path, raw=raw, timeout=TIMEOUT_S)
-    _check(r)
+        _check(http.post(path, raw=raw, timeout=TIMEOUT_S))
 
 
 def _fuzz(http, examples: int) -> None:  # type: ignore[no-untyped-def]

@@ -28,6 +28,7 @@ GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "temperatur
         ('{"input_ids":[5,true]}', "input_ids"),
         ('{"input_ids":[5,6],"rid":{"a":1}}', "rid"),
         ('{"text":7}', "text"),
+        ('{"text":[]}', "text"),  # found by the fuzz test
         ("[" * 5000 + "]" * 5000, "nested"),
     ],
 )
