@@ -294,10 +294,11 @@ def create_app(state: EngineState) -> FastAPI:
             )
             futures.append(future)
         sched.submit(*reqs)
-        results = asyncio.gather(*futures)
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        results: asyncio.Future[list[Request]] = asyncio.gather(*futures)
+        gone: asyncio.Future[None] = asyncio.ensure_future(_until_disconnect(request))
+        either: set[asyncio.Future[Any]] = {results, gone}
         try:
-            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not results.done():  # client went away (or the server stops): stop its work
