@@ -16,7 +16,7 @@ from setuptools import find_packages, setup
 # Triton 3 runs its kernels on the CPU under TRITON_INTERPRET=1, which is how the tests
 # check every kernel against its torch twin without a GPU.
 KERNELS = ["triton>=3.0"]
-TEST = ["pytest>=8", "pytest-timeout", "httpx", *KERNELS]
+TEST = ["pytest>=8", "pytest-timeout", "httpx", "hypothesis>=6", *KERNELS]
 
 packages = find_packages(include=["moerl", "moerl.*"])
 packages += ["moerl.kernels"] + [f"moerl.kernels.{p}" for p in find_packages("kernels")]

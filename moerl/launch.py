@@ -134,8 +134,13 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
     """Engine URLs and the processes moerl owns (embedded engines only)."""
     if cfg.engine.kind == "sglang":
         return list(cfg.engine.urls), []
+    import secrets
+
+    from moerl.engine import API_KEY_ENV
     from moerl.engine.process import EngineProcess
 
+    # A key per run, unless the user set one: rank 0's clients read it from the environment.
+    os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(32))
     flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
     flags += ["--max-running-requests", str(cfg.engine.max_running_requests)]
     if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
@@ -150,6 +155,7 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
             EngineProcess(
                 hf_dir,
                 *flags,
+                api_key=os.environ[API_KEY_ENV],
                 threads=cfg.engine.threads,
                 log_path=run_dir / f"engine{i}.log",
                 startup_timeout_s=cfg.engine.startup_timeout_s,

@@ -1,14 +1,17 @@
 """``python -m moerl.engine --model-path DIR --port P``: the embedded inference engine.
 
 Flags are named as SGLang's (``--model-path``, ``--port``, ``--host``,
-``--max-running-requests``, ``--enable-return-routed-experts``, ``--enable-lora``,
-``--api-key``), so scripts move between the two by changing the module.
+``--max-running-requests``, ``--max-queued-requests``, ``--enable-return-routed-experts``,
+``--enable-lora``, ``--api-key``), so scripts move between the two by changing the module.
+The API key can come from the ``MOERL_API_KEY`` environment variable instead, which keeps
+it out of the process list. SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from moerl.engine.launch import build_state
 
@@ -19,12 +22,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=4096,
+        help="requests waiting to start; more are refused at once with 503 (SGLang's "
+        "default is unbounded, 0 means the same here)",
+    )
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--lora-target-modules", nargs="*", default=None, help="e.g. q_proj o_proj")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="default: $MOERL_API_KEY")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version")
@@ -39,7 +49,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     app = build_state(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    scheduler = app.state.engine.scheduler
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Stop the scheduler first: requests in flight get a 503 instead of holding
+            # the graceful shutdown open (a paused engine would never finish them).
+            scheduler.stop("the engine is shutting down")
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    Server(config).run()
 
 
 if __name__ == "__main__":

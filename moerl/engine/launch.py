@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
 
 
 def build_state(args: argparse.Namespace) -> Any:
+    from moerl.engine import API_KEY_ENV
     from moerl.engine.model_runner import ModelRunner
     from moerl.engine.scheduler import Scheduler
     from moerl.engine.server import EngineState, create_app
@@ -39,6 +41,7 @@ def build_state(args: argparse.Namespace) -> Any:
     scheduler = Scheduler(
         runner,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests or None,
         eos_token_ids=eos_ids,
         weight_version=args.weight_version,
         enable_routed_experts=args.enable_return_routed_experts,
@@ -47,7 +50,7 @@ def build_state(args: argparse.Namespace) -> Any:
         runner=runner,
         scheduler=scheduler,
         model_path=str(args.model_path),
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         tokenizer=tokenizer,
     )
     app = create_app(state)

@@ -12,6 +12,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from moerl.engine.lora import read_peft_dir
+from moerl.engine.validate import check_peft_config, nonfinite_tensor
 
 
 def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: Any) -> None:
@@ -33,6 +34,19 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
             return reply(False, str(err))
         return reply(True)
 
+    async def load(name: str, config: dict[str, Any], tensors: dict[str, Any]) -> JSONResponse:
+        """Refuse a config the engine cannot read and non-finite tensors, then load."""
+        if not isinstance(config, dict):
+            return reply(False, f"adapter {name!r}: adapter_config must be a JSON object")
+        try:
+            check_peft_config(config)
+        except ValueError as err:
+            return reply(False, f"adapter {name!r}: {err}")
+        bad = await asyncio.to_thread(nonfinite_tensor, tensors.items())
+        if bad is not None:
+            return reply(False, f"adapter {name!r}: {bad} holds NaN or inf; nothing loaded")
+        return await apply(lambda: runner.lora.load(name, config, tensors))
+
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: HTTPRequest) -> Any:
         body = await body_of(request)
@@ -46,7 +60,7 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
             config, tensors = await asyncio.to_thread(read_peft_dir, path)
         except Exception as err:  # missing, truncated or not safetensors: refuse, load nothing
             return reply(False, f"cannot read the adapter at {path}: {err}")
-        return await apply(lambda: runner.lora.load(name, config, tensors))
+        return await load(name, config, tensors)
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(request: HTTPRequest) -> Any:
@@ -66,7 +80,7 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
             tensors = safetensors_load(base64.b64decode(blob, validate=True))
         except Exception as err:  # never unpickle: safetensors or nothing
             return reply(False, f"safetensors_b64 is not a base64 safetensors file: {err}")
-        return await apply(lambda: runner.lora.load(name, config, tensors))
+        return await load(name, config, tensors)
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: HTTPRequest) -> Any:

@@ -1,7 +1,8 @@
 """Start ``python -m moerl.engine`` as a child process and wait until it is healthy.
 
 Used by the launcher (embedded engines), benchmarks and tests. The child's output
-goes to a log file, never to an unread pipe that could fill and block it.
+goes to a log file, never to an unread pipe that could fill and block it. An API key
+reaches the child through its environment (MOERL_API_KEY), never its command line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from moerl.engine import API_KEY_ENV
 from moerl.parallel.spawn import die_with_parent, free_port
 
 
@@ -34,11 +36,9 @@ class EngineProcess:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         args = [sys.executable, "-m", "moerl.engine", "--model-path", str(model_path)]
         args += ["--port", str(self.port), "--num-threads", str(threads)]
-        if api_key:
-            args += ["--api-key", api_key]
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="moerl-engine-", suffix=".log")
             os.close(fd)
@@ -47,6 +47,8 @@ class EngineProcess:
         self._log = self.log_path.open("ab")
         self._argv = [*args, *extra]
         self._env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if self.api_key:  # in the environment, not the command line that `ps` shows
+            self._env[API_KEY_ENV] = self.api_key
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
         self._spawn()

@@ -6,6 +6,13 @@ steps and running requests keep going on the new weights — then prefills newly
 arrived requests one by one, then decodes one token for every running request in
 a single batched forward. HTTP handlers talk to it through thread-safe queues and
 get results back on their asyncio loop.
+
+The thread survives its requests: an exception while prefilling, decoding or sampling
+fails only the requests that step touched (a batched forward that raises is retried one
+request at a time to find them), and logits that are not finite fail their request. Each
+failed request finishes with an abort reason carrying the message and an HTTP status.
+If the thread ends anyway (a BaseException, or shutdown), ``dead`` says why, every queued
+and running request is failed, and ``submit`` and ``control`` refuse at once.
 """
 
 # T tokens, L layers, K top-k
@@ -13,6 +20,7 @@ get results back on their asyncio loop.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -22,9 +30,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from moerl.engine.model_runner import KVCache, ModelRunner
 from moerl.engine.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+QUEUE_FULL = "The request queue is full."  # SGLang's words, with HTTP 503
+
+
+class Unavailable(RuntimeError):
+    """The scheduler takes no more work: its queue is full or its thread ended (HTTP 503)."""
 
 
 @dataclass
@@ -65,13 +82,19 @@ class Scheduler:
         runner: ModelRunner,
         *,
         max_running_requests: int = 64,
+        max_queued_requests: int | None = None,
         max_prefill_per_step: int = 8,
         eos_token_ids: list[int] | None = None,
         weight_version: str = "0",
         enable_routed_experts: bool = False,
     ) -> None:
         self.runner = runner
+        if max_running_requests < 1:
+            raise ValueError(f"--max-running-requests {max_running_requests} must be >= 1")
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests {max_queued_requests} must be >= 1")
         self.max_running = max_running_requests
+        self.max_queued = max_queued_requests
         self.max_prefill = max_prefill_per_step
         self.eos = set(eos_token_ids or [])
         self.weight_version = weight_version
@@ -83,8 +106,12 @@ class Scheduler:
             tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
         ] = queue.Queue()
         self.paused = False
+        self.dead: str | None = None  # why the thread ended; set once, under _gate
+        self._gate = threading.Lock()  # orders submit/control against the thread's end
+        self.failed_requests = 0  # requests failed by an error in a step
         self.wake = threading.Event()
         self.stop_event = threading.Event()
+        self._stop_reason = "the engine is shutting down"
         self.thread = threading.Thread(target=self._loop, name="moerl-scheduler", daemon=True)
         self.steps = 0
         self.last_step_s = 0.0
@@ -95,21 +122,47 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def shutdown(self) -> None:
+    def stop(self, reason: str = "the engine is shutting down") -> None:
+        """Ask the thread to end after its current step (any thread; does not wait)."""
+        self._stop_reason = reason
         self.stop_event.set()
         self.wake.set()
+
+    def shutdown(self) -> None:
+        self.stop()
         self.thread.join(timeout=30)
 
-    def submit(self, request: Request) -> None:
-        self.waiting.put(request)
+    def submit(self, *requests: Request, bounded: bool = True) -> None:
+        """Queue requests, all or none: Unavailable if the thread ended or (``bounded``)
+        they do not fit in --max-queued-requests."""
+        with self._gate:
+            if self.dead is not None:
+                raise Unavailable(self.dead)
+            if (
+                bounded
+                and self.max_queued is not None
+                and self.waiting.qsize() + len(requests) > self.max_queued
+            ):
+                raise Unavailable(QUEUE_FULL)
+            for request in requests:
+                self.waiting.put(request)
         self.wake.set()
 
     def control(
         self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
     ) -> None:
-        """Run ``fn`` on the scheduler thread between steps; ``done(result, error)`` after."""
-        self.controls.put((fn, done))
-        self.wake.set()
+        """Run ``fn`` on the scheduler thread between steps; ``done(result, error)`` after
+        (at once with Unavailable if the thread ended)."""
+        with self._gate:
+            if self.dead is None:
+                self.controls.put((fn, done))
+                self.wake.set()
+                return
+        done(None, Unavailable(self.dead))
+
+    def cancel(self, requests: list[Request], message: str) -> None:
+        """Abort these requests (a client that went away), from any thread."""
+        self.control(lambda: self.abort(requests=requests, message=message), lambda *_: None)
 
     def uses_adapter(self, name: str) -> int:
         """Requests (running or retracted) generating with adapter ``name``."""
@@ -120,18 +173,42 @@ class Scheduler:
 
     # -- control actions (scheduler thread) ------------------------------------------------
     def finish(self, request: Request, reason: dict[str, Any]) -> None:
+        if request.done:
+            return
         request.finish_reason = reason
+        request.cache = KVCache()  # free its KV now, not when the server drops it
         if request.on_done is not None:
-            request.on_done(request)
+            try:
+                request.on_done(request)
+            except Exception:  # the server's side is gone (loop closed); nothing waits
+                log.exception("on_done of request %s failed", request.rid)
+
+    def fail(self, request: Request, message: str, status_code: int = 500) -> None:
+        """Finish ``request`` with an error (an abort with an HTTP status, as SGLang's)."""
+        if request.done:
+            return
+        self.failed_requests += 1
+        self.finish(request, _abort(message, status_code))
 
     def abort(
-        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
+        self,
+        rid: str | None = None,
+        abort_all: bool = False,
+        message: str = "aborted",
+        requests: list[Request] | None = None,
     ) -> int:
-        """Finish matching requests (running, retracted or waiting) with an abort reason."""
+        """Finish matching requests (running, retracted or waiting) with an abort reason:
+        all, those whose rid starts with ``rid`` (as SGLang matches), or ``requests``."""
+
+        def match(req: Request) -> bool:
+            if requests is not None:
+                return any(req is r for r in requests)
+            return abort_all or req.rid.startswith(str(rid))
+
         count = 0
         keep_running = []
         for req in self.running + self.retracted:
-            if abort_all or req.rid.startswith(str(rid)):  # SGLang matches rid by prefix
+            if match(req):
                 self.finish(req, _abort(message))
                 count += 1
             elif req in self.running:
@@ -144,7 +221,7 @@ class Scheduler:
                 req = self.waiting.get_nowait()
             except queue.Empty:
                 break
-            if abort_all or req.rid.startswith(str(rid)):
+            if match(req):
                 self.finish(req, _abort(message))
                 count += 1
             else:
@@ -172,20 +249,58 @@ class Scheduler:
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self.stop_event.is_set():
-            self._run_controls()
-            if self.paused or (not self.running and self.waiting.empty() and not self.retracted):
-                self.wake.wait(timeout=0.05)
-                self.wake.clear()
-                continue
-            start, wall_start = time.perf_counter(), time.time()
-            self._admit()
-            if self.running:
-                self._decode()
-            self.last_step_s = time.perf_counter() - start
-            self.steps += 1
-            self.step_times.append((wall_start, self.last_step_s, len(self.running)))
-            del self.step_times[:-256]
+        reason = None
+        try:
+            while not self.stop_event.is_set():
+                self._run_controls()
+                if self.paused or (
+                    not self.running and self.waiting.empty() and not self.retracted
+                ):
+                    self.wake.wait(timeout=0.05)
+                    self.wake.clear()
+                    continue
+                try:
+                    self._step()
+                except Exception as err:  # outside any one request: fail those in the step
+                    log.exception("scheduler step failed")
+                    for req in self.running + self.retracted:
+                        self.fail(req, f"scheduler step failed: {_words(err)}")
+                    self.running, self.retracted = [], []
+        except BaseException as err:  # the thread ends here, logged; _close says why
+            reason = f"the scheduler thread died: {_words(err)}"
+            log.critical(reason, exc_info=True)
+        finally:
+            self._close(reason or self._stop_reason)
+
+    def _step(self) -> None:
+        start, wall_start = time.perf_counter(), time.time()
+        self._admit()
+        if self.running:
+            self._decode()
+        self.last_step_s = time.perf_counter() - start
+        self.steps += 1
+        self.step_times.append((wall_start, self.last_step_s, len(self.running)))
+        del self.step_times[:-256]
+
+    def _close(self, reason: str) -> None:
+        """The thread ends: refuse new work, fail all queued, running and control work."""
+        with self._gate:
+            self.dead = reason
+        for req in self.running + self.retracted:
+            self.fail(req, reason, 503)
+        self.running, self.retracted = [], []
+        while True:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            self.fail(req, reason, 503)
+        while True:
+            try:
+                _, done = self.controls.get_nowait()
+            except queue.Empty:
+                break
+            done(None, Unavailable(reason))
 
     def _run_controls(self) -> None:
         while True:
@@ -195,7 +310,7 @@ class Scheduler:
                 return
             try:
                 result = fn()
-            except BaseException as err:  # reported to the caller, never kills the loop
+            except Exception as err:  # reported to the caller, never kills the loop
                 done(None, err)
             else:
                 done(result, None)
@@ -204,7 +319,7 @@ class Scheduler:
         admitted = 0
         while self.retracted and len(self.running) < self.max_running:
             req = self.retracted.pop(0)
-            self._prefill(req, req.input_ids + req.output_ids, resumed=True)
+            self._guarded_prefill(req, resumed=True)
             admitted += 1
         while admitted < self.max_prefill and len(self.running) < self.max_running:
             try:
@@ -218,8 +333,16 @@ class Scheduler:
                 # unloaded between the server's check and this admission
                 self.finish(req, _abort(f"LoRA adapter {req.lora!r} was unloaded"))
                 continue
-            self._prefill(req, req.input_ids, resumed=False)
+            self._guarded_prefill(req, resumed=False)
             admitted += 1
+
+    def _guarded_prefill(self, req: Request, resumed: bool) -> None:
+        tokens = req.input_ids + req.output_ids if resumed else req.input_ids
+        try:
+            self._prefill(req, tokens, resumed)
+        except Exception as err:
+            log.exception("prefill of request %s failed", req.rid)
+            self.fail(req, f"prefill failed: {_words(err)}")
 
     def _prefill(self, req: Request, tokens: list[int], resumed: bool) -> None:
         if resumed:
@@ -241,13 +364,41 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch = self.running
-        logits, routes = self.runner.decode(
-            [r.output_ids[-1] for r in batch], [r.cache for r in batch], [r.lora for r in batch]
-        )
-        for i, req in enumerate(batch):
-            self._record(req, routes[i : i + 1])
-            self._emit(req, logits[i])
+        try:
+            self._decode_batch(batch)
+        except Exception as err:
+            if len(batch) == 1:
+                log.exception("decode of request %s failed", batch[0].rid)
+                self.fail(batch[0], f"decode failed: {_words(err)}")
+            else:  # find the requests that fail: each alone
+                log.warning("batched decode failed (%s); decoding one by one", _words(err))
+                for req in batch:
+                    try:
+                        self._decode_batch([req])
+                    except Exception as one:
+                        log.exception("decode of request %s failed", req.rid)
+                        self.fail(req, f"decode failed: {_words(one)}")
         self.running = [r for r in batch if not r.done]
+
+    def _decode_batch(self, batch: list[Request]) -> None:
+        lengths = [r.cache.length for r in batch]
+        try:
+            logits, routes = self.runner.decode(
+                [r.output_ids[-1] for r in batch],
+                [r.cache for r in batch],
+                [r.lora for r in batch],
+            )
+        except Exception:
+            for req, length in zip(batch, lengths):  # drop a half-appended step
+                req.cache.length = length
+            raise
+        for i, req in enumerate(batch):
+            try:
+                self._record(req, routes[i : i + 1])
+                self._emit(req, logits[i])
+            except Exception as err:  # sampling or the stream callback: this request only
+                log.exception("sampling of request %s failed", req.rid)
+                self.fail(req, f"sampling failed: {_words(err)}")
 
     def _record(self, req: Request, routes: np.ndarray) -> None:
         if req.return_routed_experts:
@@ -255,6 +406,14 @@ class Scheduler:
 
     def _emit(self, req: Request, logits: Any) -> None:
         """Sample the next token of ``req`` and finish it if a stop condition holds."""
+        if not bool(torch.isfinite(logits).all()):
+            adapter = f" with LoRA adapter {req.lora!r}" if req.lora else ""
+            self.fail(
+                req,
+                f"the model's logits at output token {len(req.output_ids)} are not finite "
+                f"(NaN or inf){adapter}: the weights produce NaN; request aborted",
+            )
+            return
         s = sample(logits, req.params, self.runner.generator)
         req.output_ids.append(s.token)
         req.logprobs.append(s.logprob)
@@ -277,8 +436,13 @@ class Scheduler:
             req.on_token(req)
 
 
-def _abort(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+def _abort(message: str, status_code: int | None = None) -> dict[str, Any]:
+    """SGLang's abort finish reason; a status >= 400 makes it an HTTP error response."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+def _words(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
 _counter = itertools.count()

@@ -3,13 +3,23 @@
 FastAPI + uvicorn, as SGLang uses. Handlers validate, hand work to the
 ``Scheduler`` thread and await the result. Nothing received over the network is
 unpickled: weights arrive over a torch.distributed group, adapters as safetensors.
+
+Every body is checked by ``moerl.engine.validate`` before it reaches the scheduler (400
+naming the field). Limits as SGLang's: a full queue (--max-queued-requests) or a scheduler
+that stopped answers 503 at once; a client that disconnects aborts its requests, streaming
+or not. ``/health`` is 503 with the reason once the scheduler thread ended;
+``/health_generate`` generates one token. The API key (--api-key, or the MOERL_API_KEY
+environment variable) guards every endpoint but the health checks, as SGLang's does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +32,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from moerl.engine.model_runner import ModelRunner
 from moerl.engine.sampling import SamplingParams, UnknownFieldError
-from moerl.engine.scheduler import Request, Scheduler, new_rid
+from moerl.engine.scheduler import Request, Scheduler, Unavailable, new_rid
+from moerl.engine.validate import check_control, check_generate
+
+log = logging.getLogger(__name__)
+
+# SGLang's name and default: seconds /health_generate waits for its token
+HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +63,33 @@ def _fail(message: str, status: int = 400) -> JSONResponse:
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
+    if status >= 500:  # SGLang's ErrorResponse, as its HTTPException handler sends it
+        body = {"object": "error", "message": message, "type": str(status), "param": None}
+        return JSONResponse({**body, "code": status}, status_code=status)
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check as plain ASGI (a BaseHTTPMiddleware would hide client
+    disconnects from the handlers); /health* stays open for probes, as in SGLang."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith("/health"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error("invalid or missing API key (Authorization: Bearer KEY)", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnect(request: HTTPRequest) -> None:
+    """Returns when the client has gone (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _on_scheduler(state: EngineState, fn: Any) -> Any:
@@ -180,20 +222,20 @@ def create_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="moerl embedded engine", docs_url=None, redoc_url=None)
     sched, runner = state.scheduler, state.runner
 
-    @app.middleware("http")
-    async def check_key(request: HTTPRequest, call_next: Any) -> Any:
-        if state.api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return _error("invalid or missing API key (Authorization: Bearer KEY)", 401)
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
 
     async def body_of(request: HTTPRequest) -> dict[str, Any]:
         try:
             body = await request.json()
         except json.JSONDecodeError as err:
             raise ValueError(f"request body is not JSON: {err}") from None
+        except RecursionError:
+            raise ValueError("request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise ValueError("request body must be a JSON object")
+        if request.url.path != "/generate":
+            check_control(request.url.path, body)
         return body
 
     @app.exception_handler(ValueError)
@@ -202,9 +244,18 @@ def create_app(state: EngineState) -> FastAPI:
             return JSONResponse({"error": str(err)}, status_code=400)
         return _error(str(err), 400)
 
+    @app.exception_handler(Unavailable)
+    async def unavailable(request: HTTPRequest, err: Unavailable) -> JSONResponse:
+        return _error(str(err), 503)
+
+    @app.exception_handler(Exception)
+    async def internal(request: HTTPRequest, err: Exception) -> JSONResponse:
+        log.exception("%s failed", request.url.path)
+        return _error(f"internal error: {type(err).__name__}: {err}"[:2000], 500)
+
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
-        body = await body_of(request)
+        body = check_generate(await body_of(request))
         reqs = _parse_generate(state, body)
         loop = asyncio.get_running_loop()
         if body.get("stream"):
@@ -219,16 +270,20 @@ def create_app(state: EngineState) -> FastAPI:
             sched.submit(req)
 
             async def events() -> Any:
-                last = None
-                while True:
-                    item = await chunks.get()
-                    if item is None:
-                        break
-                    last = item
-                    yield f"data: {json.dumps(item)}\n\n"
-                if last is None or last["meta_info"]["finish_reason"] is None:
-                    yield f"data: {json.dumps(build_response(state, req))}\n\n"
-                yield "data: [DONE]\n\n"
+                try:
+                    last = None
+                    while True:
+                        item = await chunks.get()
+                        if item is None:
+                            break
+                        last = item
+                        yield f"data: {json.dumps(item)}\n\n"
+                    if last is None or last["meta_info"]["finish_reason"] is None:
+                        yield f"data: {json.dumps(build_response(state, req))}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:  # the client went away (the stream was cancelled): stop its work
+                    if not req.done:
+                        sched.cancel([req], "the client disconnected")
 
             return StreamingResponse(events(), media_type="text/event-stream")
         futures = []
@@ -238,13 +293,24 @@ def create_app(state: EngineState) -> FastAPI:
                 lambda: f.done() or f.set_result(r)
             )
             futures.append(future)
-            sched.submit(req)
+        sched.submit(*reqs)
+        results: asyncio.Future[list[Request]] = asyncio.gather(*futures)
+        gone: asyncio.Future[None] = asyncio.ensure_future(_until_disconnect(request))
+        either: set[asyncio.Future[Any]] = {results, gone}
         try:
-            done = await asyncio.gather(*futures)
-        except asyncio.CancelledError:  # client went away: stop generating for it
-            for req in reqs:
-                sched.control(lambda r=req: sched.abort(rid=r.rid), lambda *_: None)
-            raise
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not results.done():  # client went away (or the server stops): stop its work
+                results.cancel()
+                sched.cancel(reqs, "the client disconnected")
+        if not results.done():
+            return Response(status_code=499)  # nobody reads it
+        done = results.result()
+        failed = [r for r in done if (r.finish_reason or {}).get("status_code")]
+        if failed:  # as SGLang: an abort with an HTTP status is an error response
+            reason = failed[0].finish_reason or {}
+            return _error(str(reason.get("message")), int(reason["status_code"]))
         out = [build_response(state, r) for r in done]
         if len(out) == 1:
             return JSONResponse(out[0])
@@ -254,25 +320,34 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Any:
-        if not sched.thread.is_alive():
-            return Response(status_code=503)
+        if sched.dead is not None or not sched.thread.is_alive():
+            return _error(sched.dead or "the scheduler thread is not running", 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Any:
+        """As SGLang's: 200 once the engine generated one token for a probe request."""
+        if sched.paused:
+            return _error("generation is paused (POST /continue_generation resumes it)", 503)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Request] = loop.create_future()
         req = Request(
-            rid=new_rid(), input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0)
+            rid=f"HEALTH_CHECK_{new_rid()}",
+            input_ids=[0],
+            params=SamplingParams(max_new_tokens=1, temperature=0),
         )
         req.on_done = lambda r: loop.call_soon_threadsafe(
             lambda: future.done() or future.set_result(r)
         )
-        sched.submit(req)
+        sched.submit(req, bounded=False)
         try:
-            await asyncio.wait_for(future, timeout=60)
+            await asyncio.wait_for(future, timeout=HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:
-            return Response(status_code=503)
+            sched.cancel([req], "health check timed out")
+            return _error(f"no token generated within {HEALTH_CHECK_TIMEOUT_S:g} s", 503)
+        reason = req.finish_reason or {}
+        if reason.get("type") == "abort" or len(req.output_ids) != 1:
+            return _error(f"the probe request did not generate: {reason.get('message')}", 503)
         return Response(status_code=200)
 
     def model_info() -> dict[str, Any]:
@@ -306,8 +381,13 @@ def create_app(state: EngineState) -> FastAPI:
                 **model_info(),
                 "engine": "moerl.embedded",
                 "max_running_requests": sched.max_running,
+                "max_queued_requests": sched.max_queued,
+                "scheduler_error": sched.dead,
+                "failed_requests": sched.failed_requests,
                 "enable_return_routed_experts": sched.enable_routed_experts,
                 "running_requests": len(sched.running),
+                # tokens of KV cache held by running and retracted requests
+                "kv_cache_tokens": sum(r.cache.length for r in sched.running + sched.retracted),
                 "waiting_requests": sched.waiting.qsize(),
                 "paused": sched.paused,
                 "decode_steps": sched.steps,

@@ -7,7 +7,9 @@ while decoding goes on, validates every name and shape, and only then swaps them
 into the model between two decode steps — running requests continue on the new
 weights and their later tokens carry the new ``weight_version``. A request that
 fails validation still receives the broadcast (so the trainer never hangs) and
-leaves the model untouched.
+leaves the model untouched: a wrong name or shape, or a tensor holding NaN or inf (400
+naming it). A push that states more bytes than twice the model's fp32 size is refused
+before receiving anything.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
-from moerl.sync.bucket import dtype_of, empty_bucket, unflatten
+from moerl.engine.validate import nonfinite_tensor
+from moerl.sync.bucket import dtype_of, empty_bucket, nbytes, unflatten
 from moerl.sync.group import broadcast, init_custom_process_group
 
 
@@ -96,8 +99,9 @@ def register_weight_routes(
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not names or not (len(names) == len(dtypes or []) == len(shapes or [])):
             return fail("names, dtypes and shapes must be non-empty lists of equal length")
-        for d in dtypes:
-            dtype_of(d)
+        stated = sum(nbytes(dtype_of(d), s) for d, s in zip(dtypes, shapes))
+        if stated > 8 * sum(t.numel() for t in runner.params.values()):
+            return fail(f"the push states {stated} bytes, more than this model could hold")
         tensors = await asyncio.to_thread(
             _receive, state.groups[name], names, dtypes, shapes, body.get("load_format")
         )
@@ -105,6 +109,9 @@ def register_weight_routes(
             runner.check_weights(names, shapes)
         except ValueError as err:
             return fail(f"weights not applied (model unchanged): {err}")
+        bad = await asyncio.to_thread(nonfinite_tensor, zip(names, tensors))
+        if bad is not None:
+            return fail(f"weights not applied (model unchanged): {bad} holds NaN or inf")
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
 

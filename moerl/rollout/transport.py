@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
 
+from moerl.engine import API_KEY_ENV
 from moerl.rollout.errors import EngineError
 
 # The request may have been processed: retry only calls that are safe to repeat.
@@ -110,6 +112,8 @@ class EngineTransport:
         self._rid_url: dict[str, str] = {}
         self.retries = 0
         """/generate attempts re-sent after a failed one, over this client's life (metrics)."""
+        if api_key is None:  # as the engine: the key may come from the environment
+            api_key = os.environ.get(API_KEY_ENV) or None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             headers=headers,

@@ -4,11 +4,13 @@ The trainer already has its default (megatron) group, and SGLang servers have
 their own; weight sync needs a separate group spanning trainer rank 0 and every
 engine. Like SGLang's ``init_custom_process_group``, this builds a gloo or NCCL
 group on its own TCP store without touching the default group. Rank 0 (the
-trainer) hosts the store.
+trainer) hosts the store, listening on the master address only (torch's store
+would listen on every interface).
 """
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -26,12 +28,15 @@ def init_custom_process_group(
     """Join a new ``backend`` group of ``world_size`` ranks as ``rank``."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: choose 'gloo' or 'nccl'")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     store = dist.TCPStore(
         master_address,
         int(master_port),
         world_size,
         is_master=rank == 0,
         timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=_listen(master_address, int(master_port)) if rank == 0 else None,
     )
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
@@ -41,3 +46,17 @@ def init_custom_process_group(
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
     """Broadcast ``tensor`` in place from ``src`` over a group made here (blocking)."""
     group.broadcast(tensor, src).wait()
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only; the store takes over its descriptor."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()

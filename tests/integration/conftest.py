@@ -1,0 +1,47 @@
+"""Engines for the robustness tests: a real engine process on the tiny model, and one in
+this process (for the faults only reachable through its Python objects)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from engine_http import KEY, Http, InProcessEngine
+
+from moerl.engine.process import EngineProcess
+
+
+@pytest.fixture(scope="session")
+def robust_engine(tiny_checkpoints) -> Iterator[EngineProcess]:
+    """qwen3 tiny engine with LoRA, small limits, and an API key it reads from its
+    environment (EngineProcess puts it there)."""
+    eng = EngineProcess(
+        tiny_checkpoints["qwen3_moe"],
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-running-requests",
+        "4",
+        "--max-queued-requests",
+        "3",
+        api_key=KEY,
+        threads=1,
+    )
+    yield eng
+    eng.close()
+
+
+@pytest.fixture()
+def http(robust_engine) -> Iterator[Http]:
+    """The robust engine, left running (not paused) after each test."""
+    client = Http(robust_engine.url, KEY)
+    yield client
+    client.post("/continue_generation")
+
+
+@pytest.fixture(scope="session")
+def inprocess_engine(tiny_checkpoints) -> Iterator[InProcessEngine]:
+    """Shared: a test that installs a fault removes it (the death test makes its own)."""
+    eng = InProcessEngine(tiny_checkpoints["qwen3_moe"])
+    yield eng
+    eng.close()

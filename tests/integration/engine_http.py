@@ -1,0 +1,78 @@
+"""Helpers of the engine robustness tests: an HTTP client with the engine's key and a
+client-side timeout, and an engine served in this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from moerl.parallel.spawn import free_port
+
+KEY = "robust-test-key"  # the robust engine's API key
+
+
+class Http:
+    """httpx against one engine, with its key and a client-side timeout on every call."""
+
+    def __init__(self, url: str, key: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.timeout = timeout
+
+    def post(self, path: str, body: Any = None, *, raw: str | None = None, **kw: Any):  # type: ignore[no-untyped-def]
+        kw.setdefault("timeout", self.timeout)
+        if raw is not None:
+            headers = {**self.headers, "content-type": "application/json"}
+            return httpx.post(f"{self.url}{path}", content=raw, headers=headers, **kw)
+        return httpx.post(f"{self.url}{path}", json=body, headers=self.headers, **kw)
+
+    def get(self, path: str, **kw: Any):  # type: ignore[no-untyped-def]
+        kw.setdefault("timeout", self.timeout)
+        return httpx.get(f"{self.url}{path}", headers=self.headers, **kw)
+
+    def info(self) -> dict[str, Any]:
+        return self.get("/server_info").json()
+
+    def wait_for(self, what: str, predicate: Any, timeout: float = 20.0) -> dict[str, Any]:
+        """Poll /server_info until ``predicate(info)`` holds (the engine's own state)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.info()
+            if predicate(info):
+                return info
+            time.sleep(0.02)
+        raise AssertionError(f"engine never reached: {what}; last /server_info: {info}")
+
+
+class InProcessEngine:
+    """The engine's app (``build_state``) served by uvicorn on a thread of this process."""
+
+    def __init__(self, model_path: Path, *flags: str) -> None:
+        import uvicorn
+
+        from moerl.engine.__main__ import parse_args
+        from moerl.engine.launch import build_state
+
+        port = free_port()
+        args = parse_args(["--model-path", str(model_path), "--port", str(port), *flags])
+        self.app = build_state(args)
+        self.state = self.app.state.engine
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -1,0 +1,77 @@
+"""The launcher's embedded engine: a fresh API key per run that its clients send (issue 16,
+item 5), and SIGTERM stops it even with a request waiting on a paused engine (item 1)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+
+import httpx
+import pytest
+from engine_http import Http
+
+from moerl.config.schema import MoerlConfig
+from moerl.engine import API_KEY_ENV
+from moerl.launch import start_engines
+from moerl.rollout import EngineClient
+
+GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_checkpoints, tmp_path_factory):  # type: ignore[no-untyped-def]
+    cfg = MoerlConfig()
+    cfg.engine.threads = 1
+    saved = os.environ.pop(API_KEY_ENV, None)
+    procs = []
+    try:
+        _, procs = start_engines(cfg, tiny_checkpoints["qwen3_moe"], tmp_path_factory.mktemp("run"))
+        yield procs[0], os.environ[API_KEY_ENV]
+    finally:
+        for proc in procs:
+            proc.close()
+        os.environ.pop(API_KEY_ENV, None)
+        if saved is not None:
+            os.environ[API_KEY_ENV] = saved
+
+
+def test_the_launcher_gives_its_engines_a_key_its_clients_send(launched):
+    eng, key = launched
+    assert len(key) >= 32 and eng.api_key == key
+    assert httpx.post(f"{eng.url}/generate", json=GEN, timeout=10).status_code == 401
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([eng.url]) as client:  # the run's client: key from the env
+            return await client.generate([5, 6], GEN["sampling_params"])
+
+    assert asyncio.run(go())["meta_info"]["completion_tokens"] == 2
+
+
+def test_sigterm_stops_an_engine_with_a_request_in_flight(launched):
+    """Runs last in this module: it stops the engine."""
+    eng, key = launched
+    http = Http(eng.url, key)
+    assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+    box: dict = {}
+
+    def waiting_request() -> None:
+        try:
+            box["r"] = http.post("/generate", GEN)
+        except httpx.HTTPError as err:
+            box["r"] = err
+
+    thread = threading.Thread(target=waiting_request)
+    thread.start()
+    http.wait_for("the request queued", lambda i: i["waiting_requests"] == 1)
+    eng.proc.send_signal(signal.SIGTERM)
+    try:
+        assert eng.proc.wait(timeout=20) is not None
+    except subprocess.TimeoutExpired:
+        eng.proc.kill()
+        raise AssertionError("the engine ignored SIGTERM with a request in flight") from None
+    thread.join()
+    r = box["r"]
+    assert isinstance(r, httpx.HTTPError) or r.status_code == 503

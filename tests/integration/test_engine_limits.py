@@ -1,0 +1,108 @@
+"""Issue 16, item 3: bounded work. A full queue (--max-queued-requests) answers 503 at once,
+``n`` is bounded, a client that disconnects has its request aborted in the scheduler (KV
+freed), streaming or not, and /health_generate generates a token or says why not."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from engine_http import Http
+
+LONG = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 126, "ignore_eos": True}}
+ONE = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
+
+
+def test_a_full_queue_answers_503_at_once(http):
+    """The robust engine queues at most 3 requests (its --max-queued-requests)."""
+    assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+    boxes = [{} for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda b=b: b.setdefault("r", http.post("/generate", ONE)))
+        for b in boxes
+    ]
+    for t in threads:
+        t.start()
+    http.wait_for("3 requests queued", lambda i: i["waiting_requests"] == 3)
+    full = http.post("/generate", ONE, timeout=5)
+    assert full.status_code == 503 and full.json()["message"] == "The request queue is full."
+    two = {**ONE, "sampling_params": {"max_new_tokens": 1, "n": 2}}
+    assert http.post("/generate", two, timeout=5).status_code == 503
+    assert http.info()["waiting_requests"] == 3  # the refused ones never queued
+    http.post("/continue_generation")
+    for t in threads:
+        t.join()
+    assert [b["r"].status_code for b in boxes] == [200, 200, 200]
+
+
+def test_n_is_bounded():
+    from moerl.engine.validate import MAX_N, RequestError, check_generate
+
+    with pytest.raises(RequestError, match=f"sampling_params.n: must be in 1..{MAX_N}"):
+        check_generate({"input_ids": [5], "sampling_params": {"n": 200000}})
+
+
+def test_n_over_the_bound_is_400(http):
+    r = http.post("/generate", {**ONE, "sampling_params": {"n": 200000}}, timeout=5)
+    assert r.status_code == 400 and "sampling_params.n" in r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_disconnected_client_aborts_its_waiting_request(http, stream):
+    assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+    body = {**LONG, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up
+        if stream:
+            with httpx.stream(
+                "POST", f"{http.url}/generate", json=body, headers=http.headers, timeout=1.0
+            ) as r:
+                for _ in r.iter_lines():
+                    pass
+        else:
+            http.post("/generate", body, timeout=1.0)
+    # still paused: only the abort can take it out of the queue
+    http.wait_for("the request aborted", lambda i: i["waiting_requests"] == 0)
+
+
+def test_a_disconnected_stream_frees_its_running_request(inprocess_engine):
+    """The first decode step (a torch hook on the real model) waits until a control action
+    is queued, so the pause lands while the request runs; the client leaves; the request
+    is aborted and its KV cache freed."""
+    sched = inprocess_engine.state.scheduler
+    held = threading.Event()
+
+    def hold(module, args, kwargs):  # type: ignore[no-untyped-def]
+        if kwargs["input_ids"].shape[1] == 1 and not held.is_set():
+            held.set()
+            deadline = time.monotonic() + 30
+            while sched.controls.empty() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    http = Http(inprocess_engine.url, timeout=30)
+    handle = inprocess_engine.state.runner.model.register_forward_pre_hook(hold, with_kwargs=True)
+    try:
+        with httpx.stream("POST", f"{http.url}/generate", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+            next(lines)  # its first token: it is running
+            assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+            info = http.info()
+            assert info["paused"] and info["running_requests"] == 1
+            assert info["kv_cache_tokens"] > 0
+        http.wait_for(
+            "the request aborted and its KV freed",
+            lambda i: i["running_requests"] == 0 and i["kv_cache_tokens"] == 0,
+        )
+    finally:
+        handle.remove()
+        http.post("/continue_generation")
+
+
+def test_health_generate_generates_or_says_why_not(http):
+    steps = http.info()["decode_steps"]
+    assert http.get("/health_generate", timeout=20).status_code == 200
+    assert http.info()["decode_steps"] > steps
+    assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+    paused = http.get("/health_generate", timeout=5)
+    assert paused.status_code == 503 and "paused" in paused.json()["message"]
