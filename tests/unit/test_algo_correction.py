@@ -90,24 +90,13 @@ def test_none() -> None:
         (TISConfig(cap=1.5, level="sequence"), [1.5, 1.5, 0, 0.45, 0.45, 0.45], 2 / 5),
         # geometric: sqrt(1.8) and 0.45^(1/3).
         (TISConfig(cap=2.0, level="geometric"), [SQ18, SQ18, 0, CB45, CB45, CB45], 0.0),
-    ],
-)
-def test_tis(cfg: TISConfig, weights: list[float], clipped: float) -> None:
-    out = tis(_inp(), cfg)
-    _check(out, weights, KEEP_COUNTED)
-    assert out.metrics["is/clipped_frac"] == pytest.approx(clipped)
-
-
-@pytest.mark.parametrize(
-    "cfg, weights, clipped",
-    [
-        # token, [0.5, 2]: 3 → 2 above, 0.25 → 0.5 below: two of five clipped.
+        # lower clip, token, [0.5, 2]: 3 → 2 above, 0.25 → 0.5 below: two of five clipped.
         (TISConfig(low=0.5, cap=2.0), [2, 0.6, 0, 1.5, 1.2, 0.5], 2 / 5),
-        # sequence, [0.5, 2]: seq 1's 0.45 is raised to 0.5 on its three tokens.
+        # lower clip, sequence, [0.5, 2]: seq 1's 0.45 is raised to 0.5 on its three tokens.
         (TISConfig(low=0.5, level="sequence"), [1.8, 1.8, 0, 0.5, 0.5, 0.5], 3 / 5),
     ],
 )
-def test_tis_lower_clip(cfg: TISConfig, weights: list[float], clipped: float) -> None:
+def test_tis(cfg: TISConfig, weights: list[float], clipped: float) -> None:
     out = tis(_inp(), cfg)
     _check(out, weights, KEEP_COUNTED)
     assert out.metrics["is/clipped_frac"] == pytest.approx(clipped)
