@@ -64,6 +64,9 @@ setup(
         "matplotlib>=3.6",  # moerl.telemetry.plots, tools/plot_run.py (Figure API, no pyplot)
         # moerl.rollout.client: async HTTP to the engines (SGLang native API).
         "httpx",
+        # the embedded engine's constrained decoding (regex, json_schema, ebnf): one of the
+        # grammar backends SGLang itself offers, a self-contained wheel (no torch, no triton)
+        "llguidance>=1.0",
     ],
     extras_require={
         "sglang": ["sglang"],

@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests waiting to start; more are refused at once with 503 (SGLang's "
         "default is unbounded, 0 means the same here)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk unless a request sets sampling_params.stream_interval",
+    )
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-lora-rank", type=int, default=64)

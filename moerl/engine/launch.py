@@ -43,6 +43,7 @@ def build_state(args: argparse.Namespace) -> Any:
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests or None,
         eos_token_ids=eos_ids,
+        tokenizer=tokenizer,
         weight_version=args.weight_version,
         enable_routed_experts=args.enable_return_routed_experts,
     )
@@ -52,6 +53,7 @@ def build_state(args: argparse.Namespace) -> Any:
         model_path=str(args.model_path),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         tokenizer=tokenizer,
+        stream_interval=args.stream_interval,
     )
     app = create_app(state)
 

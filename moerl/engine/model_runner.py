@@ -122,10 +122,15 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------
     @torch.no_grad()
     def prefill(
-        self, input_ids: list[int], cache: KVCache, adapter: str | None = None
+        self,
+        input_ids: list[int],
+        cache: KVCache,
+        adapter: str | None = None,
+        logits_from: int | None = None,
     ) -> tuple[torch.Tensor, np.ndarray]:
         """Run the prompt (or a continuation) of one request; returns the last logits [V]
-        and the routes of its tokens [S, L, K]."""
+        (or, with ``logits_from``, those of positions ``logits_from..S-1`` [S', V]) and the
+        routes of its tokens [S, L, K]."""
         from transformers import DynamicCache
 
         start = cache.length
@@ -146,7 +151,8 @@ class ModelRunner:
             [layer.keys[0, :, start:] for layer in kv.layers],
             [layer.values[0, :, start:] for layer in kv.layers],
         )
-        return out.logits[0, -1].float(), self._routes(1, len(input_ids))[0]
+        logits = out.logits[0, -1] if logits_from is None else out.logits[0, logits_from:]
+        return logits.float(), self._routes(1, len(input_ids))[0]
 
     @torch.no_grad()
     def decode(

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from moerl.engine.model_runner import KVCache, ModelRunner
-from moerl.engine.sampling import SamplingParams, sample
+from moerl.engine.sampling import Matcher, Sampler, SamplingParams, prompt_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +52,33 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int = 0  # with return_logprob: input-token logprobs from here
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False  # the server's: token texts beside logprobs
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     return_sampling_mask: bool = False
     sampling_logprobs_mode: str = "selected"
     lora: str | None = None  # adapter name (the request's lora_path)
+    matcher: Matcher | None = None  # the grammar's state (moerl.engine.grammar)
     on_token: Callable[[Request], None] | None = None  # streaming callback (scheduler thread)
     on_done: Callable[[Request], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    ids_logprobs: list[list[float]] = field(default_factory=list)  # token_ids_logprob
+    # prompt positions logprob_start_len.. (the first is None: nothing precedes it)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_ids_logprobs: list[list[float] | None] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
     sampling_logprobs: list[Any] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight version of each output token
     routes: list[np.ndarray] = field(default_factory=list)  # [T, L, K] chunks, one per forward
     cache: KVCache = field(default_factory=KVCache)
+    sampler: Sampler | None = None  # made at admission
+    stop_tail: int = 0  # output tokens decoded to look for stop strings (0: all)
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
 
@@ -85,6 +98,7 @@ class Scheduler:
         max_queued_requests: int | None = None,
         max_prefill_per_step: int = 8,
         eos_token_ids: list[int] | None = None,
+        tokenizer: Any = None,
         weight_version: str = "0",
         enable_routed_experts: bool = False,
     ) -> None:
@@ -97,6 +111,7 @@ class Scheduler:
         self.max_queued = max_queued_requests
         self.max_prefill = max_prefill_per_step
         self.eos = set(eos_token_ids or [])
+        self.tokenizer = tokenizer  # decodes output tails for stop strings and stop_regex
         self.weight_version = weight_version
         self.enable_routed_experts = enable_routed_experts
         self.waiting: queue.Queue[Request] = queue.Queue()
@@ -345,6 +360,19 @@ class Scheduler:
             self.fail(req, f"prefill failed: {_words(err)}")
 
     def _prefill(self, req: Request, tokens: list[int], resumed: bool) -> None:
+        if req.sampler is None:
+            req.sampler = Sampler(
+                req.params,
+                self.runner.vocab_size,
+                self.runner.generator,
+                stop_ids=set(req.params.stop_token_ids or ()) | self.eos,
+                matcher=req.matcher,
+            )
+            if req.params.stop_strs and not req.params.stop_regexes:
+                req.stop_tail = 1 + max(
+                    len(self.tokenizer.encode(s, add_special_tokens=False))
+                    for s in req.params.stop_strs
+                )
         if resumed:
             # Re-prefill prompt + all but the last output token; rows for those tokens
             # were recorded already, so the new forward's routes are not appended twice.
@@ -353,14 +381,36 @@ class Scheduler:
             self._record(req, routes)
             self._emit(req, logits[0])
         else:
+            if req.params.max_new_tokens == 0 and not req.return_logprob:
+                self.finish(req, {"type": "length", "length": 0})
+                return
+            start = req.logprob_start_len if req.return_logprob else None
+            logits, routes = self.runner.prefill(tokens, req.cache, req.lora, logits_from=start)
+            self._record(req, routes)
+            if start is not None:
+                self._input_logprobs(req, tokens, logits)
+                logits = logits[-1]
             if req.params.max_new_tokens == 0:
                 self.finish(req, {"type": "length", "length": 0})
                 return
-            logits, routes = self.runner.prefill(tokens, req.cache, req.lora)
-            self._record(req, routes)
             self._emit(req, logits)
         if not req.done:
             self.running.append(req)
+
+    def _input_logprobs(self, req: Request, tokens: list[int], logits_SV: torch.Tensor) -> None:
+        """SGLang's input-token logprobs of prompt positions logprob_start_len.. : None for
+        the first (nothing before it is scored), then each token given those before it."""
+        logprobs = prompt_logprobs(logits_SV[:-1], req.params)
+        targets = torch.tensor(tokens[req.logprob_start_len + 1 :], dtype=torch.long)
+        picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        req.input_logprobs = [None, *picked]
+        if req.top_logprobs_num > 0:
+            k = min(req.top_logprobs_num, logprobs.shape[-1])
+            values, ids = torch.topk(logprobs, k, dim=-1)
+            rows = [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+            req.input_top_logprobs = [None, *rows]
+        if req.token_ids_logprob:
+            req.input_ids_logprobs = [None, *logprobs[:, req.token_ids_logprob].tolist()]
 
     def _decode(self) -> None:
         batch = self.running
@@ -414,10 +464,19 @@ class Scheduler:
                 f"(NaN or inf){adapter}: the weights produce NaN; request aborted",
             )
             return
-        s = sample(logits, req.params, self.runner.generator)
+        assert req.sampler is not None
+        try:
+            s = req.sampler.sample(logits, req.top_logprobs_num, req.token_ids_logprob)
+        except ValueError as err:  # nothing possible: the request's own constraints
+            self.fail(req, f"output token {len(req.output_ids)}: {err}", 400)
+            return
         req.output_ids.append(s.token)
         req.logprobs.append(s.logprob)
         req.versions.append(self.weight_version)
+        if req.top_logprobs_num > 0:
+            req.top_logprobs.append(s.top)
+        if req.token_ids_logprob:
+            req.ids_logprobs.append(s.chosen)
         if req.return_sampling_mask:
             req.masks.append(s.mask)
             req.sampling_logprobs.append(
@@ -425,15 +484,40 @@ class Scheduler:
                 if req.sampling_logprobs_mode == "support"
                 else s.sampling_logprob
             )
-        stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos)
-        if s.token in stop:
-            self.finish(req, {"type": "stop", "matched": s.token})
-        elif len(req.output_ids) >= req.params.max_new_tokens:
-            self.finish(req, {"type": "length", "length": len(req.output_ids)})
-        elif len(req.input_ids) + len(req.output_ids) >= self.runner.context_len:
-            self.finish(req, {"type": "length", "length": len(req.output_ids)})
+        reason = self._finish_reason(req)
+        if reason is not None:
+            self.finish(req, reason)
         if req.on_token is not None:
             req.on_token(req)
+
+    def _finish_reason(self, req: Request) -> dict[str, Any] | None:
+        """SGLang's order (``Req.update_finish_state``): stop string or stop_regex, then
+        stop token or EOS (none with ignore_eos), then length, then a finished grammar."""
+        params, token = req.params, req.output_ids[-1]
+        if params.stop_strs or params.stop_regexes:
+            tail = self._tail(req)
+            for stop in params.stop_strs:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+            for pattern in params.stop_regexes:
+                if pattern.search(tail):
+                    return {"type": "stop", "matched": pattern.pattern}
+        if not params.ignore_eos and (token in self.eos or token in (params.stop_token_ids or ())):
+            return {"type": "stop", "matched": token}
+        n = len(req.output_ids)
+        if params.max_new_tokens is not None and n >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if req.matcher is not None and req.matcher.done:
+            return {"type": "stop", "matched": token}
+        if len(req.input_ids) + n >= self.runner.context_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _tail(self, req: Request) -> str:
+        """The decoded end of the output, long enough for every stop string (SGLang's
+        ``tail_str``); stop_regex patterns see the whole output."""
+        ids = req.output_ids[-req.stop_tail :] if req.stop_tail else req.output_ids
+        return str(self.tokenizer.decode(ids))
 
 
 def _abort(message: str, status_code: int | None = None) -> dict[str, Any]:

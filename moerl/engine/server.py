@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from moerl.engine.model_runner import ModelRunner
 from moerl.engine.sampling import SamplingParams, UnknownFieldError
 from moerl.engine.scheduler import Request, Scheduler, Unavailable, new_rid
-from moerl.engine.validate import check_control, check_generate
+from moerl.engine.validate import check_control, check_generate, is_batch, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,16 @@ class EngineState:
     tokenizer: Any = None
     groups: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    stream_interval: int = 1  # --stream-interval: tokens per streamed chunk by default
+    _grammar: Any = None
+
+    def grammar_backend(self) -> Any:
+        """The grammar backend (built on first use from the tokenizer)."""
+        if self._grammar is None:
+            from moerl.engine.grammar import GrammarBackend
+
+            self._grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size)
+        return self._grammar
 
 
 def _ok(message: str = "", **extra: Any) -> JSONResponse:
@@ -126,6 +136,53 @@ def _spans(versions: list[str], current: str) -> list[dict[str, Any]]:
     return spans
 
 
+def _token_texts(state: EngineState, ids: list[int], on: bool) -> list[str | None]:
+    """Each token's own text (SGLang's return_text_in_logprobs), or None per token."""
+    if not on or state.tokenizer is None:
+        return [None] * len(ids)
+    return list(state.tokenizer.batch_decode([[i] for i in ids]))
+
+
+def _logprob_rows(
+    state: EngineState,
+    values: list[Any],
+    ids: list[int],
+    on: bool,
+) -> list[list[Any]]:
+    return [[v, i, t] for v, i, t in zip(values, ids, _token_texts(state, ids, on))]
+
+
+def _top_rows(state: EngineState, rows: list[Any], on: bool) -> list[Any]:
+    """Per position: None, or [[logprob, id, text], ...] (top or requested ids)."""
+    return [
+        None if row is None else _logprob_rows(state, [v for v, _ in row], [i for _, i in row], on)
+        for row in rows
+    ]
+
+
+def output_text(state: EngineState, req: Request) -> str:
+    """The output as text, as SGLang's detokenizer returns it: special tokens skipped by
+    default, and a matched stop token or stop string cut off unless ``no_stop_trim``."""
+    if state.tokenizer is None:
+        return ""
+    params, ids = req.params, req.output_ids
+    matched = (req.finish_reason or {}).get("matched")
+    if isinstance(matched, int) and not params.no_stop_trim and ids:
+        ids = ids[:-1]
+    text = str(
+        state.tokenizer.decode(
+            ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+    )
+    if isinstance(matched, str):
+        pos = text.find(matched)
+        if pos != -1:
+            text = text[: pos + len(matched)] if params.no_stop_trim else text[:pos]
+    return text
+
+
 def build_response(state: EngineState, req: Request) -> dict[str, Any]:
     """A finished (or in-progress, for streaming) request as SGLang's response JSON."""
     spans = _spans(req.versions, state.scheduler.weight_version)
@@ -140,9 +197,23 @@ def build_response(state: EngineState, req: Request) -> dict[str, Any]:
     if req.done:  # as SGLang: the spans come with the finished response
         meta["weight_versions"] = spans
     if req.return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)
-        ]
+        texts = req.return_text_in_logprobs
+        prompt = req.input_ids[req.logprob_start_len :]
+        meta["input_token_logprobs"] = _logprob_rows(state, req.input_logprobs, prompt, texts)
+        meta["output_token_logprobs"] = _logprob_rows(state, req.logprobs, req.output_ids, texts)
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = _top_rows(state, req.input_top_logprobs, texts)
+            meta["output_top_logprobs"] = _top_rows(state, req.top_logprobs, texts)
+        if req.token_ids_logprob:
+            chosen = req.token_ids_logprob
+            meta["input_token_ids_logprobs"] = _top_rows(
+                state,
+                [None if r is None else list(zip(r, chosen)) for r in req.input_ids_logprobs],
+                texts,
+            )
+            meta["output_token_ids_logprobs"] = _top_rows(
+                state, [list(zip(r, chosen)) for r in req.ids_logprobs], texts
+            )
     if req.return_routed_experts:
         rows = np.concatenate(req.routes, axis=0) if req.routes else np.zeros((0, 0, 0), np.int32)
         end = len(req.input_ids) + len(req.output_ids) - 1
@@ -154,11 +225,21 @@ def build_response(state: EngineState, req: Request) -> dict[str, Any]:
         meta["output_token_sampling_mask"] = req.masks
         meta["output_token_sampling_logprobs"] = req.sampling_logprobs
         meta["output_token_sampling_mask_length"] = len(req.masks)
-    text = state.tokenizer.decode(req.output_ids) if state.tokenizer is not None else ""
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    return {"text": output_text(state, req), "output_ids": list(req.output_ids), "meta_info": meta}
 
 
 def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
+    """Every sequence a checked /generate body asks for: prompt after prompt of a batch,
+    each prompt's ``n`` samples in a row (SGLang's order)."""
+    if body.get("custom_logit_processor"):
+        raise ValueError(
+            "custom_logit_processor is not served by the embedded engine (it would run "
+            "code sent over the network)"
+        )
+    return [req for item in split_batch(body) for req in _parse_one(state, item)]
+
+
+def _parse_one(state: EngineState, body: dict[str, Any]) -> list[Request]:
     runner, sched = state.runner, state.scheduler
     # As SGLang: unknown top-level keys are ignored; unknown sampling_params are rejected.
     ids = body.get("input_ids")
@@ -167,21 +248,32 @@ def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
             raise ValueError("text input needs a tokenizer in the model directory; send input_ids")
         ids = state.tokenizer(body["text"]).input_ids
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-        raise ValueError("input_ids must be a non-empty list of token ids (one request per call)")
+        raise ValueError("input_ids must be a non-empty list of token ids (or text a string)")
     bad = [t for t in ids if not 0 <= t < runner.vocab_size]
     if bad:
         raise ValueError(f"input_ids contain ids outside [0, {runner.vocab_size}): {bad[:5]}")
-    params = SamplingParams.from_request(body.get("sampling_params"))
+    params = SamplingParams.from_request(body.get("sampling_params"), runner.vocab_size)
     if len(ids) >= runner.context_len:
         raise ValueError(
             f"the prompt has {len(ids)} tokens; the model's context is {runner.context_len} "
             "(max_position_embeddings): shorten the prompt"
         )
-    start = body.get("logprob_start_len", -1)
-    if start not in (-1, None) and body.get("return_logprob"):
+    if state.tokenizer is None and (params.stop_strs or params.stop_regexes or params.grammar):
+        raise ValueError("stop, stop_regex and grammars need a tokenizer in the model directory")
+    return_logprob = bool(body.get("return_logprob", False))
+    start = body.get("logprob_start_len")
+    start = len(ids) - 1 if start in (None, -1) else start
+    if return_logprob and not 0 <= start < len(ids):
         raise ValueError(
-            "input-token logprobs (logprob_start_len >= 0) are not served by the embedded engine"
+            f"logprob_start_len={start} must be -1 or in [0, {len(ids)}) (the prompt has "
+            f"{len(ids)} tokens)"
         )
+    top_n = int(body.get("top_logprobs_num") or 0)
+    if top_n < 0:
+        raise ValueError(f"top_logprobs_num={top_n} must be >= 0")
+    chosen = body.get("token_ids_logprob") or None
+    if chosen and not all(0 <= t < runner.vocab_size for t in chosen):
+        raise ValueError(f"token_ids_logprob: ids must be in [0, {runner.vocab_size})")
     # As SGLang: without --enable-return-routed-experts the key is silently absent from
     # the response (the client turns that into a clear error).
     routed = bool(body.get("return_routed_experts", False)) and sched.enable_routed_experts
@@ -200,6 +292,9 @@ def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
             raise ValueError(f"lora_path={lora!r}: the server was started without --enable-lora")
         if lora not in runner.lora.adapters:
             raise ValueError(f"lora_path={lora!r}: no LoRA adapter of that name is loaded")
+    grammar = params.grammar
+    if grammar is not None:
+        state.grammar_backend().check(*grammar)
     rid = str(body.get("rid") or new_rid())
     n = params.n
     return [
@@ -207,15 +302,60 @@ def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
             rid=rid if n == 1 else f"{rid}_{i}",
             input_ids=list(ids),
             params=params,
-            return_logprob=bool(body.get("return_logprob", False)),
+            return_logprob=return_logprob,
+            logprob_start_len=start,
+            top_logprobs_num=top_n,
+            token_ids_logprob=chosen,
+            return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
             return_routed_experts=routed,
             routed_experts_start_len=routed_start,
             return_sampling_mask=bool(body.get("return_sampling_mask", False)),
             sampling_logprobs_mode=mode,
             lora=lora or None,
+            matcher=None if grammar is None else state.grammar_backend().matcher(*grammar),
         )
         for i in range(n)
     ]
+
+
+def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> StreamingResponse:
+    """Queue ``reqs`` and stream server-sent events as SGLang does: the response so far
+    every ``stream_interval`` tokens and at the end (with ``index`` when the body was a
+    batch or asked for n > 1), then ``[DONE]``. A client that goes away aborts the rest."""
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+    for index, req in enumerate(reqs):
+        interval = req.params.stream_interval or state.stream_interval
+
+        def on_token(r: Request, i: int = index, every: int = interval) -> None:
+            if not r.done and len(r.output_ids) % every == 0:
+                item = build_response(state, r)
+                loop.call_soon_threadsafe(chunks.put_nowait, (i, item))
+
+        def on_done(r: Request, i: int = index) -> None:
+            loop.call_soon_threadsafe(chunks.put_nowait, (i, None))
+
+        req.on_token, req.on_done = on_token, on_done
+    state.scheduler.submit(*reqs)  # before the 200: a full queue is still a 503
+
+    async def events() -> Any:
+        try:
+            open_ = len(reqs)
+            while open_:
+                index, item = await chunks.get()
+                if item is None:  # finished: the final response, built once
+                    open_ -= 1
+                    item = build_response(state, reqs[index])
+                if indexed:
+                    item["index"] = index
+                yield f"data: {json.dumps(item)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the stream was cancelled): stop its work
+            left = [r for r in reqs if not r.done]
+            if left:
+                state.scheduler.cancel(left, "the client disconnected")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def create_app(state: EngineState) -> FastAPI:
@@ -258,34 +398,9 @@ def create_app(state: EngineState) -> FastAPI:
         body = check_generate(await body_of(request))
         reqs = _parse_generate(state, body)
         loop = asyncio.get_running_loop()
+        several = is_batch(body) or len(reqs) > 1  # SGLang answers these with a list
         if body.get("stream"):
-            if len(reqs) > 1:
-                raise ValueError("stream=true with n > 1 is not supported")
-            chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-            req = reqs[0]
-            req.on_token = lambda r: loop.call_soon_threadsafe(
-                chunks.put_nowait, build_response(state, r)
-            )
-            req.on_done = lambda r: loop.call_soon_threadsafe(chunks.put_nowait, None)
-            sched.submit(req)
-
-            async def events() -> Any:
-                try:
-                    last = None
-                    while True:
-                        item = await chunks.get()
-                        if item is None:
-                            break
-                        last = item
-                        yield f"data: {json.dumps(item)}\n\n"
-                    if last is None or last["meta_info"]["finish_reason"] is None:
-                        yield f"data: {json.dumps(build_response(state, req))}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:  # the client went away (the stream was cancelled): stop its work
-                    if not req.done:
-                        sched.cancel([req], "the client disconnected")
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _stream(state, reqs, indexed=several)
         futures = []
         for req in reqs:
             future: asyncio.Future[Request] = loop.create_future()
@@ -312,7 +427,7 @@ def create_app(state: EngineState) -> FastAPI:
             reason = failed[0].finish_reason or {}
             return _error(str(reason.get("message")), int(reason["status_code"]))
         out = [build_response(state, r) for r in done]
-        if len(out) == 1:
+        if not several:
             return JSONResponse(out[0])
         for i, item in enumerate(out):
             item["index"] = i

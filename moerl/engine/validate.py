@@ -128,6 +128,8 @@ PER_REQUEST: dict[str, Kind] = {
     "top_logprobs_num": INT,
     "token_ids_logprob": INTS,
     "lora_path": STR,
+    "return_sampling_mask": BOOL,
+    "sampling_logprobs_mode": STR,
 }
 # /generate fields that hold one value for the whole call.
 PER_CALL: dict[str, Kind] = {
@@ -135,8 +137,6 @@ PER_CALL: dict[str, Kind] = {
     "return_text_in_logprobs": BOOL,
     "return_routed_experts": BOOL,
     "routed_experts_start_len": INT,
-    "return_sampling_mask": BOOL,
-    "sampling_logprobs_mode": STR,
 }
 
 # The control endpoints' fields (unknown fields are ignored, as SGLang ignores them).
@@ -233,6 +233,33 @@ def is_batch(body: Mapping[str, Any]) -> bool:
     if text is not None and ids is not None:
         return text_batch and ids_batch
     return text_batch or ids_batch
+
+
+def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One body per prompt, as SGLang's ``GenerateReqInput.__getitem__`` splits a batch:
+    a per-request field given as a list is taken item by item (one value per prompt),
+    any other value is shared, and a string ``rid`` becomes ``rid_i``."""
+    if not is_batch(body):
+        return [dict(body)]
+    size = len(body["input_ids"] if body.get("input_ids") is not None else body["text"])
+    items = [dict(body) for _ in range(size)]
+    for name in ("input_ids", "text", *PER_REQUEST):
+        value = body.get(name)
+        per_item = isinstance(value, list) and (
+            name != "token_ids_logprob" or all(isinstance(x, list) or x is None for x in value)
+        )
+        if value == [] and name == "token_ids_logprob":
+            per_item = False
+        if not per_item:
+            continue
+        if len(value) != size:
+            raise RequestError(name, f"has {len(value)} values for a batch of {size} prompts")
+        for item, v in zip(items, value):
+            item[name] = v
+    if isinstance(body.get("rid"), str):
+        for i, item in enumerate(items):
+            item["rid"] = f"{body['rid']}_{i}"
+    return items
 
 
 def check_generate(body: Mapping[str, Any]) -> dict[str, Any]:
