@@ -328,12 +328,14 @@ class Sampler:
                 "logit_bias exclude the whole vocabulary)"
             )
         s = sample(logits_V, self.params, self.generator)
-        logprobs_V = _logprobs(logits_V, self.params)
-        if top_logprobs_num > 0:
-            values, ids = torch.topk(logprobs_V, min(top_logprobs_num, logprobs_V.numel()))
-            s.top = list(zip(values.tolist(), ids.tolist()))
-        if token_ids_logprob:
-            s.chosen = logprobs_V[token_ids_logprob].tolist()
+        if top_logprobs_num > 0 or token_ids_logprob:
+            logprobs_V = _logprobs(logits_V, self.params)
+            k = min(top_logprobs_num, logprobs_V.numel())
+            if k > 0:
+                values, ids = torch.topk(logprobs_V, k)
+                s.top = list(zip(values.tolist(), ids.tolist()))
+            if token_ids_logprob:
+                s.chosen = logprobs_V[token_ids_logprob].tolist()
         self.accept(s.token)
         return s
 

@@ -2,7 +2,8 @@
 and a built-in character-level tokenizer for tiny models, so nothing downloads.
 
 The built-in vocabulary covers digits, arithmetic signs, lowercase letters and
-punctuation, which is what moerl's synthetic tasks need.
+punctuation, which is what moerl's synthetic tasks need, and JSON's brackets and quotes
+(for constrained decoding tests).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-CHARS = list("0123456789+-*/=()., :?") + list("abcdefghijklmnopqrstuvwxyz")
+CHARS = list("0123456789+-*/=()., :?") + list("abcdefghijklmnopqrstuvwxyz") + list('{}[]"_')
 
 
 def build_tiny_tokenizer(vocab_size: int = 128) -> Any:

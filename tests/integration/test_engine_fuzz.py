@@ -48,6 +48,20 @@ PLAUSIBLE_SAMPLING = {  # max_new_tokens is always there, and small
     "n": st.integers(1, 3),
     "stop_token_ids": token_ids,
     "ignore_eos": st.booleans(),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.1, 2),
+    "min_new_tokens": st.integers(0, 3),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
+    "stop_regex": st.sampled_from(["a", "[0-9]+", "x$", "(", "a{2}"]),
+    "regex": st.sampled_from(["[0-9]{1,3}", "(yes|no)", "(", ""]),
+    "json_schema": st.sampled_from(['{"type": "integer"}', "{", '{"type": "bogus"}']),
+    "ebnf": st.sampled_from(['root ::= "a" | "b"', "root ::=", ""]),
+    "logit_bias": st.dictionaries(st.sampled_from(["3", "7", "-1", "x"]), st.floats(-5, 5)),
+    "skip_special_tokens": st.booleans(),
+    "no_stop_trim": st.booleans(),
+    "stream_interval": st.integers(0, 3),
+    "sampling_seed": st.integers(-3, 2**64),
 }
 PLAUSIBLE_GENERATE = {
     "text": st.text(max_size=10),
@@ -62,9 +76,13 @@ PLAUSIBLE_GENERATE = {
     "routed_experts_start_len": st.integers(0, 1),
     "return_sampling_mask": st.booleans(),
     "sampling_logprobs_mode": st.sampled_from(["selected", "support"]),
+    "logprob_start_len": st.integers(-2, 7),
+    "top_logprobs_num": st.integers(-1, 5),
+    "token_ids_logprob": token_ids,
+    "return_text_in_logprobs": st.booleans(),
 }
 plausible_generate = st.fixed_dictionaries(
-    {"input_ids": prompt | token_ids}, optional=PLAUSIBLE_GENERATE
+    {"input_ids": prompt | token_ids | st.lists(prompt, max_size=3)}, optional=PLAUSIBLE_GENERATE
 )
 
 

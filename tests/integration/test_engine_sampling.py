@@ -187,7 +187,7 @@ def test_ignore_eos_also_ignores_stop_token_ids_as_sglang(http, model):
 
 # The tiny model's vocabulary is wider than its character tokenizer: a bias keeps greedy
 # decoding on the characters, so the output has text.
-CHARS = {"logit_bias": {str(i): 50.0 for i in range(4, 52)}, "ignore_eos": True}
+CHARS = {"logit_bias": {str(i): 50.0 for i in range(4, 52)}, "ignore_eos": True}  # 0-9 a-z ...
 
 
 def _free_text(http, tokenizer):
