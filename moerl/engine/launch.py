@@ -11,6 +11,7 @@ import torch
 
 def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine import API_KEY_ENV
+    from moerl.engine.eos import eos_token_ids
     from moerl.engine.model_runner import ModelRunner
     from moerl.engine.scheduler import Scheduler
     from moerl.engine.server import EngineState, create_app
@@ -34,15 +35,11 @@ def build_state(args: argparse.Namespace) -> Any:
         tokenizer = load_tokenizer(args.model_path)
     except (FileNotFoundError, OSError, ValueError):
         tokenizer = None  # input_ids only; "text" stays empty
-    eos = getattr(runner.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     scheduler = Scheduler(
         runner,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests or None,
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_token_ids(args.model_path, runner.config, tokenizer),
         tokenizer=tokenizer,
         weight_version=args.weight_version,
         enable_routed_experts=args.enable_return_routed_experts,

@@ -12,13 +12,24 @@ from moerl.models.families import get_family
 from moerl.models.tokenizer import build_tiny_tokenizer
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, Any]:
+    """The tokenizer's bos/eos/pad ids under their config names, so config.json and
+    generation_config.json stop where the tokenizer's EOS says (and nowhere else)."""
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def build_hf_model(model: ModelConfig, seed: int = 0) -> Any:
-    """An fp32 transformers model for ``model`` with random weights (incl. expert bias)."""
+    """An fp32 transformers model for ``model`` with random weights (incl. expert bias)
+    and the built-in tokenizer's special token ids."""
     import transformers
 
     family = get_family(model.family)
-    hf_kwargs = family.to_hf(model)
-    config = transformers.AutoConfig.for_model(**hf_kwargs)
+    tokens = special_token_ids(build_tiny_tokenizer(model.vocab_size))
+    config = transformers.AutoConfig.for_model(**family.to_hf(model), **tokens)
     torch.manual_seed(seed)
     hf_model = getattr(transformers, family.hf_architecture)(config).float().eval()
     with torch.no_grad():
@@ -32,7 +43,8 @@ def build_hf_model(model: ModelConfig, seed: int = 0) -> Any:
 
 
 def save_tiny_checkpoint(model: ModelConfig, out: str | Path, seed: int = 0) -> Path:
-    """Write config.json, safetensors and tokenizer files for a random model."""
+    """Write config.json, generation_config.json, safetensors and tokenizer files for a
+    random model; both configs carry the tokenizer's bos/eos/pad ids."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_model = build_hf_model(model, seed)

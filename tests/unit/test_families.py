@@ -147,3 +147,19 @@ def test_tiny_tokenizer_roundtrip(tmp_path):
     assert tok.decode(ids) == "12+34=46"
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         load_tokenizer(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_tiny_checkpoint_special_ids_match_its_tokenizer(family, tiny_checkpoints):
+    """config.json and generation_config.json stop where the tokenizer's <eos> is."""
+    from moerl.models.tokenizer import load_tokenizer
+
+    path = tiny_checkpoints[family]
+    tok = load_tokenizer(path)
+    ids = {"bos_token_id": "<bos>", "eos_token_id": "<eos>", "pad_token_id": "<pad>"}
+    expected = {key: tok.convert_tokens_to_ids(text) for key, text in ids.items()}
+    assert expected == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    assert expected == {key: getattr(tok, key) for key in ids}
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((path / name).read_text())
+        assert {key: written.get(key) for key in ids} == expected, name
