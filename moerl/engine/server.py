@@ -491,27 +491,9 @@ def create_app(state: EngineState) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
-        return JSONResponse(
-            {
-                **model_info(),
-                "engine": "moerl.embedded",
-                "max_running_requests": sched.max_running,
-                "max_queued_requests": sched.max_queued,
-                "scheduler_error": sched.dead,
-                "failed_requests": sched.failed_requests,
-                "enable_return_routed_experts": sched.enable_routed_experts,
-                "running_requests": len(sched.running),
-                # tokens of KV cache held by running and retracted requests
-                "kv_cache_tokens": sum(r.cache.length for r in sched.running + sched.retracted),
-                "waiting_requests": sched.waiting.qsize(),
-                "paused": sched.paused,
-                "decode_steps": sched.steps,
-                "last_step_s": sched.last_step_s,
-                # (wall-clock start, seconds, running requests) of the last 256 steps
-                "recent_steps": list(sched.step_times),
-                "uptime_s": time.time() - state.started,
-            }
-        )
+        from moerl.engine.server_info import server_info
+
+        return JSONResponse(server_info(state, model_info()))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Any:

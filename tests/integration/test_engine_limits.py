@@ -37,6 +37,16 @@ def test_a_full_queue_answers_503_at_once(http):
     assert [b["r"].status_code for b in boxes] == [200, 200, 200]
 
 
+def test_server_info_reports_the_flags(http):
+    """The robust engine's --max-running-requests 4, --max-queued-requests 3, --enable-lora
+    --max-lora-rank 8 under SGLang's names (internal_states as SGLang's scheduler)."""
+    info = http.info()
+    assert (info["max_running_requests"], info["max_queued_requests"]) == (4, 3)
+    assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == 4
+    assert info["enable_lora"] is True and info["max_lora_rank"] == 8
+    assert info["max_loras_per_batch"] == 8  # the default, as SGLang's
+
+
 def test_n_is_bounded():
     from moerl.engine.validate import MAX_N, RequestError, check_generate
 

@@ -203,6 +203,36 @@ def test_info_health_and_cache_endpoints(ds_engine):
     assert post(ds_engine.url, "/flush_cache").status_code == 200
 
 
+def test_server_info_has_the_fields_sglang_clients_read(ds_engine, tiny_checkpoints):
+    """SGLang's server args flattened, internal_states (one per DP rank) and version;
+    moerl's live keys beside them; no number this engine does not have."""
+    from safetensors import safe_open
+
+    info = httpx.get(f"{ds_engine.url}/server_info").json()
+    assert httpx.get(f"{ds_engine.url}/get_server_info").json().keys() == info.keys()
+    model = httpx.get(f"{ds_engine.url}/model_info").json()
+    assert {k: info[k] for k in model if k != "weight_version"} == {
+        k: v for k, v in model.items() if k != "weight_version"
+    }
+    assert info["version"].startswith("moerl ") and "embedded engine" in info["version"]
+    assert info["max_context_length"] == model["context_length"] == 128
+    assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
+    assert info["disable_radix_cache"] is True and info["skip_tokenizer_init"] is False
+    assert info["max_running_requests"] == 64 and info["enable_lora"] is False
+    assert info["dtype"] == "float32" and info["incremental_streaming_output"] is False
+    assert "max_total_num_tokens" not in info  # no preallocated KV pool to size
+    for key in ("running_requests", "waiting_requests", "decode_steps", "kv_cache_tokens"):
+        assert isinstance(info[key], int), key
+
+    [internal] = info["internal_states"]
+    assert internal["effective_max_running_requests_per_dp"] == 64
+    assert internal["model_path"] == info["model_path"] and internal["dp_size"] == 1
+    with safe_open(str(tiny_checkpoints["deepseek_moe"] / "model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(k).nbytes for k in f.keys())
+    assert internal["memory_usage"]["weight"] == pytest.approx(stored / (1 << 30), abs=1e-3)
+    assert internal["memory_usage"]["graph"] == {}
+
+
 def test_routed_experts_absent_without_the_server_flag(tiny_checkpoints, engine_factory):
     """As SGLang: the key is silently absent; the client turns that into an error."""
     eng = engine_factory(tiny_checkpoints["qwen3_moe"])

@@ -1,0 +1,96 @@
+"""``/server_info`` (and ``/get_server_info``): what SGLang 0.5.23's clients read from it.
+
+SGLang answers with its resolved server arguments flattened at the top level, plus
+``internal_states`` (one dict per data-parallel rank: the same arguments and the
+scheduler's live state, e.g. ``effective_max_running_requests_per_dp`` and
+``memory_usage``) and ``version``. Readers: ``sglang.bench_one_batch_server`` and
+``bench_serving`` (``internal_states[*]``), moerl's weight sync (``tp_size``), and SGLang's
+typed contract ``sglang.api.v1.GetServerInfoResponse`` (``max_context_length``,
+``incremental_streaming_output``, ``disaggregation_mode``, ``version``...).
+
+Only fields with a true value in this engine are sent, under SGLang's names. Absent on
+purpose: ``max_total_num_tokens`` and ``memory_usage.token_capacity``/``kvcache`` (every
+request owns a growing KV cache; there is no preallocated token pool to size), and
+``last_gen_throughput`` (the scheduler's step records do not count the tokens each step
+generated). moerl's own live keys (``running_requests``, ``decode_steps``...) stay beside.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+import moerl
+
+if TYPE_CHECKING:
+    from moerl.engine.server import EngineState
+
+SGLANG_API = "0.5.23"  # the SGLang release whose native HTTP API the engine speaks
+VERSION = f"moerl {moerl.__version__} embedded engine (SGLang {SGLANG_API} native API)"
+
+
+def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any]:
+    """The engine's settings under SGLang's server-argument names."""
+    sched, runner = state.scheduler, state.runner
+    lora = runner.lora
+    return {
+        **model_info,
+        "max_context_length": runner.context_len,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "skip_tokenizer_init": state.tokenizer is None,
+        "max_running_requests": sched.max_running,
+        "max_queued_requests": sched.max_queued,
+        "stream_interval": state.stream_interval,
+        # streamed chunks carry the whole text so far, as SGLang's default
+        "incremental_streaming_output": False,
+        "enable_return_routed_experts": sched.enable_routed_experts,
+        "enable_lora": lora is not None,
+        "max_lora_rank": None if lora is None else lora.max_rank,
+        "max_loras_per_batch": None if lora is None else lora.max_loras,
+        "lora_target_modules": None if lora is None or not lora.targets else sorted(lora.targets),
+        # no prefix cache: every request owns its KV cache, freed when it ends
+        "disable_radix_cache": True,
+        # one process, one model replica, no parallelism
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "ep_size": 1,
+        "disaggregation_mode": "null",
+    }
+
+
+def weight_gb(state: EngineState) -> float:
+    """GiB held by the model's parameters and buffers (SGLang's memory_usage.weight)."""
+    model = state.runner.model
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return round(sum(t.numel() * t.element_size() for t in tensors) / (1 << 30), 3)
+
+
+def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any]:
+    """The /server_info body: SGLang's fields, then moerl's live scheduler state."""
+    sched = state.scheduler
+    args = server_args(state, model_info)
+    internal = {
+        **args,
+        "effective_max_running_requests_per_dp": sched.max_running,
+        "memory_usage": {"weight": weight_gb(state), "graph": {}},  # no CUDA graphs
+    }
+    return {
+        **args,
+        "internal_states": [internal],
+        "version": VERSION,
+        "engine": "moerl.embedded",
+        "scheduler_error": sched.dead,
+        "failed_requests": sched.failed_requests,
+        "running_requests": len(sched.running),
+        # tokens of KV cache held by running and retracted requests
+        "kv_cache_tokens": sum(r.cache.length for r in sched.running + sched.retracted),
+        "waiting_requests": sched.waiting.qsize(),
+        "paused": sched.paused,
+        "decode_steps": sched.steps,
+        "last_step_s": sched.last_step_s,
+        # (wall-clock start, seconds, running requests) of the last 256 steps
+        "recent_steps": list(sched.step_times),
+        "uptime_s": time.time() - state.started,
+    }
