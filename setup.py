@@ -16,7 +16,12 @@ from setuptools import find_packages, setup
 # Triton 3 runs its kernels on the CPU under TRITON_INTERPRET=1, which is how the tests
 # check every kernel against its torch twin without a GPU.
 KERNELS = ["triton>=3.0"]
-TEST = ["pytest>=8", "pytest-timeout", "httpx", "hypothesis>=6", *KERNELS]
+# What `import sglang` needs beyond moerl's own requirements, for SGLang's Python frontend
+# in tests/integration/test_sglang_frontend.py. sglang itself cannot be listed: it goes in
+# with `pip install --no-deps sglang==0.5.23` (Python >= 3.11), because its requirements
+# pin a CUDA torch and GPU kernels; the test skips without it.
+SGLANG_FRONTEND = ["requests", "aiohttp", "msgspec", "orjson", "pybase64", "pyzmq", "ipython"]
+TEST = ["pytest>=8", "pytest-timeout", "httpx", "hypothesis>=6", *KERNELS, *SGLANG_FRONTEND]
 
 packages = find_packages(include=["moerl", "moerl.*"])
 packages += ["moerl.kernels"] + [f"moerl.kernels.{p}" for p in find_packages("kernels")]
