@@ -54,7 +54,11 @@ def test_recent_policy_routes_old_tokens_freshly(tmp_path, tiny_checkpoints):
     then differ somewhere), tokens inside it are replayed (no flips)."""
     hf = tiny_checkpoints["deepseek_moe"]
     path = tmp_path / "bf16.jsonl"
-    collect_rollouts(hf, path, num_prompts=8, max_new_tokens=16, dtype="bfloat16")
+    # enough tokens that bf16 flips some route (with EOS the tiny model stops early)
+    collect_rollouts(
+        hf, path, num_prompts=16, max_new_tokens=24, dtype="bfloat16",
+        sampling={"ignore_eos": True},
+    )  # fmt: skip
     settings = [
         ("recent", "on", {"current_version": 3, "recent_window": 5}),  # all recent: replay
         ("recent", "on", {"current_version": 3, "recent_window": 1}),  # all old: fresh
