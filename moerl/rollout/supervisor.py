@@ -36,7 +36,7 @@ class EngineSupervisor:
         max_failures: int = 3,
         max_restarts: int = 5,
         health_timeout_s: float = 10.0,
-        on_restart: Callable[[str], Awaitable[None]] | None = None,
+        on_restart: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.client = client
         self.urls = [u.rstrip("/") for u in urls]
@@ -45,7 +45,9 @@ class EngineSupervisor:
         self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
         self.failures = dict.fromkeys(self.urls, 0)
         self.restarts = 0
-        self.on_restart = on_restart  # restores a restarted engine itself (LoRA adapters)
+        # brings a restarted engine to the current policy itself (True: LoRA adapters) or
+        # leaves it for the next push (False: full weights need the group rebuilt)
+        self.on_restart = on_restart
         self.unhealthy: set[str] = set()  # SGLang servers currently failing
         self._pending: set[str] = set()  # restarted, waiting for weights
         self._restarting: set[str] = set()
@@ -105,9 +107,8 @@ class EngineSupervisor:
                     )
                 await asyncio.sleep(0.2)
             self.restarts += 1
-            if self.on_restart is not None:  # e.g. load the current adapter: ready now
-                await self.on_restart(url)
-            else:  # hold it until it has the current weights (the trainer's next push)
+            ready = await self.on_restart(url) if self.on_restart is not None else False
+            if not ready:  # hold it until it has the current weights (the trainer's next push)
                 await self.client.pause_generation("abort", urls=[url])
                 self._pending.add(url)
             self.failures[url] = 0

@@ -42,7 +42,6 @@ class AdapterSync:
         *,
         client: Any = None,
         run_coro: RunCoro | None = None,
-        on_loaded: Callable[[str, int], None] | None = None,
         prefix: str = "policy",
         timeout_s: float = 600.0,
         transport: str = "tensors",
@@ -50,15 +49,13 @@ class AdapterSync:
     ) -> None:
         """gather: the collective that returns the full PEFT-named adapters on rank 0;
         config: their adapter_config.json; client / run_coro (rank 0): the engines and
-        the event loop their client lives on; on_loaded(name, version): told once every
-        engine has the adapter (the orchestrator switches new requests to it);
-        transport: 'tensors' or 'directory' (then ``directory`` is where versions go)."""
+        the event loop their client lives on; transport: 'tensors' or 'directory' (then ``directory`` is where versions go)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"adapter transport {transport!r}: choose one of {TRANSPORTS}")
         if transport == "directory" and directory is None:
             raise ValueError("adapter transport 'directory' needs a directory the engines can read")
         self.gather, self.config, self.client, self._run = gather, config, client, run_coro
-        self.on_loaded, self.prefix, self.timeout_s = on_loaded, prefix, timeout_s
+        self.prefix, self.timeout_s = prefix, timeout_s
         # where versions are written: only with the directory transport
         self.directory = Path(directory) if transport == "directory" else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -85,8 +82,6 @@ class AdapterSync:
         self._tensors = tensors
         self.loaded.append(name)
         loaded = time.perf_counter()
-        if self.on_loaded is not None:
-            self.on_loaded(name, version)
         self._unload_unused()
         end = time.perf_counter()
         return {

@@ -239,7 +239,8 @@ def test_lora_run_moves_only_adapters_and_resumes(tmp_path):
 
     run, ckpt = tmp_path / "lora", tmp_path / "lora" / "ckpt"
     lora = ["lora=all", "lora.rank=4", "lora.alpha=8", "staleness.max_staleness=0",
-            "telemetry.flip_every=0", f"trainer.checkpoint_dir={ckpt}"]  # fmt: skip
+            "telemetry.flip_every=0", "trainer.lr_warmup_steps=0",
+            f"trainer.checkpoint_dir={ckpt}"]  # fmt: skip
     _launch(run, *lora, "trainer.train_iters=2")
     _launch(run, *lora, "trainer.train_iters=3", "trainer.resume=true")
     m = read_metrics(run)

@@ -325,6 +325,7 @@ def test_adapter_sync_versions_by_either_transport(setup, tmp_path, transport):
     pushed adapter exactly, and a restarted engine gets the current one back."""
     from moerl.rollout.aio import EventLoopThread
     from moerl.sync.adapters import AdapterSync
+    from moerl.sync.publish import Adapters
 
     url = setup.lora.url
     loop = EventLoopThread("test-adapter-sync")
@@ -333,12 +334,13 @@ def test_adapter_sync_versions_by_either_transport(setup, tmp_path, transport):
     try:
         sync = AdapterSync(
             lambda: setup.adapter, setup.config, client=client, run_coro=loop.submit,
-            on_loaded=lambda n, v: seen.append((n, v)), prefix="sync",
-            transport=transport, directory=tmp_path / "adapters",
+            prefix="sync", transport=transport, directory=tmp_path / "adapters",
         )  # fmt: skip
+        publisher = Adapters(sync)
         for version in (1, 2):
-            stats = sync.push(version)
-            assert stats["bytes"] == sum(
+            pub = publisher.push(version)
+            seen.append((pub.adapter, pub.version))
+            assert pub.stats["bytes"] == sum(
                 t.numel() * t.element_size() for t in setup.adapter.values()
             )
         assert seen == [("sync-v1", 1), ("sync-v2", 2)] and sync.loaded == ["sync-v2"]
@@ -349,7 +351,7 @@ def test_adapter_sync_versions_by_either_transport(setup, tmp_path, transport):
             assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["sync-v2"]
         # an engine that lost its adapters (a restart) gets the current one back
         assert _post(url, "/unload_lora_adapter", {"lora_name": "sync-v2"}).json()["success"]
-        loop.run(sync.restore(url), 60)
+        assert loop.run(publisher.restore(url), 60)  # ready at once: no group to rejoin
         _same(_generate(url, [_body(PROMPTS[0], "sync-v2")])[0], setup.merged_out[0])
         assert _post(url, "/unload_lora_adapter", {"lora_name": "sync-v2"}).json()["success"]
     finally:

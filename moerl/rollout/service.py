@@ -1,0 +1,199 @@
+"""Rank 0's rollout side as one object: the asyncio thread and everything on it.
+
+The :class:`RolloutService` owns the event-loop thread, the engine client, the task, the
+bounded RolloutBuffer, the Orchestrator that keeps generating into it and the
+EngineSupervisor that restarts engines. The trainer's loop talks to it in a few calls:
+
+- ``start(on_restart)`` — generation and supervision begin (``on_restart`` is the
+  publisher's ``restore``, run when an engine was restarted);
+- ``next_batch(version)`` — the next step's trajectories, waiting on the batch and on
+  the orchestrator's and supervisor's failure together (whichever comes first);
+- ``before_update(pauses)`` / ``after_update(publication, rejoined)`` — the bracket of
+  a policy push: engines checked (True when restarted ones need the weight group
+  rebuilt), the partial-rollout policy applied, new requests switched to the new
+  version or adapter, restarted engines released;
+- ``state()`` (what a checkpoint keeps), ``metrics()``, ``close()``.
+
+Only rank 0 builds one; the components on its thread never see the trainer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from moerl.config.schema import MoerlConfig
+from moerl.rollout.aio import EventLoopThread
+from moerl.rollout.trajectory import Trajectory
+
+T = TypeVar("T")
+
+
+class RolloutService:
+    def __init__(
+        self,
+        cfg: MoerlConfig,
+        *,
+        hf_dir: Path,
+        run_dir: Path,
+        engine_urls: list[str],
+        engines: list[Any],
+        version: int,
+        progress: dict[str, Any],
+        groups_per_step: int,
+    ) -> None:
+        """Connect to the engines (waits until they are healthy) and build the buffer and
+        orchestrator at ``version``, resuming from a checkpoint's ``progress`` record
+        (cursor, buffer, orchestrator) when it has one. Nothing generates until start()."""
+        from moerl.models.tokenizer import load_tokenizer
+        from moerl.rollout.faults import make_client
+        from moerl.tasks import build_task
+
+        self.cfg, self.engine_urls, self.engines = cfg, engine_urls, engines
+        self.groups_per_step = groups_per_step
+        self.aio = EventLoopThread("moerl-rollout")
+        self._futures: dict[str, concurrent.futures.Future[None]] = {}
+        self.supervisor: Any = None
+        self.orchestrator: Any = None
+        self.buffer: Any = None
+        self.client: Any = None
+        try:
+            self.client = self.aio.run(_call(make_client, engine_urls, cfg.rollout))
+            self.aio.run(self.client.wait_until_healthy(cfg.engine.startup_timeout_s))
+            task = build_task(cfg.task, load_tokenizer(hf_dir))
+            self.aio.run(_call(self._build, task, run_dir, version, progress))
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, task: Any, run_dir: Path, version: int, progress: dict[str, Any]) -> None:
+        from moerl.rollout.buffer import RolloutBuffer
+        from moerl.rollout.orchestrator import Orchestrator
+        from moerl.telemetry.timeline import Timeline
+
+        cfg = self.cfg
+        self.buffer = RolloutBuffer(
+            cfg.buffer, cfg.staleness, groups_per_step=self.groups_per_step, version=version
+        )
+        if progress.get("buffer"):
+            self.buffer.load_state_dict(progress["buffer"])
+        self.orchestrator = Orchestrator(
+            self.client, task, self.buffer, cfg.rollout, num_layers=cfg.model.num_layers,
+            topk=cfg.model.moe_router_topk, start_cursor=int(progress.get("cursor", 0)),
+            timeline=Timeline(run_dir, "rollout") if cfg.telemetry.timeline else None,
+        )  # fmt: skip
+        if progress.get("orchestrator"):
+            self.orchestrator.load_state_dict(progress["orchestrator"])
+
+    # ---- the event loop, for the publisher --------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the rollout loop (where the client lives)."""
+        return self.aio.submit(coro)
+
+    # ---- run ---------------------------------------------------------------------------
+
+    def start(self, on_restart: Callable[[str], Awaitable[bool]] | None = None) -> None:
+        """Generation and engine supervision begin."""
+        from moerl.rollout.supervisor import EngineSupervisor
+
+        eng = self.cfg.engine
+        self._futures["orchestrator"] = self.aio.submit(self.orchestrator.run())
+        self.supervisor = self.aio.run(
+            _call(
+                lambda: EngineSupervisor(
+                    self.client,
+                    self.engine_urls,
+                    self.engines,
+                    interval_s=eng.health_interval_s,
+                    max_failures=eng.max_health_failures,
+                    max_restarts=eng.max_restarts,
+                    on_restart=on_restart,
+                )  # fmt: skip
+            )
+        )
+        self._futures["supervisor"] = self.aio.submit(self.supervisor.run())
+
+    def next_batch(self, version: int) -> list[Trajectory]:
+        """The next ``groups_per_step`` groups' trajectories for the trainer at policy
+        ``version``; raises at once if the orchestrator or the supervisor stops first."""
+        batch = self.aio.submit(self.buffer.get_batch(self.groups_per_step, version))
+        waiting = {batch, *self._futures.values()}
+        while not batch.done():
+            done, _ = concurrent.futures.wait(
+                waiting, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for role, fut in self._futures.items():
+                if fut in done and not batch.done():
+                    batch.cancel()
+                    fut.result()  # its error, if it failed
+                    raise RuntimeError(f"the {role} stopped before the run ended")
+        return [t for group in batch.result() for t in group]
+
+    def before_update(self, pauses_generation: bool) -> bool:
+        """Before a push: every engine checked and restarts waited for; generation
+        paused by the partial-rollout policy when the push disturbs requests. True when
+        engines were restarted and the weight group must be built again."""
+        rejoin = bool(self.aio.run(self.supervisor.before_push()))
+        if pauses_generation:
+            self.aio.run(self.orchestrator.before_update())
+        return rejoin
+
+    def after_update(
+        self, version: int, *, paused: bool, adapter: str | None = None, rejoined: bool = False
+    ) -> None:
+        """After a push of ``version``: generation resumes (``paused``), new requests use
+        ``adapter`` (LoRA) and restarted engines that got the weights are released."""
+        if adapter is not None:
+            self.aio.run(_call(self.orchestrator.set_adapter, adapter, version))
+        if paused:
+            self.aio.run(self.orchestrator.after_update(version))
+        if rejoined:
+            self.aio.run(self.supervisor.reconnected())
+        self.aio.run(_call(self.buffer.set_version, version))
+
+    # ---- state, metrics, close --------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side: the data cursor, the buffer's
+        groups and the orchestrator's settled positions."""
+
+        def read() -> dict[str, Any]:
+            return {
+                "cursor": int(self.orchestrator.cursor),
+                "buffer": self.buffer.state_dict(),
+                "orchestrator": self.orchestrator.state_dict(),
+            }
+
+        return self.aio.run(_call(read))
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        out.update(self.aio.run(_call(self.buffer.metrics)))
+        out.update(self.aio.run(_call(self.orchestrator.metrics)))
+        if self.supervisor is not None:
+            out.update(self.supervisor.metrics())
+        return out
+
+    def close(self) -> None:
+        """Stop supervision and generation, close the buffer and the client, stop the
+        thread. Safe after a partial start."""
+        try:
+            if self.supervisor is not None:
+                self.aio.run(_call(self.supervisor.stop))
+            if self.orchestrator is not None:
+                self.aio.run(self.orchestrator.stop(), timeout=60)
+            if self.buffer is not None:
+                self.aio.run(_call(self.buffer.close))
+            if self.client is not None:
+                self.aio.run(self.client.aclose())
+        finally:
+            self.aio.stop()
+
+
+async def _call(fn: Callable[..., T], *args: Any) -> T:
+    """Run a plain function on the rollout loop's thread (its components are not
+    thread-safe)."""
+    return fn(*args)

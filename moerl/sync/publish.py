@@ -1,0 +1,143 @@
+"""Publishing the policy to the engines: one protocol, two ways.
+
+After an optimizer step the trainer publishes its new policy version. With full
+fine-tuning every weight goes by bucketed broadcast over a process group the engines
+joined (:class:`FullWeights`, wrapping ``WeightSync``); with LoRA only the adapters move
+and each version is a new engine adapter (:class:`Adapters`, wrapping ``AdapterSync``).
+The loop sees only :class:`Publisher`:
+
+- ``push(version)`` — collective on every trainer rank; returns a :class:`Publication`
+  on rank 0 (stats, and the adapter name new requests must use, if any);
+- ``pauses_generation`` — whether the rollout side brackets a push with its
+  partial-rollout policy (a weight broadcast does; loading an adapter disturbs no
+  request);
+- ``rejoin()`` — collective: engines restarted since the last push are no longer in the
+  weight group, build it again (a no-op for adapters, which need no group);
+- ``restore(url)`` — rank 0, on the rollout loop: bring one restarted engine to the
+  current policy now; False when it must wait for the next push (full weights);
+- ``close()``.
+
+Publishers return values and expose methods; the loop wires them to the rollout side,
+they never call into it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Publication:
+    """What one push did: its version, its stats (rank 0) and, with LoRA, the engine
+    adapter that serves that version."""
+
+    version: int
+    stats: dict[str, float] = field(default_factory=dict)
+    adapter: str | None = None
+
+
+class Publisher(Protocol):
+    pauses_generation: bool
+
+    def push(self, version: int) -> Publication: ...
+
+    def rejoin(self) -> None: ...
+
+    async def restore(self, url: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class FullWeights:
+    """Every weight by bucketed broadcast (``moerl.sync.weights.WeightSync``)."""
+
+    pauses_generation = True
+
+    def __init__(self, make_sync: Any) -> None:
+        """make_sync(): a new, unconnected WeightSync (called again on each rejoin)."""
+        self._make = make_sync
+        self.sync = make_sync()
+        self.sync.connect()
+
+    def push(self, version: int) -> Publication:
+        return Publication(version, self.sync.push(version))
+
+    def rejoin(self) -> None:
+        _close_quietly(self.sync)
+        self.sync = self._make()
+        self.sync.connect()
+
+    async def restore(self, url: str) -> bool:
+        return False  # it joins the group again at the next push
+
+    def close(self) -> None:
+        _close_quietly(self.sync)
+
+
+class Adapters:
+    """Only the LoRA adapters, one engine adapter per version
+    (``moerl.sync.adapters.AdapterSync``)."""
+
+    pauses_generation = False
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+
+    def push(self, version: int) -> Publication:
+        stats = self.sync.push(version)
+        return Publication(version, stats, adapter=self.sync.name(version))
+
+    def rejoin(self) -> None:
+        pass  # no group: a restarted engine got its adapter in restore()
+
+    async def restore(self, url: str) -> bool:
+        await self.sync.restore(url)
+        return True
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+def build_publisher(
+    cfg: Any, trainer: Any, *, client: Any, run_coro: Any, run_dir: Path, backend: str
+) -> Publisher:
+    """The publisher a run's config asks for: adapters when the trainer has LoRA, full
+    weights otherwise. ``client``/``run_coro``: rank 0's engine client and the loop it
+    lives on (None elsewhere). Full weights connect here (collective)."""
+    if trainer.lora is not None:
+        from moerl.sync.adapters import AdapterSync
+
+        return Adapters(
+            AdapterSync(
+                trainer.adapters,
+                trainer.peft_config(),
+                client=client,
+                run_coro=run_coro,
+                transport=cfg.sync.adapter_transport,
+                directory=cfg.sync.adapter_dir or run_dir / "adapters",
+            )  # fmt: skip
+        )
+    from moerl.sync.weights import WeightSync
+
+    def make_sync() -> WeightSync:
+        return WeightSync(
+            trainer.chunks, cfg.model, client=client, bucket_mb=cfg.sync.bucket_mb,
+            dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
+            master_port=cfg.sync.master_port, run_coro=run_coro,
+            flush_cache=cfg.rollout.partial_rollout != "in_place",
+        )  # fmt: skip
+
+    return FullWeights(make_sync)
+
+
+def _close_quietly(sync: Any) -> None:
+    """Close a weight group that a restarted engine may no longer be part of."""
+    try:
+        sync.close()
+    except Exception as err:  # the restarted engine never had the group
+        log.info("closing the old weight group: %s", err)

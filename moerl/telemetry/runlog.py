@@ -1,0 +1,111 @@
+"""The run's record of itself, owned by one object: per-step metrics (metrics.jsonl and
+its mirrors), the progress bar, the batch log and the trainer's timeline.
+
+Rank 0 writes them (:class:`RunLog`); every other rank holds a :class:`NullRunLog` with
+the same methods, so the loop calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moerl.config.schema import MoerlConfig
+
+
+def step_metrics(trajs: list[Any], version: int, wall_s: float, wait_s: float) -> dict[str, float]:
+    """The per-step run metrics every metrics.jsonl line carries: staleness of the
+    batch's tokens against ``version`` (the policy that trained on it), throughput and
+    the trainer's idle fraction (``wait_s`` of ``wall_s`` spent waiting for the batch)."""
+    from moerl.telemetry.metrics import staleness_hist_metrics
+    from moerl.telemetry.mismatch import staleness_histogram
+
+    versions = np.concatenate([np.asarray(t.versions) for t in trajs])
+    tokens = int(sum(t.response_len for t in trajs))
+    gap = version - versions
+    out = {
+        "staleness_max": float(gap.max()) if gap.size else 0.0,
+        "staleness_mean": float(gap.mean()) if gap.size else 0.0,
+        "tokens_per_s": tokens / max(wall_s, 1e-9),
+        "trainer_idle_frac": wait_s / max(wall_s, 1e-9),
+        "response_len_mean": tokens / max(len(trajs), 1),
+        "batch_versions": float(len(np.unique(versions))),
+        "step_s": wall_s,
+    }
+    out.update(staleness_hist_metrics(staleness_histogram(versions, version)))
+    return out
+
+
+class RunLog:
+    """Rank 0's metrics writer, progress bar, batch log and timeline for one run."""
+
+    def __init__(self, cfg: MoerlConfig, run_dir: Path, start_step: int) -> None:
+        from moerl.telemetry.batches import BatchLog
+        from moerl.telemetry.metrics import MetricsWriter
+        from moerl.telemetry.progress import Progress
+        from moerl.telemetry.timeline import Timeline
+
+        tel = cfg.telemetry
+        self.writer = MetricsWriter(
+            run_dir, tensorboard=tel.tensorboard, wandb=tel.wandb,
+            wandb_project=tel.wandb_project, resume_step=start_step,
+        )  # fmt: skip
+        self.bar = Progress(cfg.trainer.train_iters, min_interval_s=tel.progress_interval_s)
+        self.batches = BatchLog(run_dir, resume_step=start_step)
+        self.timeline = Timeline(run_dir, "trainer", enabled=tel.timeline)
+        self.last: dict[str, float] = {}
+        self._t0 = time.time()
+
+    def span(self, kind: str, **attrs: Any) -> AbstractContextManager[Any]:
+        return self.timeline.span(kind, **attrs)
+
+    def log(
+        self,
+        step: int,
+        trajs: list[Any],
+        metrics: dict[str, float],
+        *,
+        version: int,
+        wall_s: float,
+        wait_s: float,
+    ) -> None:
+        """One step's line: the trainer's and rollout side's ``metrics`` plus the run
+        metrics of its batch (``step_metrics``); also the batch log and the bar."""
+        metrics = {**metrics, **step_metrics(trajs, version, wall_s, wait_s)}
+        if "mismatch/k3" in metrics:  # a metric that was not computed stays absent
+            metrics["mismatch_k3"] = metrics["mismatch/k3"]
+        metrics["time_s"] = time.time() - self._t0
+        self.writer.log(step, metrics)
+        self.batches.log(step, trajs)
+        self.bar.update(step + 1, metrics)
+        self.last = metrics
+
+    def close(self) -> None:
+        self.writer.close()
+        self.batches.close()
+        self.bar.close()
+        self.timeline.close()
+
+
+class NullRunLog:
+    """What ranks other than 0 log: nothing."""
+
+    last: dict[str, float] = {}
+
+    def span(self, kind: str, **attrs: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def log(self, step: int, trajs: list[Any], metrics: dict[str, float], **kw: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_run_log(cfg: MoerlConfig, run_dir: Path, start_step: int, leader: bool) -> Any:
+    """A RunLog on the leader (rank 0), a NullRunLog elsewhere."""
+    return RunLog(cfg, run_dir, start_step) if leader else NullRunLog()
