@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DTYPES = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -39,9 +40,10 @@ class TrainerConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in checkpoint_dir instead of starting
     fresh; a corrupt newer one is skipped with a warning naming it."""
-    replay: str = "all"
-    """Keep Routing: 'all' replays the engine's routes for every token, 'recent' only for
-    tokens within recent_window versions of the trainer, 'none' routes freshly."""
+    replay: Any = "all"
+    """Keep Routing policy (moerl.algo.replay): 'all' replays the engine's routes for every
+    token, 'recent' only for tokens within recent_window versions of the trainer, 'none'
+    routes freshly; or your own, {_target_: mylab.replay.fn, ...options}."""
     recent_window: int = 1
     """With replay='recent': the largest version gap whose routes are still replayed."""
     sampling_mask: bool = True

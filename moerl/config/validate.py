@@ -162,7 +162,9 @@ def _check_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
 
 def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None:
     _one_of("trainer.dtype", t.dtype, DTYPES)
-    _one_of("trainer.replay", t.replay, ("all", "recent", "none"))
+    from moerl.algo.replay import check_replay_spec
+
+    check_replay_spec(t.replay, t.recent_window)
     _one_of("trainer.kernels", t.kernels, ("auto", "triton", "torch"))
     _one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
     if t.recent_window < 0:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moerl.algo.replay import is_none
 from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
@@ -52,7 +53,7 @@ def trainer_logprobs(
     chunks: list[Any],
     trajs: list[Trajectory],
     *,
-    replay: str = "all",
+    replay: Any = "all",
     use_mask: bool = True,
     micro_batch_size: int = 1,
     num_layers: int,
@@ -73,7 +74,7 @@ def trainer_logprobs(
     config = getattr(chunks[0], "module", chunks[0]).config
     have_routes = all(t.routed_experts is not None for t in trajs)
     mbs, seq_len = step_microbatches(
-        config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none" or have_routes,
+        config, trajs, micro_batch_size=micro_batch_size, use_routes=not is_none(replay) or have_routes,
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
         packing=packing, pack_length=pack_length,
     )  # fmt: skip
@@ -98,7 +99,7 @@ def trainer_logprobs(
         if head is not None:
             head.set_microbatch(mb)
         chunk = chunk_of[id(model)]
-        if replay == "none":
+        if is_none(replay):
             for inst in replayer.layers[chunk].values():
                 inst.set_router_replay_action(RouterReplayAction.RECORD)
         else:
@@ -110,7 +111,7 @@ def trainer_logprobs(
             valid = replayer._local(mb.valid())
             want = replayer._local(mb.routes)
             for number, inst in replayer.layers[chunk].items():
-                used = inst.get_recorded_indices() if replay == "none" else inst.moerl_used
+                used = inst.get_recorded_indices() if is_none(replay) else inst.moerl_used
                 f, n = _count_flips(used, want[:, number - 1], valid)
                 flips[number - 1] += f
                 counts[number - 1] += n

@@ -10,9 +10,10 @@ activation recompute (``trainer.recompute``), the router runs again inside backw
 there it replays the routes its micro-batch's forward used (megatron's REPLAY_BACKWARD
 case, detected as a forward running inside an autograd graph task).
 
-Policies: ``all`` replays every token; ``recent`` replays only tokens whose policy
-version is within ``recent_window`` of the trainer's, routing the rest freshly;
-``none`` is the plain router (for the mismatch checker).
+Which routes a token uses is a replay policy's choice (``moerl.algo.replay``: ``all``,
+``recent``, ``none`` built in, a user's own by ``_target_``); it sees the recorded
+routes, per-token versions and the live router's scores and top-k. ``none`` is the
+plain router: no targets are set at all.
 """
 
 # B sequences, S padded length, L layers, K top-k, T local router tokens
@@ -23,17 +24,18 @@ from typing import Any
 
 import torch
 
+from moerl.algo.replay import ReplayInput, build_replay_policy, is_all, is_none
 from moerl.kernels.replay_gather import replay_gather
-
-POLICIES = ("all", "recent", "none")
 
 
 class RoutingReplay:
-    def __init__(self, chunks: list[Any], policy: str = "all", recent_window: int = 0) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"replay={policy!r}: choose one of {POLICIES}")
-        self.policy = policy
-        self.recent_window = recent_window
+    def __init__(self, chunks: list[Any], policy: Any = "all", recent_window: int = 0) -> None:
+        """policy: ``trainer.replay`` (a name, options or a ``_target_`` mapping)."""
+        self.off = is_none(policy)
+        # the built-in 'all' needs no live routing: it is applied without a call
+        self.choose = (
+            None if self.off or is_all(policy) else build_replay_policy(policy, recent_window)
+        )
         self.layers: list[dict[int, Any]] = []  # per chunk: global layer number → RouterReplay
         self.topk = 0
         for chunk in chunks:
@@ -84,10 +86,21 @@ class RoutingReplay:
                 raise ValueError(
                     f"replay target {tuple(target.shape)} does not match router tokens {(scores.shape[0], topk)}"
                 )
-            keep = inst.moerl_keep
-            if keep is not None:  # 'recent': fresh routing for old tokens
+            choose = inst.moerl_choose
+            if choose is not None:  # a policy other than 'all' decides per token
                 _, fresh = default_compute_topk(scores, topk, num_groups, group_topk)
-                target = torch.where(keep[:, None].to(scores.device), target, fresh)
+                versions = inst.moerl_versions
+                out = choose(
+                    ReplayInput(
+                        recorded_TK=target,
+                        current_version=inst.moerl_current_version,
+                        versions_T=None if versions is None else versions.to(scores.device),
+                        scores_TE=scores,
+                        fresh_TK=fresh,
+                        layer=inst.moerl_layer,
+                    )  # fmt: skip
+                )
+                target = _checked(out.routes_TK, target.shape, scores.shape[-1])
             inst.moerl_used = target  # what the router actually used (for flip counting)
             if inst.moerl_recompute:
                 inst.moerl_backward.append(target)
@@ -96,7 +109,10 @@ class RoutingReplay:
         inst.get_replay_topk = get_replay_topk
         inst.moerl_consumed = 0
         inst.moerl_expected = 0
-        inst.moerl_keep = None
+        inst.moerl_choose = None
+        inst.moerl_versions = None
+        inst.moerl_current_version = 0
+        inst.moerl_layer = 0
         inst.moerl_used = None
         inst.moerl_recompute = False  # this forward's activations will be recomputed
         inst.moerl_backward = []  # routes used by forwards, awaiting their recompute
@@ -126,7 +142,7 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         layers = self.layers[chunk]
-        if self.policy == "none" or not layers:
+        if self.off or not layers:
             for inst in layers.values():
                 inst.clear_router_replay_action()
             return
@@ -137,16 +153,13 @@ class RoutingReplay:
                 f"routes have top-k {routes_BSLK.shape[-1]}, the model routes to {self.topk}"
             )
         local = self._local(routes_BSLK.long())
-        keep = None
-        if self.policy == "recent":
-            if versions_BS is None:
-                raise ValueError("replay=recent needs per-token versions")
-            keep = self._local(current_version - versions_BS <= self.recent_window)
+        versions = None if versions_BS is None else self._local(versions_BS)
         # activation recompute re-runs the router in backward: it must see the same routes
         recompute = self.config.recompute_granularity is not None and self.modules[chunk].training
         for number, inst in layers.items():
             inst.set_target_indices(local[:, number - 1].contiguous())
-            inst.moerl_keep = keep
+            inst.moerl_choose, inst.moerl_layer = self.choose, number
+            inst.moerl_versions, inst.moerl_current_version = versions, current_version
             inst.moerl_recompute = recompute
             inst.moerl_expected += 1
             inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -168,10 +181,27 @@ class RoutingReplay:
                 inst.moerl_expected = inst.moerl_consumed = inst.moerl_recomputed = 0
                 inst.moerl_backward = []
                 inst.moerl_recompute = False
-                inst.moerl_keep = None
+                inst.moerl_choose = inst.moerl_versions = None
                 inst.clear_indices()
                 inst.clear_router_replay_action()
         if bad:
             raise RuntimeError(
                 "routing replay targets were not consumed exactly once: " + "; ".join(bad)
             )
+
+
+def _checked(routes_TK: Any, shape: tuple[int, ...], num_experts: int) -> torch.Tensor:
+    """A replay policy's routes, checked: [T, K] integer expert ids in range."""
+    if not isinstance(routes_TK, torch.Tensor):
+        raise TypeError(
+            f"trainer.replay's policy returned routes of type {type(routes_TK).__name__}; "
+            "return ReplayOutput(routes_TK=<int64 tensor [T, K]>)"
+        )
+    if tuple(routes_TK.shape) != tuple(shape) or routes_TK.dtype.is_floating_point:
+        raise ValueError(
+            f"trainer.replay's policy returned routes {tuple(routes_TK.shape)} "
+            f"{routes_TK.dtype}; the router needs integer expert ids of shape {tuple(shape)}"
+        )
+    if routes_TK.numel() and (int(routes_TK.min()) < 0 or int(routes_TK.max()) >= num_experts):
+        raise ValueError(f"trainer.replay's policy returned expert ids outside [0, {num_experts})")
+    return routes_TK.long()

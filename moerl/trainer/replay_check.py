@@ -121,7 +121,12 @@ def _worker(
     for setting in settings or SETTINGS:
         replay, mask = setting[0], setting[1]
         extra = setting[2] if len(setting) > 2 else {}
-        policy = {"on": "all", "off": "none"}.get(replay, replay)
+        # 'on' / 'off' / a built-in's name, or a replay-policy spec (a mapping)
+        policy = (
+            {"on": "all", "off": "none"}.get(replay, replay) if isinstance(replay, str) else replay
+        )
+        if not isinstance(replay, str):
+            replay = str(replay.get("_target_") or replay.get("name"))
         res = trainer_logprobs(
             chunks, trajs, replay=policy, use_mask=mask == "on",
             num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
@@ -176,7 +181,8 @@ def score(
     settings: list | None = None,
 ) -> list[SettingResult]:
     """Score rollouts under ``settings``: (replay, mask[, trainer_logprobs kwargs]) with
-    replay 'on' | 'off' | 'recent'; default: replay and mask each on and off."""
+    replay 'on' | 'off' | 'recent' or a replay-policy mapping (``{"_target_": ...}``,
+    reported under its target); default: replay and mask each on and off."""
     _, world = parse_layout(layout)
     spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype, settings)
     return [SettingResult(**r) for r in json.loads(Path(out).read_text())["settings"]]

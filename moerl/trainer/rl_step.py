@@ -23,6 +23,7 @@ from moerl.algo.config import KLConfig
 from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
+from moerl.algo.replay import is_none
 from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
@@ -137,7 +138,7 @@ def rl_train_step(
     old_policy: str = "rollout",
     decoupled: bool = False,
     agg: str = "token_mean",
-    replay: str = "all",
+    replay: Any = "all",
     use_mask: bool = True,
     micro_batch_size: int = 1,
     num_layers: int,
@@ -171,7 +172,7 @@ def rl_train_step(
             "build_model(..., per_token_loss=True) before wrapping it in DDP"
         )
     mbs, seq_len = step_microbatches(
-        config, trajs, micro_batch_size=micro_batch_size, use_routes=replay != "none",
+        config, trajs, micro_batch_size=micro_batch_size, use_routes=not is_none(replay),
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
         advantages=advantages, ref_logprobs=ref_logprobs, packing=packing,
         pack_length=pack_length, old_logprobs=offpolicy.old_logprobs if offpolicy else None,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from moerl.algo.replay import check_replay_spec, is_none
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
@@ -46,8 +47,7 @@ class Trainer:
         from moerl.trainer.schedule import build_scheduler
         from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
-        if trainer.replay not in REPLAY_POLICIES:
-            raise ValueError(f"trainer.replay={trainer.replay!r}: choose one of {REPLAY_POLICIES}")
+        check_replay_spec(trainer.replay, trainer.recent_window)
         if trainer.packing == "packed" and have_transformer_engine():
             raise ValueError(
                 "trainer.packing=packed relies on a block-diagonal attention mask, which "
@@ -302,7 +302,7 @@ class Trainer:
 
         indices = self._sample(trajs, sample)
         picked = [trajs[i] for i in indices]
-        if self.cfg.replay == "none" or not picked:
+        if is_none(self.cfg.replay) or not picked:
             return {}
         runs, flips = {}, {}
         for replay in ("all", "none"):

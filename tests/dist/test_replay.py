@@ -49,16 +49,23 @@ def test_check_replay_cli_bf16():
     assert any(x.startswith("reduction=") for x in proc.stdout.splitlines())
 
 
-def test_recent_policy_routes_old_tokens_freshly(tmp_path, tiny_checkpoints):
-    """replay=recent: tokens older than the window route freshly (a bf16 rollout's routes
-    then differ somewhere), tokens inside it are replayed (no flips)."""
+@pytest.fixture(scope="module")
+def bf16_rollouts(tiny_checkpoints, tmp_path_factory):
+    """bf16 rollouts with enough tokens that bf16 flips some route against the fp32
+    trainer (with EOS the tiny model stops early, so sampling ignores it)."""
     hf = tiny_checkpoints["deepseek_moe"]
-    path = tmp_path / "bf16.jsonl"
-    # enough tokens that bf16 flips some route (with EOS the tiny model stops early)
+    path = tmp_path_factory.mktemp("rollouts") / "bf16.jsonl"
     collect_rollouts(
         hf, path, num_prompts=16, max_new_tokens=24, dtype="bfloat16",
         sampling={"ignore_eos": True},
     )  # fmt: skip
+    return hf, path
+
+
+def test_recent_policy_routes_old_tokens_freshly(bf16_rollouts, tmp_path):
+    """replay=recent: tokens older than the window route freshly (a bf16 rollout's routes
+    then differ somewhere), tokens inside it are replayed (no flips)."""
+    hf, path = bf16_rollouts
     settings = [
         ("recent", "on", {"current_version": 3, "recent_window": 5}),  # all recent: replay
         ("recent", "on", {"current_version": 3, "recent_window": 1}),  # all old: fresh
@@ -68,3 +75,34 @@ def test_recent_policy_routes_old_tokens_freshly(tmp_path, tiny_checkpoints):
     assert inside.flip_rate == 0.0
     assert outside.flip_rate == fresh.flip_rate  # old tokens route exactly as without replay
     assert fresh.flip_rate > 0  # bf16 rollouts: some routing differs from the fp32 trainer
+
+
+def test_a_policy_of_ones_own_plugs_in_by_target(bf16_rollouts, tmp_path):
+    """trainer.replay={_target_: ...}: a policy defined outside moerl
+    (replay_policies_for_tests) decides the trainer's routes. Checked against the
+    built-ins on bf16 rollouts: returning the recorded routes scores every token exactly
+    as 'all', returning the router's own choice exactly as 'none'; a policy with options
+    (replay where the router's margin is small) is 'all' at an infinite threshold and
+    'none' at zero."""
+    hf, path = bf16_rollouts
+    own = "replay_policies_for_tests."
+    settings = [
+        ("on", "on"),
+        ({"_target_": own + "recorded"}, "on"),
+        ("off", "on"),
+        ({"_target_": own + "own_router"}, "on"),
+        ({"_target_": own + "small_margin", "threshold": 1e9}, "on"),
+        ({"_target_": own + "small_margin", "threshold": 0.0}, "on"),
+    ]
+    builtin_all, recorded, builtin_none, router, always, never = score(
+        "single", hf, path, tmp_path / "s.json", settings=settings
+    )
+    assert recorded.replay == own + "recorded"
+    assert recorded.flip_rate == builtin_all.flip_rate == 0.0
+    assert recorded.mismatch_k3 == builtin_all.mismatch_k3
+    assert recorded.max_abs_log_ratio == builtin_all.max_abs_log_ratio
+    assert router.flip_rate == builtin_none.flip_rate > 0
+    assert router.mismatch_k3 == builtin_none.mismatch_k3
+    assert router.mismatch_k3 != builtin_all.mismatch_k3
+    assert (always.flip_rate, always.mismatch_k3) == (0.0, builtin_all.mismatch_k3)
+    assert (never.flip_rate, never.mismatch_k3) == (router.flip_rate, router.mismatch_k3)

@@ -222,8 +222,10 @@ def test_unknown_family_is_rejected() -> None:
 
 
 def test_trainer_replay_policy_is_checked() -> None:
-    with pytest.raises(ValueError, match="trainer.replay='sometimes'"):
+    with pytest.raises(ValueError, match="trainer.replay: unknown replay policy 'sometimes'"):
         validate_config(_compose("trainer.replay=sometimes"), world_size=1)
+    # a policy of one's own by _target_ (here any importable function) is accepted
+    validate_config(_compose("trainer.replay={_target_:torch.clone}"), world_size=1)
 
 
 @pytest.mark.parametrize(
