@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 
 from moerl.models.hf_tiny import save_tiny_checkpoint
-from moerl.models.tiny import TINY, tiny_config
+from moerl.models.registry import tiny_families
+from moerl.models.tiny import tiny_config
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", required=True, choices=sorted(TINY))
+    parser.add_argument("--family", required=True, choices=tiny_families())
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
