@@ -58,7 +58,7 @@ def model_from_checkpoint(model: Any) -> Any:
     sequence length. Raises ValueError naming the file for a missing, broken or
     incomplete config.json or weight file."""
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models.registry import get_family
 
     path = Path(model.path)
     config = path / "config.json"
@@ -88,13 +88,13 @@ def preflight(cfg: DictConfig) -> MoerlConfig:
     typed = validate_config(cfg)
     world = typed.launcher.world_size()
     if not typed.model.path:
-        from moerl.models.families import FAMILIES
+        from moerl.models.registry import PLAIN, family_names
 
-        if typed.model.family not in FAMILIES:  # the engines serve a Hugging Face model
+        if typed.model.family == PLAIN:  # the engines serve a Hugging Face model
             raise ValueError(
                 f"model.family={typed.model.family} has no Hugging Face format, so there is "
                 "no initial checkpoint for the engines; pick a family's model (e.g. "
-                f"+recipe=deepseek_moe, model=deepseek_moe_tiny; families: {sorted(FAMILIES)}) "
+                f"+recipe=deepseek_moe, model=deepseek_moe_tiny; families: {family_names()}) "
                 "or set model.path"
             )
     else:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from moerl.convert.check import LOGIT_TOL, check_layout, prepare
-from moerl.models.families import FAMILIES
+from moerl.models import family_names, get_family
 from moerl.models.hf_tiny import save_tiny_checkpoint
 from moerl.models.tiny import tiny_config
 from moerl.parallel.layout import parse_layout
@@ -28,7 +28,11 @@ from moerl.parallel.layout import parse_layout
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    parser.add_argument(
+        "--family",
+        required=True,
+        help=f"{', '.join(family_names())} or the import path of a ModelFamily",
+    )
     parser.add_argument("--layouts", default="single,tp2,ep2,pp2")
     parser.add_argument("--hf-dir", help="use this HF checkpoint instead of a tiny random one")
     parser.add_argument("--seed", type=int, default=0)
@@ -36,12 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     for name in layouts:
         parse_layout(name)
+    try:
+        get_family(args.family)
+    except ValueError as err:
+        parser.error(str(err))
     failed = []
     with tempfile.TemporaryDirectory(prefix="moerl-conv-") as workdir:
         if args.hf_dir:
             hf_dir = Path(args.hf_dir)
             from moerl.convert import HFCheckpoint
-            from moerl.models.families import get_family
 
             vocab = get_family(args.family).from_hf(HFCheckpoint(hf_dir).config()).vocab_size
         else:

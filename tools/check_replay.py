@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from moerl.models.tiny import TINY
+from moerl.models.registry import tiny_families
 
 
 def run(
@@ -77,7 +77,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="deepseek_moe", choices=sorted(TINY))
+    parser.add_argument("--family", default="deepseek_moe", choices=tiny_families())
     parser.add_argument(
         "--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="engine dtype"
     )

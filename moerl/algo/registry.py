@@ -15,6 +15,10 @@ A built-in is a function `fn(inp, cfg) -> out` registered with its options datac
                                            `options` mapping) become keyword arguments
 
 so user code outside moerl plugs in without registering anything.
+
+`Catalog` is the name → value table underneath: `Registry` keeps its built-ins in one,
+and slots whose entries are not functions (model families, `moerl.models.registry`) use
+it directly, with the same wording for an unknown name.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Generic, TypeVar
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+V = TypeVar("V")
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Keys of a mapping spec that are not keyword arguments of a `_target_` function: the
@@ -46,13 +51,50 @@ class Entry:
     """Its options dataclass; `config()` gives the defaults."""
 
 
+class Catalog(Generic[V]):
+    """Values of one slot (`kind`) by name, selected under the config key `key`; `hint`
+    ends the unknown-name error (how to use something that is not registered)."""
+
+    def __init__(self, kind: str, key: str, hint: str) -> None:
+        self.kind = kind
+        self.key = key
+        self.hint = hint
+        self._values: dict[str, V] = {}
+
+    def add(self, name: str, value: V) -> None:
+        if name in self._values:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._values[name] = value
+
+    def names(self) -> list[str]:
+        return sorted(self._values)
+
+    def values(self) -> list[V]:
+        """In registration order."""
+        return list(self._values.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def get(self, name: str) -> V:
+        """The value of `name`; ValueError listing the known names and the hint if unknown."""
+        if name not in self._values:
+            raise ValueError(
+                f"{self.key}: unknown {self.kind} {name!r}; known: {', '.join(self.names())}. "
+                + self.hint
+            )
+        return self._values[name]
+
+
 class Registry(Generic[In, Out]):
     """Built-ins of one slot (`kind`), configured under the config key `key`."""
 
     def __init__(self, kind: str, key: str) -> None:
         self.kind = kind
         self.key = key
-        self._entries: dict[str, Entry] = {}
+        self._entries: Catalog[Entry] = Catalog(
+            kind, key, f"For a function outside moerl set {key}._target_ to its import path"
+        )
 
     def register(self, name: str, config: type) -> Callable[[F], F]:
         """Decorator: register `fn(inp, cfg)` under `name` with options dataclass `config`."""
@@ -60,27 +102,19 @@ class Registry(Generic[In, Out]):
             raise TypeError(f"{self.kind} {name!r}: config must be a dataclass type")
 
         def deco(fn: F) -> F:
-            if name in self._entries:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._entries[name] = Entry(name, fn, config)
+            self._entries.add(name, Entry(name, fn, config))
             return fn
 
         return deco
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return self._entries.names()
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
     def entry(self, name: str) -> Entry:
-        if name not in self._entries:
-            known = ", ".join(self.names())
-            raise ValueError(
-                f"{self.key}: unknown {self.kind} {name!r}; known: {known}. For a function "
-                f"outside moerl set {self.key}._target_ to its import path"
-            )
-        return self._entries[name]
+        return self._entries.get(name)
 
     def get(self, name: str) -> Callable[..., Any]:
         """The registered function `fn(inp, cfg)`; ValueError listing the names if unknown."""

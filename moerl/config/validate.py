@@ -71,9 +71,10 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 def _check_model(m: ModelConfig) -> None:
-    from moerl.models.families import FAMILIES
+    from moerl.models.registry import PLAIN, get_family
 
-    _one_of("model.family", m.family, ("gpt", *sorted(FAMILIES)))
+    if m.family != PLAIN:
+        get_family(m.family)  # a registered family or a ModelFamily's import path
     _one_of("model.moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
     _one_of(
         "model.moe_router_load_balancing_type",

@@ -94,8 +94,8 @@ def _worker(family: str, layout: str, hf_dir: str, workdir: str) -> None:
     from safetensors import safe_open
 
     from moerl.convert import HFCheckpoint, export_hf, load_hf
-    from moerl.models.families import get_family
     from moerl.models.gpt import build_model
+    from moerl.models.registry import get_family
     from moerl.parallel.state import initialize_for_model
 
     ckpt = HFCheckpoint(hf_dir)

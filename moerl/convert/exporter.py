@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.config.model import ModelConfig
-from moerl.convert.families import family_map
+from moerl.models.registry import get_family
 from moerl.parallel.full_state import Shard, local_shards
 
 
@@ -70,7 +70,7 @@ def export_hf(
     chunks: list[torch.nn.Module], model: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor this pipeline stage owns."""
-    fmap = family_map(model)
+    fmap = get_family(model.family).weight_map(model)
     by_key: dict[str, list[Shard]] = {}
     for shard in local_shards(chunks):
         by_key.setdefault(shard.key, []).append(shard)

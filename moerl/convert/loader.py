@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from moerl.config.model import ModelConfig
-from moerl.convert.families import family_map
 from moerl.convert.hf_io import CheckpointError, HFCheckpoint
 from moerl.convert.maps import Copy
-from moerl.models.families import get_family
+from moerl.models.registry import get_family
 from moerl.parallel.full_state import Shard, local_shards
 
 # Fields that must agree between the checkpoint's config.json and the model config.
@@ -59,7 +58,7 @@ def check_config(model: ModelConfig, hf_config: dict) -> None:
         raise ValueError(
             "checkpoint config.json does not match model config ("
             + "; ".join(diffs)
-            + "); build the model with moerl.models.families.get_family(...).from_hf(config)"
+            + "); build the model with moerl.models.get_family(...).from_hf(config)"
         )
 
 
@@ -86,7 +85,7 @@ def load_hf(
     """
     ckpt = HFCheckpoint(hf_dir)
     check_config(model, ckpt.config())
-    fmap = family_map(model)
+    fmap = get_family(model.family).weight_map(model)
     expected = fmap.all_hf_names(model.num_experts)
     present = ckpt.names()
     if model.tie_word_embeddings:

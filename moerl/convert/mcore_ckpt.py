@@ -20,7 +20,7 @@ from moerl.config.model import ModelConfig
 from moerl.convert.exporter import export_hf
 from moerl.convert.hf_io import INDEX, HFCheckpoint
 from moerl.convert.loader import load_hf
-from moerl.models.families import get_family
+from moerl.models.registry import family_for_model_type, get_family
 from moerl.parallel.layout import parse_layout
 
 MODEL_JSON = "moerl_model.json"
@@ -63,8 +63,8 @@ def hf_to_mcore(hf_dir: str, out: str, layout: str, family: str | None) -> None:
 
     ckpt = HFCheckpoint(hf_dir)
     config = ckpt.config()
-    family = family or _family_of(config)
-    model = get_family(family).from_hf(config)
+    spec = get_family(family) if family else family_for_model_type(config.get("model_type"))
+    model = spec.from_hf(config)
     chunks = _setup(model, layout)
     report = load_hf(chunks, hf_dir, model)
     out_dir = Path(out)
@@ -78,18 +78,6 @@ def hf_to_mcore(hf_dir: str, out: str, layout: str, family: str | None) -> None:
         print(
             f"saved megatron-core checkpoint to {out_dir} ({report.tensors_loaded} shards on rank 0)"
         )
-
-
-def _family_of(config: dict) -> str:
-    by_type = {
-        "qwen3_moe": "qwen3_moe",
-        "deepseek_v3": "deepseek_moe",
-        "deepseek_v2": "deepseek_moe",
-    }
-    model_type = config.get("model_type")
-    if model_type not in by_type:
-        raise ValueError(f"config.json model_type={model_type!r}: pass --family explicitly")
-    return by_type[model_type]
 
 
 def mcore_to_hf(mcore_dir: str, out: str, layout: str, shard_mb: float) -> None:

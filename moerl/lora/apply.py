@@ -1,7 +1,7 @@
 """Put LoRA adapters on a megatron-core model: find the targets, name them, freeze the base.
 
 Every targeted linear is named by the HF modules it holds, through the family's
-HF ⇄ Megatron map (``moerl.convert.families``): a layer's global number comes from
+HF ⇄ Megatron map (its ``ModelFamily.weight_map``): a layer's global number comes from
 ``layer.layer_number`` (pipeline stages hold different layers), a routed expert's
 from its MoE layer's ``local_expert_indices`` (expert parallel ranks hold different
 experts). Those names seed the initialisation and key the export, so adapters are
@@ -20,11 +20,11 @@ import torch
 
 from moerl.config.lora import ALL_LINEAR, LoraConfig
 from moerl.config.model import ModelConfig
-from moerl.convert.families import family_map
 from moerl.convert.maps import QKV, Concat, Copy
 from moerl.lora.grouped import group_experts
 from moerl.lora.layers import LoraAdapter, LoraAdapters, init_pair
 from moerl.lora.te_grouped import ExpertSlice, hook_te_grouped, is_te_grouped
+from moerl.models.registry import get_family
 
 OUTPUT_TARGET = "lm_head"  # the output layer, as PEFT and SGLang name it
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
@@ -75,7 +75,7 @@ def _target(fmap, number: int, key: str, path: str, base, expert: int | None) ->
 
 def find_targets(chunk: torch.nn.Module, model: ModelConfig) -> Iterator[Target]:
     """Every adaptable linear of one model chunk (attention, MLPs, shared and routed experts)."""
-    fmap = family_map(model)
+    fmap = get_family(model.family).weight_map(model)
     decoder = _unwrap(chunk).decoder
     for layer in decoder.layers:
         number = layer.layer_number - 1
@@ -122,7 +122,7 @@ def find_targets(chunk: torch.nn.Module, model: ModelConfig) -> Iterator[Target]
 def family_targets(model: ModelConfig) -> list[str]:
     """The HF leaf names of the decoder's linears (what 'all-linear' means; as in PEFT,
     the output layer is not among them: name ``lm_head`` to adapt it too)."""
-    fmap = family_map(model)
+    fmap = get_family(model.family).weight_map(model)
     leaves: set[str] = set()
     for entry in fmap.dense_layer + fmap.moe_layer:
         key = entry.megatron[0]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from moerl.config.model import ModelConfig
-from moerl.models.families import get_family
+from moerl.models.registry import get_family
 from moerl.models.tokenizer import build_tiny_tokenizer
 
 
@@ -31,7 +31,7 @@ def build_hf_model(model: ModelConfig, seed: int = 0) -> Any:
     tokens = special_token_ids(build_tiny_tokenizer(model.vocab_size))
     config = transformers.AutoConfig.for_model(**family.to_hf(model), **tokens)
     torch.manual_seed(seed)
-    hf_model = getattr(transformers, family.hf_architecture)(config).float().eval()
+    hf_model = family.hf_model_class()(config).float().eval()
     with torch.no_grad():
         for name, buf in hf_model.named_buffers():
             if name.endswith("e_score_correction_bias"):

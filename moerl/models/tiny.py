@@ -1,8 +1,8 @@
-"""Tiny configs of each family, read from ``conf/model/<family>_tiny.yaml`` (the one
-source of their numbers): a few hundred thousand parameters, CPU-fast, and shaped so
-every feature of the family is exercised (dense + MoE layers, GQA with q/k norm or MLA
-with a q down-projection, shared experts, group-limited sigmoid routing with an
-expert bias)."""
+"""Tiny configs of each family (its ``ModelFamily.tiny``; the shipped families read
+``conf/model/<family>_tiny.yaml``, the one source of their numbers): a few hundred
+thousand parameters, CPU-fast, and shaped so every feature of the family is exercised
+(dense + MoE layers, GQA with q/k norm or MLA with a q down-projection, shared experts,
+group-limited sigmoid routing with an expert bias)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from importlib import resources
 from omegaconf import OmegaConf
 
 from moerl.config.model import ModelConfig
-
-TINY = ("deepseek_moe", "qwen3_moe")
 
 
 def model_config(name: str) -> ModelConfig:
@@ -27,6 +25,10 @@ def model_config(name: str) -> ModelConfig:
 
 
 def tiny_config(family: str) -> ModelConfig:
-    if family not in TINY:
-        raise ValueError(f"no tiny config for family {family!r}; choose one of {sorted(TINY)}")
-    return model_config(f"{family}_tiny")
+    """The tiny config of a registered family (or the import path of one)."""
+    from moerl.models.registry import get_family, tiny_families
+
+    spec = get_family(family)
+    if spec.tiny is None:
+        raise ValueError(f"no tiny config for family {family!r}; choose one of {tiny_families()}")
+    return spec.tiny_config()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moerl.config.model import ModelConfig
 from moerl.parallel.layout import parse_layout
 from moerl.parallel.spawn import spawn
 from moerl.rollout.trajectory import Trajectory, load_jsonl, save_jsonl
@@ -96,20 +97,26 @@ def mismatch(trainer: np.ndarray, rollout: np.ndarray) -> tuple[float, float, fl
     return float(k3.mean()), float(np.abs(log_ratio).mean()), float(np.abs(log_ratio).max())
 
 
+def checkpoint_model(hf_dir: str | Path) -> ModelConfig:
+    """The architecture of an HF checkpoint, its family found by config.json's model_type."""
+    from moerl.convert import HFCheckpoint
+    from moerl.models.registry import family_for_model_type
+
+    config = HFCheckpoint(hf_dir).config()
+    return family_for_model_type(config.get("model_type")).from_hf(config)
+
+
 def _worker(
     layout: str, hf_dir: str, rollouts: str, out: str, dtype: str, settings: list | None = None
 ) -> None:
     import torch.distributed as dist
 
-    from moerl.convert import HFCheckpoint, load_hf
-    from moerl.models.families import get_family
+    from moerl.convert import load_hf
     from moerl.models.gpt import build_model
     from moerl.parallel.state import initialize_for_model
     from moerl.trainer.forward import trainer_logprobs
 
-    ckpt = HFCheckpoint(hf_dir)
-    family = {"deepseek_v3": "deepseek_moe", "qwen3_moe": "qwen3_moe"}[ckpt.config()["model_type"]]
-    model = get_family(family).from_hf(ckpt.config())
+    model = checkpoint_model(hf_dir)
     pcfg, _ = parse_layout(layout)
     initialize_for_model(pcfg, model)
     chunks = build_model(model, pcfg, dtype, routing_replay=True)

@@ -37,7 +37,7 @@ def _trainer(hf_dir: str, layout: str, micro_batch_size: int, minibatches: int, 
     from moerl.algo.correction_config import TISConfig
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models import get_family
     from moerl.trainer.trainer import Trainer
 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())

@@ -34,7 +34,7 @@ def _step(
     from moerl.algo.losses import build_policy_loss
     from moerl.convert import HFCheckpoint, load_hf
     from moerl.kernels.dispatch import set_backend
-    from moerl.models.families import get_family
+    from moerl.models import get_family
     from moerl.models.gpt import build_model
     from moerl.parallel.full_state import gather_full
     from moerl.parallel.state import initialize_model_parallel
@@ -167,7 +167,7 @@ def test_recompute_replays_the_forward_routes(rollouts, tmp_path):
     backward; replay must hand it the forward's routes, so gradients equal the run
     without recompute."""
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models import get_family
 
     hf, path = rollouts
     experts = get_family("deepseek_moe").from_hf(HFCheckpoint(hf).config()).num_experts
@@ -208,7 +208,7 @@ def test_packed_rows_give_the_padded_objective(rollouts, tmp_path):
 
 def _mla_tp(hf_dir: str) -> None:
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models import get_family
     from moerl.models.gpt import build_model
     from moerl.parallel.state import initialize_model_parallel
     from moerl.trainer.wrap import wrap_ddp

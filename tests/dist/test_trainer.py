@@ -20,7 +20,7 @@ def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:
     from moerl.config.parallel import ParallelConfig
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models import get_family
     from moerl.rollout.trajectory import load_jsonl
     from moerl.trainer.trainer import Trainer
 
@@ -51,7 +51,7 @@ def _kl(hf_dir: str, rollouts: str, ckpt: str, out: str) -> None:
     from moerl.config.parallel import ParallelConfig
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models import get_family
     from moerl.rollout.trajectory import load_jsonl
     from moerl.trainer.forward import trainer_logprobs
     from moerl.trainer.trainer import Trainer
@@ -135,7 +135,7 @@ def _replay_none(hf_dir: str, rollouts: str, out: str) -> None:
     from moerl.config.parallel import ParallelConfig
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models import get_family
     from moerl.rollout.trajectory import load_jsonl
     from moerl.trainer.trainer import Trainer
 

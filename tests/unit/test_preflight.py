@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from moerl.config.store import register_configs
 from moerl.launch import preflight
-from moerl.models.families import get_family
+from moerl.models import get_family
 from moerl.models.tiny import tiny_config
 
 

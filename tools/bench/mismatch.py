@@ -41,11 +41,11 @@ def key(replay: str, mask: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from moerl.models.tiny import TINY
+    from moerl.models.registry import tiny_families
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="6 prompts of 12 new tokens")
-    parser.add_argument("--family", default="deepseek_moe", choices=sorted(TINY))
+    parser.add_argument("--family", default="deepseek_moe", choices=tiny_families())
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="engine dtype")  # fmt: skip
     parser.add_argument("--trainer-dtype", default="fp32", choices=("fp32", "bf16"))

@@ -51,12 +51,11 @@ def _trainer(hf_dir: Path, replay: str, mask: bool, seed: int):  # type: ignore[
     from moerl.config.parallel import ParallelConfig
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
-    from moerl.models.families import get_family
+    from moerl.models.registry import family_for_model_type
     from moerl.trainer.trainer import Trainer
 
     config = HFCheckpoint(hf_dir).config()
-    family = {"deepseek_v3": "deepseek_moe", "qwen3_moe": "qwen3_moe"}[config["model_type"]]
-    model = get_family(family).from_hf(config)
+    model = family_for_model_type(config.get("model_type")).from_hf(config)
     cfg = TrainerConfig(seed=seed, lr=1e-4, replay=replay, sampling_mask=mask)
     return Trainer(model, ParallelConfig(), cfg, AlgoConfig(), TISConfig(), hf_dir=hf_dir)
 
@@ -131,11 +130,11 @@ def line(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from moerl.models.tiny import TINY
+    from moerl.models.registry import tiny_families
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rollouts; 2 reps")
-    parser.add_argument("--family", default="deepseek_moe", choices=sorted(TINY))
+    parser.add_argument("--family", default="deepseek_moe", choices=tiny_families())
     parser.add_argument("--prompts", type=int, default=None, help="rollouts (default 32)")
     parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens (32)")
     parser.add_argument("--group-size", type=int, default=8, help="GRPO group size")
