@@ -129,6 +129,9 @@ class Scheduler:
         self._stop_reason = "the engine is shutting down"
         self.thread = threading.Thread(target=self._loop, name="moerl-scheduler", daemon=True)
         self.steps = 0
+        # turns of the loop, stepping or not: a step count that did not move over some
+        # turns shows nothing ran (paused), with no wall-clock wait
+        self.loops = 0
         self.last_step_s = 0.0
         # (wall-clock start, seconds, running requests after the step) of recent steps
         self.step_times: list[tuple[float, float, int]] = []
@@ -267,6 +270,7 @@ class Scheduler:
         reason = None
         try:
             while not self.stop_event.is_set():
+                self.loops += 1
                 self._run_controls()
                 if self.paused or (
                     not self.running and self.waiting.empty() and not self.retracted

@@ -89,6 +89,7 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "waiting_requests": sched.waiting.qsize(),
         "paused": sched.paused,
         "decode_steps": sched.steps,
+        "scheduler_loops": sched.loops,
         "last_step_s": sched.last_step_s,
         # (wall-clock start, seconds, running requests) of the last 256 steps
         "recent_steps": list(sched.step_times),

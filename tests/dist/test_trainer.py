@@ -130,6 +130,12 @@ def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
 
 
 def _replay_none(hf_dir: str, rollouts: str, out: str) -> None:
+    """Logprobs of the rollouts under their recorded routes and under deliberately wrong
+    ones (every expert id + 1 mod E, so no token keeps its set), for replay=none and, as
+    the control that the wrong routes matter when replayed, replay=all; then a
+    replay=none step and its flip rates."""
+    import copy
+
     from moerl.algo.config import AlgoConfig, ReinforcePPConfig
     from moerl.algo.correction_config import CorrectionConfig
     from moerl.config.parallel import ParallelConfig
@@ -140,25 +146,45 @@ def _replay_none(hf_dir: str, rollouts: str, out: str) -> None:
     from moerl.trainer.trainer import Trainer
 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
-    cfg = TrainerConfig(lr=1e-3, replay="none", sampling_mask=False)
     algo = AlgoConfig(advantage=ReinforcePPConfig())
-    trainer = Trainer(
-        model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir
-    )
     trajs = load_jsonl(rollouts)
     for t in trajs:
         t.reward = float(np.mean(t.response_ids % 2 == 0))
-    record = {"step": trainer.step(trajs), "flips": trainer.router_flip_rates(trajs, sample=4)}
+    wrong = copy.deepcopy(trajs)
+    for t in wrong:
+        t.routed_experts = (t.routed_experts + 1) % model.num_experts
+    record: dict = {}
+    for replay in ("all", "none"):  # 'none' last: it is the trainer that steps
+        cfg = TrainerConfig(lr=1e-3, replay=replay, sampling_mask=False)
+        trainer = Trainer(
+            model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir
+        )
+        recorded = np.concatenate(trainer.policy_logprobs(trajs))
+        misrouted = np.concatenate(trainer.policy_logprobs(wrong))
+        record[replay] = float(np.abs(recorded - misrouted).max())
+    record["step"] = trainer.step(wrong)
+    record["flips"] = trainer.router_flip_rates(trajs, sample=4)
+    record["flips_wrong"] = trainer.router_flip_rates(wrong, sample=4)
     Path(out).write_text(json.dumps(record))
 
 
 def test_trainer_without_replay_steps(tiny_checkpoints, tmp_path):
-    """trainer.replay=none (the plain router, the Keep Routing ablation) trains, and the
-    flip-rate probe still measures the fresh routes against the rollout's."""
+    """trainer.replay=none (the plain router, the Keep Routing ablation) ignores the
+    recorded routes: wrong ones give the same logprobs, which they change under
+    replay=all; it trains on them, and the flip-rate probe still measures the fresh routes
+    against the rollout's."""
     hf = tiny_checkpoints["deepseek_moe"]
     rollouts = tmp_path / "r.jsonl"
     collect_rollouts(hf, rollouts, num_prompts=4, max_new_tokens=8, dtype="bfloat16")
     spawn(_replay_none, 1, str(hf), str(rollouts), str(tmp_path / "none.json"))
     record = json.loads((tmp_path / "none.json").read_text())
+    assert record["all"] > 1e-2  # replayed, the wrong routes move the logprobs
+    assert record["none"] == 0.0  # not replayed: the router's own choices, whatever recorded
+    # the step's training forward routes freshly too: it equals π_old (ratio 1), which a
+    # forward replaying the wrong routes would not
+    assert abs(record["step"]["loss/ratio_max"] - 1.0) < 1e-6
+    assert abs(record["step"]["loss/approx_kl"]) < 1e-9
     assert record["step"]["version"] == 1.0 and np.isfinite(record["step"]["loss"])
     assert record["flips"] and all(0.0 <= v <= 1.0 for v in record["flips"].values())
+    # the fresh routes are near the rollout's, nowhere near sets that share no token's
+    assert record["flips"]["router_flip/mean"] < 0.5 < record["flips_wrong"]["router_flip/mean"]

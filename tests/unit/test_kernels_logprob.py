@@ -1,6 +1,6 @@
 """Fused logprob + entropy: each Triton kernel against its torch twin (values and autograd
-gradients), the twin against the trainer's ``token_logprobs`` and a dense reference, and
-the vocab-sharded TP=2 results against one process.
+gradients), the twin and the trainer's ``token_logprobs`` against a dense log_softmax
+reference written here, and the vocab-sharded TP=2 results against one process.
 
 On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)
 with small tiles, so tiny shapes still cover ragged token and vocabulary blocks, a
@@ -148,24 +148,41 @@ def _dense_reference(logits_TV, labels_T, temp_T, kept: dict[int, list[int]]):  
     return torch.stack(lp), torch.stack(ent)
 
 
-def test_twin_matches_trainer_and_dense_reference():
-    p = _problem(37, 150, 24)
-    logits_TV = p["hidden"] @ p["weight"].T
+def _kept_sets(p) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
     kept: dict[int, list[int]] = {}
     for t, i in zip(p["mask"]["mask_pos_N"].tolist(), p["mask"]["mask_ids_N"].tolist()):
         kept.setdefault(t, []).append(i)
+    return kept
+
+
+def _reference(p, logits_TV, kept, with_entropy):  # type: ignore[no-untyped-def]
+    """What ``_run`` returns, from the dense reference: [logprob, (entropy,) d logits]."""
+    ref_logits = logits_TV.detach().clone().requires_grad_(True)
+    ref_lp, ref_ent = _dense_reference(ref_logits, p["labels"], p["temp"], kept)
+    loss = (ref_lp * p["g"]).sum() + ((ref_ent * p["g_ent"]).sum() if with_entropy else 0)
+    loss.backward()
+    return [ref_lp.detach()] + ([ref_ent.detach()] if with_entropy else []) + [ref_logits.grad]
+
+
+def test_twin_matches_trainer_and_dense_reference():
+    """The twin (logits and fused), and the trainer's ``token_logprobs``, each against the
+    dense log_softmax reference; the fused gradients through the chain rule by hand."""
+    p = _problem(37, 150, 24)
+    logits_TV = p["hidden"] @ p["weight"].T
+    kept = _kept_sets(p)
+    want = _reference(p, logits_TV, kept, with_entropy=True)
     with backend("torch"):
         got = _run(logprobs_from_logits, p, [logits_TV], True)
         fused = _run(fused_logprobs, p, [p["hidden"], p["weight"]], True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **FP32)
+    d_logits_TV = want[2]
+    fused_want = want[:2] + [d_logits_TV @ p["weight"], d_logits_TV.T @ p["hidden"]]
+    for g, w in zip(fused, fused_want):
+        torch.testing.assert_close(g, w, **FP32)
     trainer = _run(_trainer, p, [logits_TV], False)
-    torch.testing.assert_close(got[0], trainer[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused[0], trainer[0], **FP32)
-    ref_logits = logits_TV.clone().requires_grad_(True)
-    ref_lp, ref_ent = _dense_reference(ref_logits, p["labels"], p["temp"], kept)
-    ((ref_lp * p["g"]).sum() + (ref_ent * p["g_ent"]).sum()).backward()
-    torch.testing.assert_close(got[0], ref_lp.detach(), **FP32)
-    torch.testing.assert_close(got[1], ref_ent.detach(), **FP32)
-    torch.testing.assert_close(got[2], ref_logits.grad, **FP32)
+    for g, w in zip(trainer, _reference(p, logits_TV, kept, with_entropy=False)):
+        torch.testing.assert_close(g, w, **FP32)
     greedy = [t for t, ids in kept.items() if len(ids) == 1]
     assert greedy and got[0][greedy].abs().max() < 1e-6 and got[1][greedy].abs().max() < 1e-6
 
@@ -208,8 +225,9 @@ def _shards_equal_whole(backend_name, p, shard, logits_TV, group):  # type: igno
 
 def _sharded_equals_whole() -> None:
     """Rank r holds vocabulary [r·Vl, (r+1)·Vl): results, d hidden and the d weight /
-    d logits shards equal the one-process ones, for the twin and the kernel; and the twin
-    under megatron's own TP group equals the trainer's ``token_logprobs``."""
+    d logits shards equal the one-process ones, for the twin and the kernel; and the
+    trainer's ``token_logprobs`` under megatron's own TP group equals the dense reference
+    over the whole vocabulary (its d logits shard, that reference's slice)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     p = _problem(21, 150, 24)
     vocab_local = 150 // world
@@ -223,12 +241,10 @@ def _sharded_equals_whole() -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=world, create_gloo_process_groups=True
     )
-    tp = parallel_state.get_tensor_model_parallel_group()
-    with backend("torch"):
-        ours = _run(logprobs_from_logits, p, [logits_TV[:, shard]], False, tp_group=tp)
     trainer = _run(_trainer, p, [logits_TV[:, shard]], False)
-    for got, want in zip(ours, trainer):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    want_lp_T, want_d_logits_TV = _reference(p, logits_TV, _kept_sets(p), with_entropy=False)
+    torch.testing.assert_close(trainer[0], want_lp_T, **FP32)
+    torch.testing.assert_close(trainer[1], want_d_logits_TV[:, shard], **FP32)
 
 
 def test_tp2_vocab_shards_equal_one_process():

@@ -45,26 +45,42 @@ def test_csr_to_pairs():
     assert out.tolist() == [3, 1, 2, 7, 7, 0]
 
 
-def test_trainer_logprobs_dispatch_to_the_kernel():
+def test_trainer_logprobs_dispatch_to_the_kernel(monkeypatch):
     """Where moerl.kernels picks Triton (here its CPU interpreter, forced), the trainer's
-    logprobs and their gradient come from the fused kernel and equal the torch path."""
+    logprobs and their gradient come from the fused kernel and equal the torch path and the
+    dense reference; under ``torch``, and ``auto`` on CPU tensors, the kernel never runs.
+
+    The kernel's entry points are wrapped to count their calls and run as they are."""
+    from moerl.kernels import logprob_triton
     from moerl.kernels.dispatch import backend
+
+    calls: list[str] = []
+    for entry in ("dense_stats", "dlogits"):
+        real = getattr(logprob_triton, entry)
+
+        def counted(*args, _real=real, _entry=entry, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(_entry)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(logprob_triton, entry, counted)
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(9, 37, generator=gen)
     labels = torch.randint(0, 37, (9,), generator=gen)
     temps = torch.full((9,), 0.8)
     pos, ids = torch.tensor([2, 2, 5]), torch.tensor([labels[2].item(), 3, labels[5].item()])
-    out, grads = {}, {}
-    for name in ("torch", "triton"):
+    out, grads, kernel_calls = {}, {}, {}
+    for name in ("torch", "triton", "auto"):
+        calls.clear()
         x = logits.clone().requires_grad_(True)
         with backend(name):
             lp = token_logprobs(x, labels, temps, mask_pos_N=pos, mask_ids_N=ids)
             (lp * torch.arange(9.0)).sum().backward()
-        out[name], grads[name] = lp.detach(), x.grad
-    torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-5, atol=1e-5)
-    with backend("auto"):  # CPU tensors: the torch path, whatever is installed
-        from moerl.kernels.dispatch import use_triton
-
-        assert not use_triton(logits)
+        out[name], grads[name], kernel_calls[name] = lp.detach(), x.grad, list(calls)
+    assert kernel_calls == {"torch": [], "triton": ["dense_stats", "dlogits"], "auto": []}
+    ref_logits = logits.clone().requires_grad_(True)
+    want = _reference(ref_logits, labels, temps, {2: [labels[2].item(), 3], 5: [labels[5].item()]})
+    (want * torch.arange(9.0)).sum().backward()
+    for name in ("torch", "triton", "auto"):
+        torch.testing.assert_close(out[name], want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[name], ref_logits.grad, rtol=1e-5, atol=1e-5)

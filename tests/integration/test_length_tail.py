@@ -47,7 +47,11 @@ def test_lognormal_lengths_are_long_tailed_and_deterministic():
     p50, p90 = np.percentile(lengths, [50, 90])
     assert p90 / p50 >= 5.0, (p50, p90)
     assert lengths.min() >= 1 and lengths.max() <= TAIL.max_new_tokens
-    assert TAIL.completion_length(7, 3) == TAIL.completion_length(7, 3)
+    # Pinned draws (found once): the same (length_seed, group, index) gives the same length
+    # in every process and run; (48, 2) is clipped to max_new_tokens.
+    pinned = {(0, 0): 2, (1, 0): 1, (0, 4): 6, (7, 3): 9, (13, 3): 125, (48, 2): 256}
+    assert {gi: TAIL.completion_length(*gi) for gi in pinned} == pinned
+    assert {gi: int(lengths[8 * gi[0] + gi[1]]) for gi in pinned} == pinned  # any call order
     other = replace(TAIL, length_seed=1)
     assert [other.completion_length(g, 0) for g in range(32)] != list(lengths[:256:8])
     assert RolloutConfig().completion_length(0, 0) is None  # 'fixed': EOS or max_new_tokens

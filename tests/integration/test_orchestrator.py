@@ -53,12 +53,13 @@ class HalfUniform(EvenTokens):
         return 0.5 if prompt.prompt_id % 2 == 0 else float(traj.index)
 
 
-class SlowOdd(EvenTokens):
-    """Odd prompts take a second to score, so the even one of each pair finishes first."""
+class NeverOdd(EvenTokens):
+    """Odd prompts' scoring ends only by cancellation, so the even one of each pair is the
+    group that finishes first (and the run hangs, failing, if an odd group is awaited)."""
 
     async def reward(self, prompt: Prompt, traj) -> float:  # type: ignore[no-untyped-def]
         if prompt.prompt_id % 2:
-            await asyncio.sleep(1.0)
+            await asyncio.Event().wait()
         return super().reward(prompt, traj)
 
 
@@ -91,9 +92,20 @@ async def drive(orch: Orchestrator, body):  # type: ignore[no-untyped-def]
         assert not rest, f"tasks left pending: {rest}"
 
 
-async def wait_running(client: EngineClient, url: str, n: int) -> None:
-    while (await client.server_info())[url]["running_requests"] < n:
+async def wait_until(ready, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Return once ``await ready()`` holds (polled, 30 s at most)."""
+    for _ in range(15000):
+        if await ready():
+            return
         await asyncio.sleep(0.002)
+    raise AssertionError(f"never {what}")
+
+
+async def wait_running(client: EngineClient, url: str, n: int) -> None:
+    async def running() -> bool:
+        return (await client.server_info())[url]["running_requests"] >= n
+
+    await wait_until(running, f"{n} requests running")
 
 
 def positions(groups) -> list[int]:  # type: ignore[no-untyped-def]
@@ -183,13 +195,14 @@ def test_uniform_groups_are_filtered_and_counted(ds_engine):
 
 
 def test_oversampling_keeps_the_first_groups_of_each_round(ds_engine):
-    """Rounds of 2 groups keeping 1: the slow-scoring odd prompts are cancelled."""
+    """Rounds of 2 groups keeping 1: the odd prompts, whose scoring never ends, are
+    cancelled."""
     cfg = replace(CFG, max_inflight_groups=1, oversample_factor=2.0)
 
     async def go():  # type: ignore[no-untyped-def]
         async with EngineClient([ds_engine.url]) as client:
             buffer = new_buffer()
-            orch = Orchestrator(client, SlowOdd(4), buffer, cfg, num_layers=L, topk=K)
+            orch = Orchestrator(client, NeverOdd(4), buffer, cfg, num_layers=L, topk=K)
             await asyncio.wait_for(orch.run(), 60)
             slots = buffer.metrics()["buffer/in_flight"]
             return await buffer.get_batch(len(buffer), 0), orch.metrics(), orch.cursor, slots
@@ -287,12 +300,18 @@ def test_drain_waits_for_inflight_groups(ds_engine):
             buffer = new_buffer()
             orch = Orchestrator(client, EvenTokens(), buffer, cfg, num_layers=L, topk=K)
 
+            async def parked() -> bool:
+                """Groups 0 and 1 are in the buffer and the launcher holds the next
+                prompt's slot: it reserves one, then waits for the gate to launch."""
+                return len(buffer) >= 2 and buffer.metrics()["buffer/in_flight"] >= 1
+
             async def update():  # type: ignore[no-untyped-def]
                 await wait_running(client, ds_engine.url, 2)
                 await orch.before_update()  # returns once groups 0 and 1 are generated
                 idle = (await client.server_info())[ds_engine.url]["running_requests"]
-                await asyncio.sleep(0.2)  # nothing launches while drained
-                still = orch.generating
+                await wait_until(parked, "the launcher waiting at the drained gate")
+                # nothing launched while drained: one slot held, no group generating
+                still = (orch.generating, buffer.metrics()["buffer/in_flight"])
                 await client.update_weight_version(old + 1)
                 await orch.after_update(old + 1)
                 return idle, still, await buffer.get_batch(4, old + 1)
@@ -300,7 +319,7 @@ def test_drain_waits_for_inflight_groups(ds_engine):
             return old, await drive(orch, update)
 
     old, (idle, still, groups) = asyncio.run(go())
-    assert idle == 0 and still == 0
+    assert idle == 0 and still == (0, 1)
     assert {0, 1} <= set(positions(groups))
     for group in groups:  # no group spans the update
         for traj in group:

@@ -17,12 +17,26 @@ def post(url: str, path: str, body: dict | None = None, **kw) -> httpx.Response:
     return httpx.post(f"{url}{path}", json=body or {}, timeout=120, **kw)
 
 
+def _info(url: str) -> dict:
+    return httpx.get(f"{url}/server_info").json()
+
+
 def _wait_running(url: str, n: int = 1) -> None:
     for _ in range(500):
-        if httpx.get(f"{url}/server_info").json()["running_requests"] >= n:
+        if _info(url)["running_requests"] >= n:
             return
         time.sleep(0.01)
     raise AssertionError("the request never started running")
+
+
+def _wait_loops(url: str, loops: int) -> dict:
+    """/server_info once the scheduler loop has turned ``loops`` times in all."""
+    for _ in range(3000):
+        info = _info(url)
+        if info["scheduler_loops"] >= loops:
+            return info
+        time.sleep(0.01)
+    raise AssertionError(f"the scheduler loop never reached {loops} turns")
 
 
 def _background(url: str, body: dict) -> tuple[threading.Thread, dict]:
@@ -156,10 +170,15 @@ def test_pause_modes(ds_engine, mode):
     r = post(ds_engine.url, "/pause_generation", {"mode": mode})
     assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
     if mode != "abort":
-        time.sleep(0.3)  # paused: nothing advances
-        steps = httpx.get(f"{ds_engine.url}/server_info").json()["decode_steps"]
-        time.sleep(0.3)
-        assert httpx.get(f"{ds_engine.url}/server_info").json()["decode_steps"] == steps
+        # the pause ran on the scheduler thread between two steps: from then on the loop
+        # turns without stepping
+        paused = _info(ds_engine.url)
+        later = _wait_loops(ds_engine.url, paused["scheduler_loops"] + 3)
+        assert later["paused"] and later["decode_steps"] == paused["decode_steps"]
+        if mode == "in_place":  # the request keeps its KV cache; retract drops it
+            assert later["running_requests"] == 1 and later["kv_cache_tokens"] > 0
+        else:
+            assert later["running_requests"] == 0 and later["kv_cache_tokens"] == 0
         assert t.is_alive()
     assert post(ds_engine.url, "/continue_generation").json()["status"] == "ok"
     t.join()
@@ -221,7 +240,8 @@ def test_server_info_has_the_fields_sglang_clients_read(ds_engine, tiny_checkpoi
     assert info["max_running_requests"] == 64 and info["enable_lora"] is False
     assert info["dtype"] == "float32" and info["incremental_streaming_output"] is False
     assert "max_total_num_tokens" not in info  # no preallocated KV pool to size
-    for key in ("running_requests", "waiting_requests", "decode_steps", "kv_cache_tokens"):
+    live = ("running_requests", "waiting_requests", "decode_steps", "scheduler_loops")
+    for key in (*live, "kv_cache_tokens"):
         assert isinstance(info[key], int), key
 
     [internal] = info["internal_states"]

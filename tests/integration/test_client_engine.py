@@ -21,6 +21,16 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
+async def server_info_when(client: EngineClient, url: str, ready, what: str) -> dict:  # type: ignore[no-untyped-def]
+    """The engine's /server_info once ``ready(info)`` holds (polled, 30 s at most)."""
+    for _ in range(3000):
+        info = (await client.server_info())[url]
+        if ready(info):
+            return info
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine never showed {what}")
+
+
 def test_trajectory_with_routes_and_mask(ds_engine):
     async def go():  # type: ignore[no-untyped-def]
         async with EngineClient([ds_engine.url]) as client:
@@ -67,8 +77,17 @@ def test_control_calls(ds_engine):
             task = asyncio.create_task(
                 client.generate([5, 6], {"max_new_tokens": 3, "temperature": 0})
             )
-            await asyncio.sleep(0.3)
-            assert not task.done()  # requests wait while paused
+            url = ds_engine.url
+            queued = await server_info_when(
+                client, url, lambda i: i["waiting_requests"] == 1, "the request queued"
+            )
+            turns = queued["scheduler_loops"] + 3
+            later = await server_info_when(
+                client, url, lambda i: i["scheduler_loops"] >= turns, "three loop turns"
+            )
+            # requests wait while paused: the loop turned, nothing was admitted or stepped
+            assert later["waiting_requests"] == 1 and later["running_requests"] == 0
+            assert later["decode_steps"] == queued["decode_steps"] and not task.done()
             await client.continue_generation()
             out = await task
             await client.update_weight_version("11")
@@ -115,9 +134,14 @@ def test_weight_update_through_client_tags_tokens(tiny_checkpoints, engine_facto
                     topk=4,
                 )
             )
-            while not (await client.server_info())[eng.url]["running_requests"]:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
+            running = await server_info_when(
+                client, eng.url, lambda i: i["running_requests"] == 1, "the request running"
+            )
+            # a few tokens under version 0 before the swap
+            steps = running["decode_steps"] + 3
+            await server_info_when(
+                client, eng.url, lambda i: i["decode_steps"] >= steps, "three decode steps"
+            )
             await client.pause_generation("in_place")  # deterministic whatever the load
             update = asyncio.create_task(
                 client.update_weights_from_distributed(
