@@ -4,8 +4,8 @@
 
 Each file holds {"endpoint", "request", "status", "response"} from a real embedded
 engine serving the tiny DeepSeek-architecture model (greedy, so values are stable).
-They document the wire format (SGLang's native API subset, DESIGN.md §4); a test
-checks the live engine still answers with the same structure.
+They document the wire format (SGLang's native API subset; docs/architecture.md, "The
+engine protocol"); a test checks the live engine still answers with the same structure.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The RL objective's swappable pieces (DESIGN.md §6): small pure torch functions on flat
-token tensors, registered by name and selected from config, with `_target_` for user code.
+"""The RL objective's swappable pieces: small pure torch functions on flat token tensors,
+registered by name and selected from config, with `_target_` for user code
+(docs/architecture.md, "The off-policy objective" and "Extension points").
 
     advantages.py         ADVANTAGES: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline
     losses.py             POLICY_LOSSES: ppo_clip (clip-higher, dual clip, decoupled), gspo,

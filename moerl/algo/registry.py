@@ -1,4 +1,5 @@
-"""Name → function registries for the swappable pieces of the objective (DESIGN.md §6).
+"""Name → function registries for the swappable pieces of the objective
+(docs/architecture.md, "Extension points").
 
 A built-in is a function `fn(inp, cfg) -> out` registered with its options dataclass:
 

@@ -1,4 +1,5 @@
-"""The embedded engine's HTTP server: SGLang's native API subset (DESIGN.md §4).
+"""The embedded engine's HTTP server: SGLang's native API subset (docs/architecture.md,
+"The engine protocol").
 
 FastAPI + uvicorn, as SGLang uses. Handlers validate, hand work to the
 ``Scheduler`` thread and await the result. Nothing received over the network is

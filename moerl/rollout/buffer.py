@@ -1,4 +1,5 @@
-"""The bounded rollout buffer between generation and the trainer (DESIGN.md §1).
+"""The bounded rollout buffer between generation and the trainer (docs/architecture.md,
+"Data flow" and "Staleness and buffer sampling").
 
 # Q groups queued in the buffer
 

@@ -1,4 +1,5 @@
-"""Staleness and sampling policies of the rollout buffer, behind registries (DESIGN.md §6).
+"""Staleness and sampling policies of the rollout buffer, behind registries
+(docs/architecture.md, "Staleness and buffer sampling" and "Extension points").
 
 # Q groups queued in the buffer
 

@@ -1,4 +1,5 @@
-"""Async client for the engine protocol (SGLang native API subset, DESIGN.md §4).
+"""Async client for the engine protocol (SGLang native API subset; docs/architecture.md,
+"The engine protocol").
 
 One `EngineClient` talks to any number of engines (SGLang servers or `moerl.engine`).
 `generate*` go to the least-loaded engine with failover; control calls go to every engine

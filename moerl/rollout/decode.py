@@ -2,7 +2,7 @@
 
 # P prompt tokens, R response tokens, L hidden layers, K experts per token, N mask nnz
 
-Formats (SGLang 0.5.23, see DESIGN.md §4):
+Formats (SGLang 0.5.23, see docs/architecture.md, "The engine protocol"):
 - meta_info.output_token_logprobs: [[logprob, token_id, text-or-null], ...], one per output id.
 - meta_info.routed_experts: base64 of the C-order little-endian int32 bytes of
   [rows, num_hidden_layers, topk]; rows cover tokens [routed_experts_start_len, P + R - 1).

@@ -1,4 +1,5 @@
-"""The rollout orchestrator: prompts in, scored groups into the RolloutBuffer (DESIGN.md §1).
+"""The rollout orchestrator: prompts in, scored groups into the RolloutBuffer
+(docs/architecture.md, "Data flow").
 
 Runs on trainer rank 0 in an event-loop thread (moerl.rollout.aio.EventLoopThread):
 

@@ -1,4 +1,5 @@
-"""The rollout record: one `Trajectory` per sampled completion (DESIGN.md §3).
+"""The rollout record: one `Trajectory` per sampled completion (docs/architecture.md,
+"The Trajectory record").
 
 # P prompt tokens, R response tokens, L hidden layers (all of them, dense ones included),
 # K experts per token (top-k), N kept tokens over all response positions (mask nnz)

@@ -1,7 +1,8 @@
 """Train/inference mismatch: k3 KL, |Δ logprob|, staleness, and its decomposition.
 
 The decomposition scores one batch several ways and attributes the k3 KL between the
-rollout's and the trainer's logprobs to its causes (DESIGN.md §5):
+rollout's and the trainer's logprobs to its causes (docs/architecture.md, "Keep Routing
+and sampling-mask replay"):
 
 - routing: what switching Keep Routing off adds (trainer routes freshly),
 - sampling mask: what comparing full-vocabulary logprobs instead of kept-set ones adds,
