@@ -4,10 +4,10 @@ Rank 0 owns the rollout side (``moerl.rollout.service.RolloutService``: the engi
 client, the bounded buffer and the orchestrator, which keeps generating while the
 trainer learns, and the engine supervisor) and the run log. Each step, rank 0 takes a
 batch of groups from the buffer (the only place the trainer can wait on generation:
-that wait is the trainer's idle time), every rank gets the trajectories, the Trainer
-takes one optimizer step and a publisher (``moerl.sync.publish``: full weights by
-bucketed broadcast, or LoRA adapters) sends the new policy to the engines, bracketed by
-the rollout side's partial-rollout policy.
+that wait is the trainer's idle time), each data-parallel rank gets its shard
+(``moerl.trainer.shard``), the Trainer takes one optimizer step and a publisher
+(``moerl.sync.publish``: full weights by bucketed broadcast, or LoRA adapters) sends
+the new policy to the engines, bracketed by the rollout side's partial-rollout policy.
 
 Resume: a checkpoint holds the model, optimizer, RNG, policy version, the data cursor and
 the buffer's groups, so a resumed run continues at the next step with the same prompts
@@ -65,6 +65,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     from moerl.rollout.service import RolloutService
     from moerl.sync.publish import build_publisher
     from moerl.telemetry.runlog import open_run_log
+    from moerl.trainer.shard import scatter_batch
     from moerl.trainer.trainer import Trainer
 
     leader, per_step = dist.get_rank() == 0, groups_per_step(cfg)
@@ -95,8 +96,9 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         for step in range(start, cfg.trainer.train_iters):
             t0 = time.time()
             with run_log.span("wait", step=step):
-                trajs = _broadcast(rollout.next_batch(trainer.version) if rollout else None)
+                batch = rollout.next_batch(trainer.version) if rollout else None
             wait_s = time.time() - t0
+            trajs = scatter_batch(batch, cfg.trainer.minibatches)  # each rank its shard
             with run_log.span("train", step=step):
                 metrics = trainer.step(trajs, **_probes(cfg, step, last))
             if _due(cfg.sync.every, step, last):
@@ -105,7 +107,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             if rollout:
                 metrics.update(rollout.metrics())
             run_log.log(
-                step, trajs, metrics, version=trainer.version - 1, wall_s=time.time() - t0,
+                step, batch or trajs, metrics, version=trainer.version - 1, wall_s=time.time() - t0,
                 wait_s=wait_s,
             )  # fmt: skip
             if cfg.trainer.checkpoint_dir and _due(cfg.trainer.save_every, step, last):

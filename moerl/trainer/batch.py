@@ -284,7 +284,7 @@ def step_microbatches(
     trajs: list[Trajectory],
     *,
     micro_batch_size: int,
-    use_routes: bool,
+    use_routes: bool | None,
     use_mask: bool,
     topk: int,
     num_layers: int,
@@ -301,7 +301,8 @@ def step_microbatches(
     long as the step's longest sequence. ``packed``: sequences first-fit into rows of
     ``pack_length`` tokens (at least the longest sequence); ``micro_batch_size`` then
     counts rows. ``ref_logprobs``, ``old_logprobs`` and ``is_weights`` hold one [R] array
-    per trajectory."""
+    per trajectory. ``use_routes`` None: the routes when every trajectory this rank
+    builds has them (other ranks' may arrive without: ``moerl.trainer.shard``)."""
     from megatron.core import parallel_state
 
     if packing not in PACKING:
@@ -321,6 +322,8 @@ def step_microbatches(
                 micro_batch_size,
             )
         ]
+    if use_routes is None:
+        use_routes = all(trajs[i].routed_experts is not None for g, _ in groups for i in g)
     mbs = [
         build_microbatch(
             [trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers,

@@ -72,9 +72,8 @@ def trainer_logprobs(
 
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     config = getattr(chunks[0], "module", chunks[0]).config
-    have_routes = all(t.routed_experts is not None for t in trajs)
     mbs, seq_len = step_microbatches(
-        config, trajs, micro_batch_size=micro_batch_size, use_routes=not is_none(replay) or have_routes,
+        config, trajs, micro_batch_size=micro_batch_size, use_routes=None if is_none(replay) else True,
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
         packing=packing, pack_length=pack_length,
     )  # fmt: skip

@@ -234,14 +234,20 @@ class Trainer:
     def _logprobs(self, chunks: list[Any], trajs: list[Trajectory]) -> list[Any]:
         """Each trajectory's response-token logprobs under ``chunks`` (the policy before
         its update, or the reference), with the training forward's routing replay and
-        sampling mask; no grad. Every rank gets all of them."""
+        sampling mask; no grad. Forwarded minibatch by minibatch, so each data-parallel
+        rank forwards the trajectories it trains on (``moerl.trainer.shard``); every
+        rank gets all of them."""
         from moerl.trainer.forward import trainer_logprobs
 
-        res = trainer_logprobs(
-            chunks, trajs, replay=self.cfg.replay, use_mask=self.cfg.sampling_mask,
-            **self._batching(),
-        )  # fmt: skip
-        return [res.logprobs[i] for i in range(len(trajs))]
+        out: list[Any] = [None] * len(trajs)
+        for indices in self._minibatches(len(trajs)):
+            res = trainer_logprobs(
+                chunks, [trajs[i] for i in indices], replay=self.cfg.replay,
+                use_mask=self.cfg.sampling_mask, **self._batching(),
+            )  # fmt: skip
+            for k, i in enumerate(indices):
+                out[i] = res.logprobs[k]
+        return out
 
     def router_flip_rates(self, trajs: list[Trajectory], sample: int = 8) -> dict[str, float]:
         """Per-layer router flip rate on a sample of ``trajs``: a forward without replay,
@@ -275,14 +281,26 @@ class Trainer:
         )  # fmt: skip
 
     def _sample(self, trajs: list[Trajectory], sample: int) -> list[int]:
-        """Indices of up to ``sample`` trajectories with routes, a whole number of
-        micro-batches per data-parallel rank (empty when there are too few)."""
+        """Indices of up to ``sample`` trajectories for a probe: the same whole number of
+        micro-batches from each data-parallel rank's own trajectories, in rank order (so
+        each rank's contiguous share is trajectories it holds whole); empty when there
+        are too few, or some lack routes."""
+        import torch.distributed as dist
         from megatron.core import parallel_state
 
-        unit = parallel_state.get_data_parallel_world_size() * self.micro_batch_size
-        picked = [i for i, t in enumerate(trajs) if t.routed_experts is not None]
-        count = min(len(picked), max(unit, -(-sample // unit) * unit))
-        return picked[: count - count % unit]
+        from moerl.trainer.shard import owned_indices
+
+        dp, mbs = parallel_state.get_data_parallel_world_size(), self.micro_batch_size
+        owned = [owned_indices(len(trajs), self.cfg.minibatches, dp, r) for r in range(dp)]
+        per_rank = min(len(owned[0]), max(mbs, -(-sample // (dp * mbs)) * mbs))
+        per_rank -= per_rank % mbs
+        mine = owned[parallel_state.get_data_parallel_rank()][:per_rank]
+        ok = torch.tensor([int(all(trajs[i].routed_experts is not None for i in mine))])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not per_rank or not int(ok):
+            return []
+        return [i for r in range(dp) for i in owned[r][:per_rank]]
 
     def mismatch_decomposition(
         self, trajs: list[Trajectory], sample: int = 8, old: list[Any] | None = None

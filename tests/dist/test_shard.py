@@ -1,0 +1,83 @@
+"""Data-parallel ranks train on their shard of the batch alone (moerl.trainer.shard):
+a DP=2 step that receives each rank's shard (others' trajectories without routes and
+masks) equals the step that receives the whole batch on every rank, and both equal the
+single process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from moerl.parallel import spawn
+from moerl.trainer.replay_check import collect_rollouts
+
+# metrics that are not a function of the step's math
+_NOT_MATH = ("seconds", "_s", "lr")
+
+
+def _step(hf_dir: str, rollouts: str, out: str, mode: str) -> None:
+    from moerl.algo.config import AlgoConfig, ReinforcePPConfig
+    from moerl.algo.correction_config import CorrectionConfig
+    from moerl.config.parallel import ParallelConfig
+    from moerl.config.trainer import TrainerConfig
+    from moerl.convert import HFCheckpoint
+    from moerl.models import get_family
+    from moerl.rollout.trajectory import load_jsonl
+    from moerl.trainer.shard import scatter_batch
+    from moerl.trainer.trainer import Trainer
+
+    model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
+    cfg = TrainerConfig(lr=1e-3, minibatches=2)
+    algo = AlgoConfig(advantage=ReinforcePPConfig())
+    trainer = Trainer(model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir)
+    trajs = load_jsonl(rollouts)
+    for t in trajs:
+        t.reward = float(np.mean(t.response_ids % 2 == 0))
+    batch = trajs
+    if mode == "shard":
+        batch = scatter_batch(trajs if dist.get_rank() == 0 else None, cfg.minibatches)
+    whole = [i for i, t in enumerate(batch) if t.routed_experts is not None]
+    metrics = trainer.step(batch, decompose_sample=4, flip_sample=4)
+    after = trainer.policy_logprobs(batch)
+    wholes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(wholes, whole)
+    if dist.get_rank() == 0:
+        record = {
+            "metrics": metrics, "after": [a.tolist() for a in after], "whole": wholes,
+        }  # fmt: skip
+        Path(out).write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_checkpoints, tmp_path_factory):
+    hf = tiny_checkpoints["deepseek_moe"]
+    path = tmp_path_factory.mktemp("rollouts") / "fp32.jsonl"
+    collect_rollouts(hf, path, num_prompts=8, max_new_tokens=8, dtype="float32")
+    return hf, path
+
+
+def test_dp2_step_on_shards_equals_the_whole_batch_and_one_process(rollouts, tmp_path):
+    hf, path = rollouts
+    runs = {}
+    for name, world, mode in [("one", 1, "whole"), ("whole", 2, "whole"), ("shard", 2, "shard")]:
+        out = tmp_path / f"{name}.json"
+        spawn(_step, world, str(hf), str(path), str(out), mode)
+        runs[name] = json.loads(out.read_text())
+    n = len(runs["one"]["after"])
+    # rank r of DP=2 with 2 minibatches holds its half of each minibatch whole, no more
+    assert runs["shard"]["whole"] == [[0, 1, 4, 5], [2, 3, 6, 7]] and n == 8
+    assert runs["whole"]["whole"] == [list(range(n))] * 2
+    math = {k for k in runs["one"]["metrics"] if not k.endswith(_NOT_MATH)}
+    assert {"loss", "grad_norm", "router_flip/mean", "mismatch/k3"} <= math
+    for key in math:  # the same step: bit for bit on the same layout
+        assert runs["shard"]["metrics"][key] == runs["whole"]["metrics"][key], key
+    for a, b in zip(runs["shard"]["after"], runs["whole"]["after"]):
+        assert a == b
+    for key in ("loss", "grad_norm", "mismatch/k3", "router_flip/mean"):
+        assert runs["shard"]["metrics"][key] == pytest.approx(runs["one"]["metrics"][key], rel=1e-4, abs=1e-7), key
+    for a, b in zip(runs["shard"]["after"], runs["one"]["after"]):
+        assert np.allclose(a, b, atol=1e-5)
