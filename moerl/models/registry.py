@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moerl.algo.registry import Catalog
+from moerl.common.registry import Catalog
 from moerl.config.model import ModelConfig
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from moerl.algo.correction_config import (
     TISConfig,
 )
 from moerl.algo.losses import POLICY_LOSSES, PolicyLossInput, PolicyLossOutput, build_policy_loss
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 from moerl.config.store import register_configs
 from moerl.config.validate import validate_config
 
