@@ -423,19 +423,3 @@ def register_algo_configs(cs: ConfigStore) -> None:
     for group, options in groups.items():
         for name, schema in options.items():
             cs.store(group=group, name=f"base_{name}", node=schema, provider="moerl")
-
-
-def check_algo_config(algo: AlgoConfig, correction: Any) -> None:
-    """Build every slot once (imports user `_target_`s, checks every option's range), so a
-    bad objective fails at start-up with the key that is wrong."""
-    from moerl.algo.advantages import build_advantage
-    from moerl.algo.correction import build_correction
-    from moerl.algo.losses import build_policy_loss
-
-    build_advantage(algo.advantage)
-    build_policy_loss(algo.loss)
-    algo.kl.validate("algo.kl")
-    build_correction(correction)
-    from moerl.algo.offpolicy import check_composition
-
-    check_composition(algo.old_policy, algo.loss, correction)

@@ -12,7 +12,7 @@ import typing
 
 from omegaconf import DictConfig, OmegaConf
 
-from moerl.algo.config import check_algo_config
+from moerl.algo.check import check_algo_config
 from moerl.common.checks import (
     at_least,
     finite,
