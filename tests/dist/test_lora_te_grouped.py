@@ -112,7 +112,7 @@ def _max_diff(a, b) -> float:  # type: ignore[no-untyped-def]
 
 
 def _te_vs_sequential(hf_dir: str, layouts: tuple[str, ...]) -> None:
-    from moerl.convert.check import megatron_logits
+    from moerl.checks.conversion import megatron_logits
     from moerl.lora import apply_lora, gather_adapters
 
     for layout in layouts:

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from moerl.parallel import parse_layout, spawn
-from moerl.trainer.replay_check import collect_rollouts
+from moerl.checks.replay import collect_rollouts
 
 
 def _trajectories(rollouts: str) -> list:

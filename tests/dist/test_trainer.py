@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from moerl.parallel import spawn
-from moerl.trainer.replay_check import collect_rollouts
+from moerl.checks.replay import collect_rollouts
 
 
 def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:

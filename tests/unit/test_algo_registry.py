@@ -29,7 +29,7 @@ from moerl.algo.correction_config import (
 from moerl.algo.losses import POLICY_LOSSES, PolicyLossInput, PolicyLossOutput, build_policy_loss
 from moerl.common.registry import Registry
 from moerl.config.store import register_configs
-from moerl.config.validate import validate_config
+from moerl.validate import validate_config
 
 # --- user code "outside moerl": found through _target_, never registered -------------
 

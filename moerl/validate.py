@@ -2,6 +2,10 @@
 
 Every error is a ValueError that names the config key, the bad value and a fix, so
 a wrong layout fails in a second with a readable line instead of hanging in gloo.
+
+It sits above the packages whose registries it consults (model families, tasks, buffer
+policies, LoRA targets, the objective's slots), beside the check harnesses; `moerl.config`
+holds only the schemas and their own range checks.
 """
 
 from __future__ import annotations
