@@ -1,6 +1,6 @@
 """Model families as plug-ins: a family from test code (tests/families_for_tests.py, no
 moerl edits) is found by name, by import path and by model_type; every consumer's lookup
-goes through the one registry (replay_check reads DeepSeek-V2 checkpoints too)."""
+goes through the one registry (moerl.checks.replay reads DeepSeek-V2 checkpoints too)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_config_names_the_families_and_how_to_add_one(family, words):
 
 
 def test_replay_check_reads_deepseek_v2(tmp_path):
-    """replay_check finds the family by model_type through the registry, V2 included."""
+    """moerl.checks.replay finds the family by model_type through the registry, V2 included."""
     from safetensors.torch import save_file
 
     from moerl.checks.replay import checkpoint_model
