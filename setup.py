@@ -79,7 +79,7 @@ setup(
         "apex": ["apex"],
         "kernels": KERNELS,
         "test": TEST,
-        "dev": TEST + ["ruff", "mypy"],
+        "dev": TEST + ["ruff", "mypy", "import-linter"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

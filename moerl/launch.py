@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moerl.config.schema import MoerlConfig
 from moerl.config.store import register_configs
-from moerl.config.validate import validate_config
+from moerl.validate import validate_config
 
 register_configs()
 

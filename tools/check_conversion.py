@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moerl.convert.check import LOGIT_TOL, check_layout, prepare
+from moerl.checks.conversion import LOGIT_TOL, check_layout, prepare
 from moerl.models import family_names, get_family
 from moerl.models.hf_tiny import save_tiny_checkpoint
 from moerl.models.tiny import tiny_config

@@ -19,8 +19,7 @@ import sys
 import tempfile
 import time
 
-from moerl.parallel.layout import parse_layout
-from moerl.parallel.parity import (
+from moerl.checks.parity import (
     FP32_TOL,
     PARAM_TOL,
     ParityConfig,
@@ -28,6 +27,7 @@ from moerl.parallel.parity import (
     run_layout,
     run_reference,
 )
+from moerl.parallel.layout import parse_layout
 
 DEFAULT_LAYOUTS = "tp2,pp2,ep2,etp2ep2,tp2ep2,tp2pp2,dp2ep2"
 

@@ -38,9 +38,9 @@ def run(
     ``settings`` (one dict per setting, ``SettingResult`` fields), ``reduction`` (k3
     without replay and mask / with both), ``decomposition`` (or None), ``rollouts`` and
     ``response_tokens`` (None when the rollouts were given)."""
+    from moerl.checks.replay import collect_rollouts, decomposition, score
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
-    from moerl.trainer.replay_check import collect_rollouts, decomposition, score
 
     count = tokens = None
     with tempfile.TemporaryDirectory(prefix="moerl-replay-") as tmp:
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    from moerl.checks.replay import SettingResult
     from moerl.telemetry.mismatch import Decomposition
-    from moerl.trainer.replay_check import SettingResult
 
     out = run(
         family=args.family,

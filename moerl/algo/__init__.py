@@ -8,9 +8,12 @@ registered by name and selected from config, with `_target_` for user code
     correction.py         CORRECTIONS: none, tis, mis, icepop, topr, version_gap, opsm
     kl.py                 k1/k2/k3 KL estimators and the optional KL term
     reduce.py             per-sequence reductions and the loss aggregation modes
-    registry.py           the Registry and how a config becomes a callable
+    replay.py             REPLAY_POLICIES: all, recent, none (routing replay)
     config.py             options of advantages, losses, KL; AlgoConfig (group `algo`)
     correction_config.py  options of the corrections (group `correction`)
+    check.py              check_algo_config: build every slot once at start-up
+
+The Registry itself (how a config becomes a callable) is moerl.common.registry.
 
 Importing this package imports nothing heavy: `moerl.config` reads the torch-free config
 modules; import the torch modules themselves where they run.

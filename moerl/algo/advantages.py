@@ -25,7 +25,7 @@ from moerl.algo.config import (
     RLOOConfig,
 )
 from moerl.algo.reduce import segment_sum, to_floats
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 
 
 @dataclass

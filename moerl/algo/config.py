@@ -20,23 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from moerl.common.checks import at_least, one_of
+
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_KINDS = ("k1", "k2", "k3")
-
-
-def one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        choices = ", ".join(repr(a) for a in allowed)
-        raise ValueError(f"{key}={value!r} is not supported; choose one of {choices}")
-
-
-def at_least(key: str, value: float, low: float, *, strict: bool = False) -> None:
-    if value < low or (strict and value == low):
-        bound = f"> {low}" if strict else f">= {low}"
-        raise ValueError(f"{key}={value!r} must be {bound}")
 
 
 def check_agg(key: str, agg: str, norm_length: int) -> None:
@@ -433,19 +423,3 @@ def register_algo_configs(cs: ConfigStore) -> None:
     for group, options in groups.items():
         for name, schema in options.items():
             cs.store(group=group, name=f"base_{name}", node=schema, provider="moerl")
-
-
-def check_algo_config(algo: AlgoConfig, correction: Any) -> None:
-    """Build every slot once (imports user `_target_`s, checks every option's range), so a
-    bad objective fails at start-up with the key that is wrong."""
-    from moerl.algo.advantages import build_advantage
-    from moerl.algo.correction import build_correction
-    from moerl.algo.losses import build_policy_loss
-
-    build_advantage(algo.advantage)
-    build_policy_loss(algo.loss)
-    algo.kl.validate("algo.kl")
-    build_correction(correction)
-    from moerl.algo.offpolicy import check_composition
-
-    check_composition(algo.old_policy, algo.loss, correction)

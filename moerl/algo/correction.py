@@ -42,7 +42,8 @@ from moerl.algo.reduce import (
     segment_sum,
     to_floats,
 )
-from moerl.algo.registry import Registry
+from moerl.common.checks import choice_error
+from moerl.common.registry import Registry
 
 
 @dataclass
@@ -120,8 +121,7 @@ def log_ratio_at_level(inp: CorrectionInput, level: str) -> torch.Tensor:
         return masked(segment_sum(log_r_T, seq_T, S)[seq_T], mask_T)
     if level == "geometric":
         return masked(segment_mean(log_r_T, mask_T, seq_T, S)[seq_T], mask_T)
-    choices = ", ".join(repr(v) for v in LEVELS)
-    raise ValueError(f"correction level {level!r} is not supported; choose one of {choices}")
+    raise choice_error("correction level", level, LEVELS)
 
 
 def normalize_weights(

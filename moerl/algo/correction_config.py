@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moerl.algo.config import at_least, one_of
+from moerl.common.checks import at_least, one_of
 
 LEVELS = ("token", "sequence", "geometric")
 

@@ -19,6 +19,7 @@ import torch
 
 from moerl.algo.config import KL_KINDS, KLConfig
 from moerl.algo.reduce import aggregate, check_tokens, masked_mean, to_floats
+from moerl.common.checks import choice_error
 
 
 def kl_penalty(logprobs_T: torch.Tensor, ref_logprobs_T: torch.Tensor, kind: str) -> torch.Tensor:
@@ -34,8 +35,7 @@ def kl_penalty(logprobs_T: torch.Tensor, ref_logprobs_T: torch.Tensor, kind: str
         return 0.5 * log_r_T**2
     if kind == "k3":
         return torch.expm1(log_r_T) - log_r_T
-    choices = ", ".join(repr(k) for k in KL_KINDS)
-    raise ValueError(f"KL estimator {kind!r} is not supported; choose one of {choices}")
+    raise choice_error("KL estimator", kind, KL_KINDS)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from moerl.algo.reduce import (
     segment_mean,
     to_floats,
 )
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 
 # SAPO's log ratio is clamped to ±this before exp, as verl: past it the gate is flat, and
 # exp overflowing to inf would make the gate's backward 0·inf = nan.

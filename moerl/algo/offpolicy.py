@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from moerl.algo.config import one_of
 from moerl.algo.losses import PolicyLossInput
+from moerl.common.checks import one_of
 
 OLD_POLICIES = ("recompute", "rollout")
 

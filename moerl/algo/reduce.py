@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from moerl.algo.config import AGG_MODES
+from moerl.common.checks import choice_error
 
 
 def segment_sum(values_T: torch.Tensor, seq_ids_T: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -94,8 +95,7 @@ def aggregate(
                 f"aggregation mode {mode!r} needs norm_length > 0 (L_max), got {norm_length!r}"
             )
         return masked(values_T, loss_mask_T).sum() / (max(num_seqs, 1) * norm_length)
-    choices = ", ".join(repr(m) for m in AGG_MODES)
-    raise ValueError(f"aggregation mode {mode!r} is not supported; choose one of {choices}")
+    raise choice_error("aggregation mode", mode, AGG_MODES)
 
 
 def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:

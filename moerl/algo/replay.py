@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ ReplayPolicy = Callable[[ReplayInput], ReplayOutput]
 
 def is_none(spec: Any) -> bool:
     """Whether ``spec`` selects no replay at all (the plain router)."""
-    from moerl.algo.registry import _plain
+    from moerl.common.registry import _plain
 
     spec = _plain(spec)
     if isinstance(spec, str):
@@ -123,7 +123,7 @@ def is_none(spec: Any) -> bool:
 def is_all(spec: Any) -> bool:
     """Whether ``spec`` is the built-in that replays every recorded route (no live
     routing needed: the router's own top-k is not computed)."""
-    from moerl.algo.registry import _plain
+    from moerl.common.registry import _plain
 
     spec = _plain(spec)
     if isinstance(spec, str):

@@ -1,7 +1,8 @@
-"""Config schemas for every Hydra config group, and the start-up validation pass.
+"""Config schemas for every Hydra config group (the start-up validation pass that checks
+them against the registries is `moerl.validate`).
 
 Importing this package is cheap (dataclasses only); Hydra is imported by
-`moerl.config.store` and `moerl.config.validate`.
+`moerl.config.store` and `moerl.validate`.
 """
 
 from moerl.config.engine import EngineConfig

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moerl.algo.config import at_least
+from moerl.common.checks import at_least
 
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moerl.common.checks import one_of
+
 ALL_LINEAR = "all-linear"
 GROUPED_EXPERTS = ("auto", "on", "off")
 
@@ -51,9 +53,6 @@ class LoraConfig:
             raise ValueError(f"{key}.alpha={self.alpha} must be positive (often 2 x rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{key}.dropout={self.dropout} must be in [0, 1)")
-        if self.grouped_experts not in GROUPED_EXPERTS:
-            raise ValueError(
-                f"{key}.grouped_experts={self.grouped_experts!r}: choose one of {GROUPED_EXPERTS}"
-            )
+        one_of(f"{key}.grouped_experts", self.grouped_experts, GROUPED_EXPERTS)
         if not self.target_modules:
             raise ValueError(f"{key}.target_modules is empty; name modules or use ['all-linear']")

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from moerl.algo.config import at_least
+from moerl.common.checks import at_least, one_of
 
 PARTIAL_ROLLOUT_MODES = ("in_place", "abort_resume", "drain")
 LENGTH_DISTRIBUTIONS = ("fixed", "lognormal")
@@ -116,22 +116,14 @@ class RolloutConfig:
             raise ValueError(f"{key}.top_k={self.top_k} must be -1 (off) or >= 1")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"{key}.min_p={self.min_p} must be in [0, 1)")
-        if self.partial_rollout not in PARTIAL_ROLLOUT_MODES:
-            raise ValueError(
-                f"{key}.partial_rollout={self.partial_rollout!r}; choose one of "
-                f"{', '.join(PARTIAL_ROLLOUT_MODES)}"
-            )
+        one_of(f"{key}.partial_rollout", self.partial_rollout, PARTIAL_ROLLOUT_MODES)
         if self.filter_uniform_groups and self.group_size < 2:
             raise ValueError(
                 f"{key}.filter_uniform_groups=true with {key}.group_size={self.group_size} "
                 "would drop every group (one reward is always uniform); set group_size >= 2 "
                 "or turn the filter off"
             )
-        if self.length_distribution not in LENGTH_DISTRIBUTIONS:
-            raise ValueError(
-                f"{key}.length_distribution={self.length_distribution!r}; choose one of "
-                f"{', '.join(LENGTH_DISTRIBUTIONS)}"
-            )
+        one_of(f"{key}.length_distribution", self.length_distribution, LENGTH_DISTRIBUTIONS)
         if self.length_distribution == "lognormal":
             if not 1 <= self.length_median <= self.max_new_tokens:
                 raise ValueError(

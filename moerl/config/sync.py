@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moerl.common.checks import one_of
+
 
 @dataclass
 class SyncConfig:
@@ -41,7 +43,4 @@ class SyncConfig:
             raise ValueError(f"{key}.backend={self.backend!r}: choose 'gloo', 'nccl' or null")
         if self.every < 1:
             raise ValueError(f"{key}.every={self.every} must be >= 1")
-        if self.adapter_transport not in ("tensors", "directory"):
-            raise ValueError(
-                f"{key}.adapter_transport={self.adapter_transport!r}: choose 'tensors' or 'directory'"
-            )
+        one_of(f"{key}.adapter_transport", self.adapter_transport, ("tensors", "directory"))

@@ -1,5 +1,5 @@
-"""HF ⇄ Megatron conversion: declarative maps per family, layout-free loading and
-streaming export (see ``loader.py`` and ``exporter.py``)."""
+"""HF ⇄ Megatron conversion: layout-free loading and streaming export through each
+family's declarative map (``moerl.models.maps``); see ``loader.py`` and ``exporter.py``."""
 
 from moerl.convert.exporter import export_hf
 from moerl.convert.hf_io import CheckpointError, HFCheckpoint

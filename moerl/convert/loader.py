@@ -17,7 +17,7 @@ import torch
 
 from moerl.config.model import ModelConfig
 from moerl.convert.hf_io import CheckpointError, HFCheckpoint
-from moerl.convert.maps import Copy
+from moerl.models.maps import Copy
 from moerl.models.registry import get_family
 from moerl.parallel.full_state import Shard, local_shards
 

@@ -14,7 +14,8 @@ def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine.eos import eos_token_ids
     from moerl.engine.model_runner import ModelRunner
     from moerl.engine.scheduler import Scheduler
-    from moerl.engine.server import EngineState, create_app
+    from moerl.engine.server import create_app
+    from moerl.engine.state import EngineState
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

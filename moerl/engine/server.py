@@ -21,8 +21,6 @@ import hmac
 import json
 import logging
 import os
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,9 +29,9 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from moerl.engine.model_runner import ModelRunner
 from moerl.engine.sampling import SamplingParams, UnknownFieldError
-from moerl.engine.scheduler import Request, Scheduler, Unavailable, new_rid
+from moerl.engine.scheduler import Request, Unavailable, new_rid
+from moerl.engine.state import EngineState
 from moerl.engine.validate import check_control, check_generate, is_batch, split_batch
 
 log = logging.getLogger(__name__)
@@ -42,27 +40,6 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class EngineState:
-    runner: ModelRunner
-    scheduler: Scheduler
-    model_path: str
-    api_key: str | None = None
-    tokenizer: Any = None
-    groups: dict[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.time)
-    stream_interval: int = 1  # --stream-interval: tokens per streamed chunk by default
-    _grammar: Any = None
-
-    def grammar_backend(self) -> Any:
-        """The grammar backend (built on first use from the tokenizer)."""
-        if self._grammar is None:
-            from moerl.engine.grammar import GrammarBackend
-
-            self._grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size)
-        return self._grammar
 
 
 def _ok(message: str = "", **extra: Any) -> JSONResponse:

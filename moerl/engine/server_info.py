@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import moerl
 
 if TYPE_CHECKING:
-    from moerl.engine.server import EngineState
+    from moerl.engine.state import EngineState
 
 SGLANG_API = "0.5.23"  # the SGLang release whose native HTTP API the engine speaks
 VERSION = f"moerl {moerl.__version__} embedded engine (SGLang {SGLANG_API} native API)"

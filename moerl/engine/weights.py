@@ -1,7 +1,7 @@
 """Weight-update endpoints: a process group with the trainer, and broadcasts into it.
 
 ``/init_weights_update_group`` joins a gloo/NCCL group spanning trainer rank 0 and
-the engines (``moerl.sync.group``). ``/update_weights_from_distributed`` receives
+the engines (``moerl.engine.group``). ``/update_weights_from_distributed`` receives
 the broadcast tensors (one by one, or one ``flattened_bucket``) on a worker thread
 while decoding goes on, validates every name and shape, and only then swaps them
 into the model between two decode steps — running requests continue on the new
@@ -22,9 +22,9 @@ import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
+from moerl.engine.bucket import dtype_of, empty_bucket, nbytes, unflatten
+from moerl.engine.group import broadcast, init_custom_process_group
 from moerl.engine.validate import nonfinite_tensor
-from moerl.sync.bucket import dtype_of, empty_bucket, nbytes, unflatten
-from moerl.sync.group import broadcast, init_custom_process_group
 
 
 def _receive(

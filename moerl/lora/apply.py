@@ -20,10 +20,11 @@ import torch
 
 from moerl.config.lora import ALL_LINEAR, LoraConfig
 from moerl.config.model import ModelConfig
-from moerl.convert.maps import QKV, Concat, Copy
+from moerl.lora.bases import ExpertSlice, is_te_grouped
 from moerl.lora.grouped import group_experts
 from moerl.lora.layers import LoraAdapter, LoraAdapters, init_pair
-from moerl.lora.te_grouped import ExpertSlice, hook_te_grouped, is_te_grouped
+from moerl.lora.te_grouped import hook_te_grouped
+from moerl.models.maps import QKV, Concat, Copy
 from moerl.models.registry import get_family
 
 OUTPUT_TARGET = "lm_head"  # the output layer, as PEFT and SGLang name it

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from moerl.kernels.dispatch import use_triton
 from moerl.kernels.lora_gmm import lora_grouped
-from moerl.lora.layers import COLUMN, EXPERT, LoraAdapter
+from moerl.lora.bases import COLUMN, EXPERT
+from moerl.lora.layers import LoraAdapter
 
 
 def stacked_a(adapters: list[LoraAdapter]) -> torch.Tensor:

@@ -29,46 +29,18 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from moerl.lora.te_grouped import ExpertSlice
-
-COLUMN, ROW = "column", "row"
-# How the base layer's input/output relate across its tensor-parallel group.
-REPLICATED, SEQUENCE, EXPERT = "replicated", "sequence_parallel", "expert"
-
-
-def parallel_kind(base: torch.nn.Module | ExpertSlice) -> tuple[str, str]:
-    """(COLUMN | ROW, REPLICATED | SEQUENCE | EXPERT) of a megatron-core linear, or of
-    one expert of a transformer-engine grouped linear (``ExpertSlice``)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    from moerl.lora.te_grouped import ExpertSlice  # imports this module
-
-    if isinstance(base, ExpertSlice):
-        kind = base.kind
-    elif isinstance(base, ColumnParallelLinear):
-        kind = COLUMN
-        if base.gather_output:
-            raise NotImplementedError(f"{type(base).__name__} with gather_output=True")
-    elif isinstance(base, RowParallelLinear):
-        kind = ROW
-        if not base.input_is_parallel:
-            raise NotImplementedError(f"{type(base).__name__} with input_is_parallel=False")
-    elif type(base).__name__.startswith("TE"):
-        raise NotImplementedError(
-            f"LoRA on transformer-engine layers ({type(base).__name__}) is implemented for "
-            "grouped experts only; build the model with the local spec (use_te=False)"
-        )
-    else:
-        raise NotImplementedError(f"LoRA on {type(base).__name__} is not implemented")
-    if base.explicit_expert_comm:
-        return kind, EXPERT
-    return kind, SEQUENCE if base.sequence_parallel else REPLICATED
+from moerl.lora.bases import (
+    COLUMN,
+    REPLICATED,
+    ROW,
+    SEQUENCE,
+    ExpertSlice,
+    parallel_kind,
+)
 
 
 def module_seed(seed: int, hf_module: str) -> int:

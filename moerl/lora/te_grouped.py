@@ -34,45 +34,9 @@ from typing import Any
 
 import torch
 
+from moerl.lora.bases import ExpertSlice
 from moerl.lora.grouped import grouped_delta
-from moerl.lora.layers import COLUMN, ROW, LoraAdapter
-
-_KINDS = {"TEColumnParallelGroupedLinear": COLUMN, "TERowParallelGroupedLinear": ROW}
-
-
-def is_te_grouped(module: torch.nn.Module) -> bool:
-    """A megatron-core transformer-engine grouped linear (by class name: importing TE
-    needs a GPU build)."""
-    return any(cls.__name__ == "TEGroupedLinear" for cls in type(module).__mro__)
-
-
-class ExpertSlice:
-    """One local expert of a TE grouped linear, seen as a megatron-core linear by
-    ``LoraAdapter`` (``parallel_kind``, sizes, TP group, weight dtype and ``allreduce``).
-    ``tp_group``: the experts' TP group (``TEGroupedMLP.tp_group``); TE itself holds
-    none under ``explicit_expert_comm``. Not a module: nothing hooks it."""
-
-    def __init__(self, grouped: Any, index: int, tp_group: Any) -> None:
-        config = grouped.config
-        if config.fp8 or config.fp4:
-            raise NotImplementedError(
-                f"LoRA on transformer-engine grouped experts ({type(grouped).__name__}) "
-                f"with fp8={config.fp8!r} / fp4={config.fp4!r} is not supported (padded "
-                "tokens, quantized GEMM: untested with adapters); train LoRA without fp8/fp4, "
-                "or build the model with the local spec (use_te=False, SequentialMLP experts)"
-            )
-        kinds = [_KINDS[c.__name__] for c in type(grouped).__mro__ if c.__name__ in _KINDS]
-        if not kinds:
-            raise NotImplementedError(f"LoRA on {type(grouped).__name__} is not implemented")
-        # under explicit_expert_comm TE's parallel_mode is None: the class says which
-        self.grouped, self.index, self.kind = grouped, index, kinds[0]
-        self.weight = getattr(grouped, f"weight{index}")
-        self.tp_group = tp_group
-        self.explicit_expert_comm = grouped.explicit_expert_comm
-        self.sequence_parallel = grouped.sequence_parallel
-        tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
-        self.input_size = grouped.in_features * (tp if self.kind == ROW else 1)
-        self.output_size = grouped.out_features * (tp if self.kind == COLUMN else 1)
+from moerl.lora.layers import LoraAdapter
 
 
 def _hook(adapters: list[LoraAdapter], module: torch.nn.Module, args: tuple, kwargs: dict, output):  # type: ignore[no-untyped-def]

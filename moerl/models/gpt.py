@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moerl import compat, device
+from moerl.common.checks import one_of
 from moerl.compat import megatron_patches
 from moerl.config.parallel import ParallelConfig
 from moerl.models.spec import decoder_block_spec
@@ -84,8 +85,7 @@ RECOMPUTE = ("none", "full", "moe")
 def recompute_kwargs(recompute: str) -> dict[str, Any]:
     """Activation recompute: 'full' recomputes every transformer layer in backward,
     'moe' only the MoE layers (megatron's selective recompute of module "moe")."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"trainer.recompute={recompute!r}: choose one of {RECOMPUTE}")
+    one_of("trainer.recompute", recompute, RECOMPUTE)
     if recompute == "full":
         return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -107,8 +107,7 @@ def build_transformer_config(
     """The megatron-core (MLA)TransformerConfig for ``model`` (a ``ModelConfig``) under ``parallel``."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    if dtype not in DTYPES:
-        raise ValueError(f"trainer.dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    one_of("trainer.dtype", dtype, sorted(DTYPES))
     params_dtype = DTYPES[dtype]
     cls = TransformerConfig
     extra = _moe_kwargs(model)

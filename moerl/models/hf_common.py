@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from moerl.config.model import ModelConfig
-from moerl.convert.maps import Concat, Copy, Entry
+from moerl.models.maps import Concat, Copy, Entry
 
 GLOBALS = [
     Entry(("embedding.word_embeddings.weight",), Copy("model.embed_tokens.weight")),

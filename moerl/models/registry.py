@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moerl.algo.registry import Catalog
+from moerl.common.registry import Catalog
 from moerl.config.model import ModelConfig
 
 if TYPE_CHECKING:
-    from moerl.convert.maps import FamilyMap
+    from moerl.models.maps import FamilyMap
 
 BUILTIN = ("moerl.models.qwen3_moe", "moerl.models.deepseek_moe")
 """Packages of the shipped families; each registers its spec when imported."""

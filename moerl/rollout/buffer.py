@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from moerl.common.trajectory import Trajectory
 from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.rollout.buffer_policies import (
     SamplingInput,
@@ -42,7 +43,6 @@ from moerl.rollout.buffer_policies import (
     build_sampling,
     build_staleness,
 )
-from moerl.rollout.trajectory import Trajectory
 
 Group = list[Trajectory]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 from moerl.config.buffer import (
     CorrectStaleConfig,
     DepthConfig,

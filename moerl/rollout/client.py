@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moerl.common.checks import one_of
+from moerl.common.trajectory import Trajectory
 from moerl.rollout.decode import trajectory_from_response
 from moerl.rollout.errors import EngineError
-from moerl.rollout.trajectory import Trajectory
 from moerl.rollout.transport import DEAD_ENGINE_FIX, EngineTransport
 
 if TYPE_CHECKING:
@@ -58,11 +59,7 @@ def build_generate_body(
     if sampling_logprobs_mode is not None:
         if not return_sampling_mask:
             raise ValueError("sampling_logprobs_mode needs return_sampling_mask=True")
-        if sampling_logprobs_mode not in SAMPLING_LOGPROBS_MODES:
-            raise ValueError(
-                f"sampling_logprobs_mode={sampling_logprobs_mode!r}; choose one of "
-                f"{SAMPLING_LOGPROBS_MODES}"
-            )
+        one_of("sampling_logprobs_mode", sampling_logprobs_mode, SAMPLING_LOGPROBS_MODES)
     body: dict[str, Any] = {
         "input_ids": ids.astype(np.int64).tolist(),
         "sampling_params": dict(sampling_params),
@@ -222,8 +219,7 @@ class EngineClient(EngineTransport):
         """mode "abort": in-flight requests return now with finish_reason abort; "retract":
         they go back to the queue and are re-prefilled after continue; "in_place": they stay
         with their KV cache (then update weights with flush_cache=False)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r}; choose one of {PAUSE_MODES}")
+        one_of("pause mode", mode, PAUSE_MODES)
         return await self._broadcast("POST", "/pause_generation", {"mode": mode}, urls=urls)
 
     async def continue_generation(self, *, urls: Sequence[str] | None = None) -> dict:

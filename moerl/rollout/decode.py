@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from moerl.common.trajectory import Trajectory
 from moerl.rollout.errors import EngineError, RoutedExpertsMissing, SamplingMaskMissing
-from moerl.rollout.trajectory import Trajectory
 
 # SGLang treats temperatures below this as greedy: top_k=1 and temperature 1.0.
 _GREEDY_EPS = 1e-6

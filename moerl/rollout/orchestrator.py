@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from moerl.common.trajectory import Trajectory
 from moerl.config.rollout import RolloutConfig
 from moerl.rollout.buffer import BufferClosed, Reservation, RolloutBuffer
 from moerl.rollout.client import EngineClient
@@ -73,7 +74,6 @@ from moerl.rollout.faults import abort_prefix, is_fatal, make_client
 from moerl.rollout.partial import UpdateGate, sample_completion
 from moerl.rollout.scoring import RewardRunner, gather_or_cancel, uniform
 from moerl.rollout.stats import RolloutStats
-from moerl.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from moerl.tasks.base import Prompt, Task

@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from moerl.common.trajectory import Trajectory
 from moerl.rollout.client import ENGINE_URL_KEY, EngineClient
 from moerl.rollout.decode import ROUTED_EXPERTS_FIX, decode_routed_experts, trajectory_from_response
 from moerl.rollout.errors import EngineError, RoutedExpertsMissing
-from moerl.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 

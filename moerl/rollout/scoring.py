@@ -16,7 +16,7 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.tasks.base import Prompt, Task
 
 T = TypeVar("T")

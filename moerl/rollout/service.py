@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from moerl.common.trajectory import Trajectory
 from moerl.config.schema import MoerlConfig
 from moerl.rollout.aio import EventLoopThread
-from moerl.rollout.trajectory import Trajectory
 
 T = TypeVar("T")
 

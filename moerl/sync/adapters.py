@@ -28,6 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moerl.common.checks import one_of
+
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("tensors", "directory")
@@ -50,8 +52,7 @@ class AdapterSync:
         """gather: the collective that returns the full PEFT-named adapters on rank 0;
         config: their adapter_config.json; client / run_coro (rank 0): the engines and
         the event loop their client lives on; transport: 'tensors' or 'directory' (then ``directory`` is where versions go)."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"adapter transport {transport!r}: choose one of {TRANSPORTS}")
+        one_of("adapter transport", transport, TRANSPORTS)
         if transport == "directory" and directory is None:
             raise ValueError("adapter transport 'directory' needs a directory the engines can read")
         self.gather, self.config, self.client, self._run = gather, config, client, run_coro

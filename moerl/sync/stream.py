@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moerl.sync.bucket import dtype_name, empty_bucket, flatten
+from moerl.engine.bucket import dtype_name, empty_bucket, flatten
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Every trainer rank calls ``connect()``, ``push(version)`` and ``close()`` together.
 Global rank 0 alone talks HTTP and owns the custom group (trainer = rank 0, engines
-at rank offsets 1, 2, …; ``moerl.sync.group``). Each pipeline stage's ranks iterate
+at rank offsets 1, 2, …; ``moerl.engine.group``). Each pipeline stage's ranks iterate
 ``export_hf`` in lockstep (it gathers TP/EP shards collectively); the stage's lowest
 global rank packs the tensors into buckets of at most ``bucket_mb`` (a larger tensor
 goes alone) and, for stages other than rank 0's, sends them to rank 0 point-to-point
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from moerl import device
+from moerl.engine.bucket import dtype_of
+from moerl.engine.group import init_custom_process_group
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
-from moerl.sync.bucket import dtype_of
-from moerl.sync.group import init_custom_process_group
 from moerl.sync.stream import (
     Bucket,
     bucketize,

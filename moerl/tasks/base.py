@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.tasks.base import Prompt
 from moerl.tasks.rewards import RewardInput, build_reward, decode_response
 

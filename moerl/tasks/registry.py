@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 from moerl.config.task import (
     ArithmeticTaskConfig,
     CopyDigitsTaskConfig,

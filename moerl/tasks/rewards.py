@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from moerl.algo.registry import Registry
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.registry import Registry
+from moerl.common.trajectory import Trajectory
 from moerl.tasks.base import Prompt
 
 PLACEHOLDER = "\ufffd"

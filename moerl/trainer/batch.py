@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.checks import one_of
+from moerl.common.trajectory import Trajectory
 
 
 @dataclass
@@ -305,8 +306,7 @@ def step_microbatches(
     builds has them (other ranks' may arrive without: ``moerl.trainer.shard``)."""
     from megatron.core import parallel_state
 
-    if packing not in PACKING:
-        raise ValueError(f"trainer.packing={packing!r}: choose one of {PACKING}")
+    one_of("trainer.packing", packing, PACKING)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     multiple = tp if getattr(config, "sequence_parallel", False) else 1
     seq_len = padded_length(trajs, multiple, at_least=pack_length if packing == "packed" else 0)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.algo.replay import is_none
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moerl.common.checks import one_of
 from moerl.trainer.batch import MicroBatch
 from moerl.trainer.logprobs import token_logprobs
 
@@ -33,8 +34,7 @@ SOURCES = ("auto", "logits", "hidden")
 def resolve_source(source: str) -> str:
     """'auto' → 'hidden' where the fused kernel runs (CUDA with Triton), else 'logits'
     (on CPU the twin would build the full logits anyway)."""
-    if source not in SOURCES:
-        raise ValueError(f"trainer.logprobs_from={source!r}: choose one of {SOURCES}")
+    one_of("trainer.logprobs_from", source, SOURCES)
     if source != "auto":
         return source
     from moerl.device import has_cuda

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moerl.algo.correction import CorrectionInput, CorrectionOutput
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.trainer.batch import behaviour_logprobs
 
 

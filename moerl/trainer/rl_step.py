@@ -24,7 +24,7 @@ from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.trainer.batch import MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.offpolicy import OffPolicyBatch, finite_metrics, mismatch_metrics

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from moerl.algo.replay import check_replay_spec, is_none
+from moerl.common.trajectory import Trajectory
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
 from moerl.kernels.dispatch import set_backend as set_kernel_backend
-from moerl.rollout.trajectory import Trajectory
 from moerl.trainer.fused_head import resolve_source
 
 REPLAY_POLICIES = ("all", "recent", "none")

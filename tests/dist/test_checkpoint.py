@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.parallel import parse_layout, spawn
-from moerl.parallel.parity import ParityConfig, _forward_step, _microbatches
+from moerl.checks.parity import ParityConfig, _forward_step, _microbatches
 
 
 def _train(layout: str, root: str, out: str, seed: int, resume: bool) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerl.convert.check import LOGIT_TOL, check_layout, prepare
+from moerl.checks.conversion import LOGIT_TOL, check_layout, prepare
 from moerl.models.hf_tiny import save_tiny_checkpoint
 from moerl.models.tiny import tiny_config
 from moerl.parallel import spawn

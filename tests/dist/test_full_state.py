@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.parallel import spawn
-from moerl.parallel.parity import tiny_moe
+from moerl.checks.parity import tiny_moe
 
 
 def _roundtrip(layout: str) -> None:

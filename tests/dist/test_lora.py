@@ -130,7 +130,7 @@ def _train_step_touches_only_adapters(chunks, tokens: torch.Tensor) -> None:  # 
 def _single(family: str, hf_dir: str, work: str) -> None:
     from safetensors.torch import save_file
 
-    from moerl.convert.check import megatron_logits
+    from moerl.checks.conversion import megatron_logits
     from moerl.lora import apply_lora, gather_adapters, merged_hf_state, peft_config
     from moerl.parallel.full_state import local_shards
 
@@ -172,7 +172,7 @@ def _single(family: str, hf_dir: str, work: str) -> None:
 def _check_merged(family: str, merged_dir: str, chunks, tokens: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
     """The LoRA forward equals the forward of the merged weights, in this layout."""
     from moerl.convert import load_hf
-    from moerl.convert.check import megatron_logits
+    from moerl.checks.conversion import megatron_logits
     from moerl.models.gpt import build_model
     from moerl.models.tiny import tiny_config
 
@@ -206,7 +206,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _layout(family: str, layout: str, hf_dir: str, work: str, grads: bool, train: bool) -> None:
     from safetensors.torch import load_file
 
-    from moerl.convert.check import megatron_logits
+    from moerl.checks.conversion import megatron_logits
     from moerl.lora import apply_lora, gather_adapters, load_adapters_into
 
     work_dir = Path(work)
@@ -337,7 +337,7 @@ def _grouped_vs_per_expert(
 
     import moerl.lora.grouped as grouped
     from moerl.convert import load_hf
-    from moerl.convert.check import megatron_logits
+    from moerl.checks.conversion import megatron_logits
     from moerl.kernels.dispatch import backend
     from moerl.lora import apply_lora, gather_adapters, remove_lora
     from moerl.models.gpt import build_model

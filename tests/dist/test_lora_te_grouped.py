@@ -112,7 +112,7 @@ def _max_diff(a, b) -> float:  # type: ignore[no-untyped-def]
 
 
 def _te_vs_sequential(hf_dir: str, layouts: tuple[str, ...]) -> None:
-    from moerl.convert.check import megatron_logits
+    from moerl.checks.conversion import megatron_logits
     from moerl.lora import apply_lora, gather_adapters
 
     for layout in layouts:
@@ -167,8 +167,7 @@ def _fake(fp8: str | None) -> TEGroupedLinear:
 
 
 def test_expert_slice_sizes_and_refusals():
-    from moerl.lora.layers import COLUMN, REPLICATED, parallel_kind
-    from moerl.lora.te_grouped import ExpertSlice, is_te_grouped
+    from moerl.lora.bases import COLUMN, REPLICATED, ExpertSlice, is_te_grouped, parallel_kind
 
     linear = _fake(None)
     assert is_te_grouped(linear) and not is_te_grouped(torch.nn.Linear(2, 2))

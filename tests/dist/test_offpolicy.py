@@ -12,13 +12,13 @@ import pytest
 import torch.distributed as dist
 
 from moerl.parallel import parse_layout, spawn
-from moerl.trainer.replay_check import collect_rollouts
+from moerl.checks.replay import collect_rollouts
 
 
 def _trajectories(rollouts: str) -> list:
     """Rollouts with rewards, groups of two and μ moved off the trainer (seeded noise),
     so the IS weights differ from 1."""
-    from moerl.rollout.trajectory import load_jsonl
+    from moerl.common.trajectory import load_jsonl
 
     trajs = load_jsonl(rollouts)
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.parallel.parity import FP32_TOL, ParityConfig, run_layout, run_reference
+from moerl.checks.parity import FP32_TOL, ParityConfig, run_layout, run_reference
 
 DEFAULT = ["pp2", "tp2ep2"]
 SLOW = ["tp2", "ep2", "etp2ep2", "tp2pp2", "dp2ep2", "tp2etp1ep2", "pp2dp2"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.trainer.replay_check import collect_rollouts, score
+from moerl.checks.replay import collect_rollouts, score
 
 ROOT = Path(__file__).resolve().parents[2]
 

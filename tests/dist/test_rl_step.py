@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.parallel import parse_layout, spawn
-from moerl.trainer.replay_check import collect_rollouts
+from moerl.checks.replay import collect_rollouts
 
 
 def _reward(t) -> float:  # type: ignore[no-untyped-def]
@@ -38,7 +38,7 @@ def _step(
     from moerl.models.gpt import build_model
     from moerl.parallel.full_state import gather_full
     from moerl.parallel.state import initialize_model_parallel
-    from moerl.rollout.trajectory import load_jsonl
+    from moerl.common.trajectory import load_jsonl
     from moerl.trainer.forward import trainer_logprobs
     from moerl.trainer.offpolicy import prepare
     from moerl.trainer.rl_step import rl_train_step
@@ -154,7 +154,7 @@ def _shifted_routes(src: Path, dst: Path, num_experts: int) -> None:
     """Rollouts whose recorded routes differ from what the router would choose (each
     expert id shifted by one): replay then changes the forward, so a recompute that
     routed freshly would give different gradients."""
-    from moerl.rollout.trajectory import load_jsonl, save_jsonl
+    from moerl.common.trajectory import load_jsonl, save_jsonl
 
     trajs = load_jsonl(src)
     for t in trajs:

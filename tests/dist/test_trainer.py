@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from moerl.parallel import spawn
-from moerl.trainer.replay_check import collect_rollouts
+from moerl.checks.replay import collect_rollouts
 
 
 def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:
@@ -21,7 +21,7 @@ def _run(hf_dir: str, rollouts: str, ckpt: str, out: str, resume: bool) -> None:
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
     from moerl.models import get_family
-    from moerl.rollout.trajectory import load_jsonl
+    from moerl.common.trajectory import load_jsonl
     from moerl.trainer.trainer import Trainer
 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
@@ -52,7 +52,7 @@ def _kl(hf_dir: str, rollouts: str, ckpt: str, out: str) -> None:
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
     from moerl.models import get_family
-    from moerl.rollout.trajectory import load_jsonl
+    from moerl.common.trajectory import load_jsonl
     from moerl.trainer.forward import trainer_logprobs
     from moerl.trainer.trainer import Trainer
 
@@ -142,7 +142,7 @@ def _replay_none(hf_dir: str, rollouts: str, out: str) -> None:
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
     from moerl.models import get_family
-    from moerl.rollout.trajectory import load_jsonl
+    from moerl.common.trajectory import load_jsonl
     from moerl.trainer.trainer import Trainer
 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())

@@ -198,8 +198,8 @@ class Trainer:
     """The trainer side of a weight update: rank 0 of a gloo group with one engine."""
 
     def __init__(self, url: str) -> None:
+        from moerl.engine.group import init_custom_process_group
         from moerl.parallel.spawn import free_port
-        from moerl.sync.group import init_custom_process_group
 
         self.url = url
         port = free_port()
@@ -219,8 +219,8 @@ class Trainer:
         self.group = box["g"]
 
     def send(self, tensors: dict[str, torch.Tensor], version: str, bucketed: bool) -> dict:
-        from moerl.sync.bucket import dtype_name, flatten
-        from moerl.sync.group import broadcast
+        from moerl.engine.bucket import dtype_name, flatten
+        from moerl.engine.group import broadcast
 
         names = list(tensors)
         body = {

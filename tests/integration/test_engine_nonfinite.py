@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from moerl.engine.group import broadcast, init_custom_process_group
 from moerl.parallel.spawn import free_port
-from moerl.sync.group import broadcast, init_custom_process_group
 
 GREEDY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 O_PROJ = "base_model.model.model.layers.1.self_attn.o_proj"

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
+from moerl.algo.check import check_algo_config
 from moerl.algo.config import (
     AlgoConfig,
     PPOClipConfig,
     ReinforceConfig,
-    check_algo_config,
 )
 from moerl.algo.correction import CorrectionInput, build_correction
 from moerl.algo.correction_config import CorrectionConfig, MISConfig, TISConfig

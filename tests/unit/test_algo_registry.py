@@ -27,9 +27,9 @@ from moerl.algo.correction_config import (
     TISConfig,
 )
 from moerl.algo.losses import POLICY_LOSSES, PolicyLossInput, PolicyLossOutput, build_policy_loss
-from moerl.algo.registry import Registry
+from moerl.common.registry import Registry
 from moerl.config.store import register_configs
-from moerl.config.validate import validate_config
+from moerl.validate import validate_config
 
 # --- user code "outside moerl": found through _target_, never registered -------------
 

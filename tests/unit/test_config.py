@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moerl.config import MoerlConfig, ParallelConfig
 from moerl.config.store import _package_header, register_configs
-from moerl.config.validate import validate_config
+from moerl.validate import validate_config
 
 # World size each shipped layout is meant for, with the tiny MoE (4 heads, 4 experts, 2 layers).
 LAYOUT_WORLD = {

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moerl.convert.hf_io import CheckpointError, HFCheckpoint
-from moerl.convert.maps import QKV, Concat
 from moerl.models import family_names, get_family
+from moerl.models.maps import QKV, Concat
 from moerl.models.tiny import model_config, tiny_config
 
 TINY = ["deepseek_moe", "qwen3_moe"]

@@ -1,6 +1,6 @@
 """Model families as plug-ins: a family from test code (tests/families_for_tests.py, no
 moerl edits) is found by name, by import path and by model_type; every consumer's lookup
-goes through the one registry (replay_check reads DeepSeek-V2 checkpoints too)."""
+goes through the one registry (moerl.checks.replay reads DeepSeek-V2 checkpoints too)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from families_for_tests import PATH, TOY_MOE
 from hydra import compose, initialize_config_module
 
 from moerl.config.store import register_configs
-from moerl.config.validate import validate_config
 from moerl.models import ModelFamily, family_for_model_type, family_names, get_family
 from moerl.models.tiny import tiny_config
+from moerl.validate import validate_config
 
 
 def test_user_family_by_name_and_by_import_path():
@@ -120,10 +120,10 @@ def test_config_names_the_families_and_how_to_add_one(family, words):
 
 
 def test_replay_check_reads_deepseek_v2(tmp_path):
-    """replay_check finds the family by model_type through the registry, V2 included."""
+    """moerl.checks.replay finds the family by model_type through the registry, V2 included."""
     from safetensors.torch import save_file
 
-    from moerl.trainer.replay_check import checkpoint_model
+    from moerl.checks.replay import checkpoint_model
 
     cfg = get_family("deepseek_moe").to_hf(tiny_config("deepseek_moe"))
     cfg.update(model_type="deepseek_v2", n_group=1, topk_group=1)

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from moerl.common.trajectory import Trajectory
 from moerl.config.buffer import (
     SAMPLING_OPTIONS,
     BufferConfig,
@@ -31,7 +32,6 @@ from moerl.rollout.buffer_policies import (
     StalenessOutput,
     build_sampling,
 )
-from moerl.rollout.trajectory import Trajectory
 
 # --- helpers --------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from moerl.engine.group import init_custom_process_group
 from moerl.parallel.spawn import free_port
-from moerl.sync.group import init_custom_process_group
 
 
 def _listeners(port: int) -> list[str]:

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from moerl.common.trajectory import Trajectory
 from moerl.config.task import (
     ArithmeticTaskConfig,
     CopyDigitsTaskConfig,
@@ -18,7 +19,6 @@ from moerl.config.task import (
     TaskConfig,
 )
 from moerl.models.tokenizer import build_tiny_tokenizer
-from moerl.rollout.trajectory import Trajectory
 from moerl.tasks import (
     TASKS,
     CopyDigitsTask,

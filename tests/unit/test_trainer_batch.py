@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.trainer.batch import build_microbatch, pack_rows, split_for_rank
 
 

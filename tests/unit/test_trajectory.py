@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from moerl.rollout.trajectory import Trajectory, load_jsonl, save_jsonl
+from moerl.common.trajectory import Trajectory, load_jsonl, save_jsonl
 
 # P=3 prompt tokens, R=2 response tokens, L=2 layers, K=2 experts per token, E=4 experts
 ROUTES_TLK = np.array(

@@ -84,7 +84,7 @@ def compose(overrides: list[str]) -> Any:
     from hydra import initialize_config_module
 
     from moerl.config.store import register_configs
-    from moerl.config.validate import validate_config
+    from moerl.validate import validate_config
 
     register_configs()
     with initialize_config_module(config_module="moerl.conf", version_base="1.3"):

@@ -57,9 +57,9 @@ def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, fl
     streaming client saw; plus the median step (ms) and the update's wall time (s)."""
     from safetensors import safe_open
 
+    from moerl.engine.bucket import dtype_name, flatten
+    from moerl.engine.group import broadcast, init_custom_process_group
     from moerl.parallel.spawn import free_port
-    from moerl.sync.bucket import dtype_name, flatten
-    from moerl.sync.group import broadcast, init_custom_process_group
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}

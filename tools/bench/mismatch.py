@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = args.prompts or (6 if args.quick else 32)
     new_tokens = args.new_tokens or (12 if args.quick else 48)
 
+    from moerl.checks.replay import SettingResult
     from moerl.telemetry.mismatch import Decomposition
-    from moerl.trainer.replay_check import SettingResult
 
     out = _check_replay().run(
         family=args.family, dtype=args.dtype, trainer_dtype=args.trainer_dtype,

@@ -5,7 +5,7 @@
 
 Rollouts are generated once by an embedded engine serving a tiny random checkpoint
 (``--enable-return-routed-experts``, top-k/top-p sampling, so every trajectory carries
-its routes and its sampling mask; ``moerl.trainer.replay_check.collect_rollouts``) and
+its routes and its sampling mask; ``moerl.checks.replay.collect_rollouts``) and
 scored with a fixed reward (the fraction of even response tokens), in groups of
 ``--group-size`` for GRPO. Two ``Trainer``s are then built in this process (one gloo
 rank) from the same checkpoint and seed, differing only in
@@ -72,11 +72,11 @@ def _timed_step(trainer, trajs) -> float:  # type: ignore[no-untyped-def]
 def bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import torch
 
+    from moerl.checks.replay import collect_rollouts
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
     from moerl.parallel.spawn import single_process_world
     from moerl.parallel.state import destroy
-    from moerl.trainer.replay_check import collect_rollouts
 
     hf_dir = save_tiny_checkpoint(tiny_config(args.family), root / "hf", seed=args.seed)
     t0 = time.perf_counter()

@@ -76,7 +76,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _per_tensor(sync, tensors: dict[str, torch.Tensor], version: int) -> float:  # type: ignore[no-untyped-def]
     """SGLang's load_format=None path, through the sync's own group and event loop."""
-    from moerl.sync.group import broadcast
+    from moerl.engine.group import broadcast
 
     start = time.perf_counter()
     http = sync._run(

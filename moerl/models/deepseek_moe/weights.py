@@ -1,9 +1,8 @@
-"""DeepSeek-V2/V3 HF ⇄ Megatron tensor map (see ``moerl.convert.maps``)."""
+"""DeepSeek-V2/V3 HF ⇄ Megatron tensor map (see ``moerl.models.maps``)."""
 
 from __future__ import annotations
 
 from moerl.config.model import ModelConfig
-from moerl.convert.maps import Copy, Entry, FamilyMap
 from moerl.models.hf_common import (
     INPUT_NORM,
     PRE_MLP_NORM,
@@ -11,6 +10,7 @@ from moerl.models.hf_common import (
     global_entries,
     mlp_entries,
 )
+from moerl.models.maps import Copy, Entry, FamilyMap
 
 
 def weight_map(m: ModelConfig) -> FamilyMap:

@@ -1,9 +1,8 @@
-"""Qwen3-MoE HF ⇄ Megatron tensor map (see ``moerl.convert.maps``)."""
+"""Qwen3-MoE HF ⇄ Megatron tensor map (see ``moerl.models.maps``)."""
 
 from __future__ import annotations
 
 from moerl.config.model import ModelConfig
-from moerl.convert.maps import QKV, Copy, Entry, FamilyMap
 from moerl.models.hf_common import (
     INPUT_NORM,
     PRE_MLP_NORM,
@@ -11,6 +10,7 @@ from moerl.models.hf_common import (
     global_entries,
     mlp_entries,
 )
+from moerl.models.maps import QKV, Copy, Entry, FamilyMap
 
 
 def weight_map(m: ModelConfig) -> FamilyMap:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from families_for_tests import PATH
 
-from moerl.convert.check import LOGIT_TOL, check_layout, prepare
+from moerl.checks.conversion import LOGIT_TOL, check_layout, prepare
 from moerl.models.hf_tiny import save_tiny_checkpoint
 from moerl.models.tiny import tiny_config
 from moerl.parallel import spawn

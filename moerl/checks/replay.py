@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moerl.common.trajectory import Trajectory, load_jsonl, save_jsonl
 from moerl.config.model import ModelConfig
 from moerl.parallel.layout import parse_layout
 from moerl.parallel.spawn import spawn
-from moerl.rollout.trajectory import Trajectory, load_jsonl, save_jsonl
 
 SETTINGS = [("on", "on"), ("on", "off"), ("off", "on"), ("off", "off")]
 

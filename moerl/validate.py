@@ -2,6 +2,10 @@
 
 Every error is a ValueError that names the config key, the bad value and a fix, so
 a wrong layout fails in a second with a readable line instead of hanging in gloo.
+
+It sits above the packages whose registries it consults (model families, tasks, buffer
+policies, LoRA targets, the objective's slots), beside the check harnesses; `moerl.config`
+holds only the schemas and their own range checks.
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ import typing
 
 from omegaconf import DictConfig, OmegaConf
 
-from moerl.algo.config import at_least, check_algo_config
+from moerl.algo.check import check_algo_config
+from moerl.common.checks import (
+    at_least,
+    finite,
+    non_negative_int,
+    one_of,
+    positive_int,
+    positive_seconds,
+)
 from moerl.config.engine import ENGINE_DTYPES, ENGINE_KINDS, EngineConfig
 from moerl.config.launcher import BACKENDS, LauncherConfig
 from moerl.config.model import ModelConfig
@@ -32,26 +44,6 @@ OPTIMIZER_NUMBERS = (
 )
 
 
-def _positive(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}={value!r} must be a positive integer")
-
-
-def _finite(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{key}={value!r} must be a finite number")
-
-
-def _non_negative(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key}={value!r} must be an integer >= 0")
-
-
-def _positive_seconds(key: str, value: object) -> None:
-    _finite(key, value)
-    at_least(key, value, 0.0, strict=True)  # type: ignore[arg-type]
-
-
 def _check_finite(node: object, prefix: str) -> None:
     """Every float in the config tree is finite: a NaN passes every `<` check and an inf
     lr or temperature fails only once the engines serve NaN weights."""
@@ -64,24 +56,18 @@ def _check_finite(node: object, prefix: str) -> None:
             _check_finite(value, f"{key}.")
 
 
-def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        choices = ", ".join(repr(a) for a in allowed)
-        raise ValueError(f"{key}={value!r} is not supported; choose one of {choices}")
-
-
 def _check_model(m: ModelConfig) -> None:
     from moerl.models.registry import PLAIN, get_family
 
     if m.family != PLAIN:
         get_family(m.family)  # a registered family or a ModelFamily's import path
-    _one_of("model.moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
-    _one_of(
+    one_of("model.moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
+    one_of(
         "model.moe_router_load_balancing_type",
         m.moe_router_load_balancing_type,
         ("aux_loss", "seq_aux_loss", "none"),
     )
-    _one_of(
+    one_of(
         "model.moe_token_dispatcher_type", m.moe_token_dispatcher_type, ("alltoall", "allgather")
     )
     if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
@@ -106,7 +92,7 @@ def _check_model(m: ModelConfig) -> None:
         "moe_router_topk",
         "seq_length",
     ):
-        _positive(f"model.{key}", getattr(m, key))
+        positive_int(f"model.{key}", getattr(m, key))
     for key in (
         "num_query_groups",
         "num_experts",
@@ -115,8 +101,8 @@ def _check_model(m: ModelConfig) -> None:
     ):
         value = getattr(m, key)
         if value is not None:
-            _positive(f"model.{key}", value)
-    _one_of("model.normalization", m.normalization, NORMALIZATIONS)
+            positive_int(f"model.{key}", value)
+    one_of("model.normalization", m.normalization, NORMALIZATIONS)
     if m.hidden_size % m.num_attention_heads:
         raise ValueError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
@@ -162,18 +148,18 @@ def _check_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
 
 
 def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None:
-    _one_of("trainer.dtype", t.dtype, DTYPES)
+    one_of("trainer.dtype", t.dtype, DTYPES)
     from moerl.algo.replay import check_replay_spec
 
     check_replay_spec(t.replay, t.recent_window)
-    _one_of("trainer.kernels", t.kernels, ("auto", "triton", "torch"))
-    _one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
+    one_of("trainer.kernels", t.kernels, ("auto", "triton", "torch"))
+    one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
-    _positive("trainer.train_iters", t.train_iters)
-    _positive("trainer.minibatches", t.minibatches)
+    positive_int("trainer.train_iters", t.train_iters)
+    positive_int("trainer.minibatches", t.minibatches)
     _check_optimizer(t)
-    _positive("trainer.global_batch_size", t.global_batch_size)
+    positive_int("trainer.global_batch_size", t.global_batch_size)
     per_step = p.micro_batch_size * p.dp(world_size)
     if t.global_batch_size % (per_step * t.minibatches):
         raise ValueError(
@@ -190,16 +176,16 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
 
 
 def _check_checkpointing(t: TrainerConfig) -> None:
-    _non_negative("trainer.seed", t.seed)
-    _non_negative("trainer.save_every", t.save_every)
-    _non_negative("trainer.keep_checkpoints", t.keep_checkpoints)
-    _non_negative("trainer.pack_length", t.pack_length)
+    non_negative_int("trainer.seed", t.seed)
+    non_negative_int("trainer.save_every", t.save_every)
+    non_negative_int("trainer.keep_checkpoints", t.keep_checkpoints)
+    non_negative_int("trainer.pack_length", t.pack_length)
 
 
 def _check_optimizer(t: TrainerConfig) -> None:
     """Adam, clipping and the lr schedule (megatron-core asserts these without the key)."""
     for key in OPTIMIZER_NUMBERS:
-        _finite(f"trainer.{key}", getattr(t, key))
+        finite(f"trainer.{key}", getattr(t, key))
     at_least("trainer.lr", t.lr, 0.0, strict=True)
     at_least("trainer.min_lr", t.min_lr, 0.0)
     if t.min_lr > t.lr:
@@ -214,7 +200,7 @@ def _check_optimizer(t: TrainerConfig) -> None:
             raise ValueError(f"trainer.{key}={beta!r} must be in [0, 1)")
     at_least("trainer.adam_eps", t.adam_eps, 0.0, strict=True)
     at_least("trainer.clip_grad", t.clip_grad, 0.0)
-    _one_of("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    one_of("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     for key in ("lr_warmup_steps", "lr_decay_steps"):
         value = getattr(t, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -234,9 +220,9 @@ def _check_optimizer(t: TrainerConfig) -> None:
 
 
 def _check_engine(e: EngineConfig) -> None:
-    _one_of("engine.kind", e.kind, ENGINE_KINDS)
+    one_of("engine.kind", e.kind, ENGINE_KINDS)
     if e.num_engines is not None:
-        _positive("engine.num_engines", e.num_engines)
+        positive_int("engine.num_engines", e.num_engines)
     if e.kind == "sglang":
         if not e.urls:
             raise ValueError(
@@ -256,12 +242,12 @@ def _check_engine(e: EngineConfig) -> None:
 
 
 def _check_engine_numbers(e: EngineConfig) -> None:
-    _one_of("engine.dtype", e.dtype, ENGINE_DTYPES)
+    one_of("engine.dtype", e.dtype, ENGINE_DTYPES)
     for key in ("threads", "max_running_requests", "max_health_failures"):
-        _positive(f"engine.{key}", getattr(e, key))
-    _non_negative("engine.max_restarts", e.max_restarts)
+        positive_int(f"engine.{key}", getattr(e, key))
+    non_negative_int("engine.max_restarts", e.max_restarts)
     for key in ("startup_timeout_s", "health_interval_s"):
-        _positive_seconds(f"engine.{key}", getattr(e, key))
+        positive_seconds(f"engine.{key}", getattr(e, key))
 
 
 def _check_groups(cfg: MoerlConfig, world_size: int) -> None:
@@ -287,16 +273,16 @@ def _check_groups(cfg: MoerlConfig, world_size: int) -> None:
 
 def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
     if lc.nproc is not None:
-        _positive("launcher.nproc", lc.nproc)
+        positive_int("launcher.nproc", lc.nproc)
         if lc.nproc != world_size:
             raise ValueError(
                 f"launcher.nproc={lc.nproc} but the world size is {world_size}; "
                 "drop launcher.nproc or make the two agree"
             )
     if lc.threads is not None:
-        _positive("launcher.threads", lc.threads)
+        positive_int("launcher.threads", lc.threads)
     if lc.backend is not None:
-        _one_of("launcher.backend", lc.backend, BACKENDS)
+        one_of("launcher.backend", lc.backend, BACKENDS)
 
 
 def _check_telemetry_and_sync(cfg: MoerlConfig) -> None:

@@ -1,0 +1,34 @@
+"""What one engine process serves from: its model runner, scheduler, tokenizer and the
+HTTP layer's settings (`server.py` builds the app on it; `server_info.py`, `weights.py`
+and `lora_routes.py` read it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moerl.engine.model_runner import ModelRunner
+    from moerl.engine.scheduler import Scheduler
+
+
+@dataclass
+class EngineState:
+    runner: ModelRunner
+    scheduler: Scheduler
+    model_path: str
+    api_key: str | None = None
+    tokenizer: Any = None
+    groups: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    stream_interval: int = 1  # --stream-interval: tokens per streamed chunk by default
+    _grammar: Any = None
+
+    def grammar_backend(self) -> Any:
+        """The grammar backend (built on first use from the tokenizer)."""
+        if self._grammar is None:
+            from moerl.engine.grammar import GrammarBackend
+
+            self._grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size)
+        return self._grammar
