@@ -14,6 +14,7 @@ import asyncio
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,8 @@ from moerl.config.model import ModelConfig
 from moerl.parallel.layout import parse_layout
 from moerl.parallel.spawn import spawn
 
-SETTINGS = [("on", "on"), ("on", "off"), ("off", "on"), ("off", "off")]
+# (replay, mask[, trainer_logprobs kwargs])
+SETTINGS: list[tuple[Any, ...]] = [("on", "on"), ("on", "off"), ("off", "on"), ("off", "off")]
 
 
 @dataclass

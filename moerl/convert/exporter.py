@@ -36,9 +36,9 @@ def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tenso
     if world == 1:
         metas, flats = [meta], [flat]
     else:
-        metas = [None] * world
+        metas = [meta] * world  # each rank's, written by all_gather_object
         dist.all_gather_object(metas, meta, group=group)
-        sizes = [sum(int(torch.Size(s).numel()) for _, s in m) for m in metas]  # type: ignore[union-attr]
+        sizes = [sum(int(torch.Size(s).numel()) for _, s in m) for m in metas]
         width = max(sizes)
         padded = torch.zeros(width, dtype=dtype)
         padded[: flat.numel()] = flat
@@ -47,7 +47,7 @@ def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tenso
         flats = [gathered[r * width : r * width + sizes[r]] for r in range(world)]
     for rank_meta, rank_flat in zip(metas, flats):
         pos = 0
-        for offset, local_shape in rank_meta:  # type: ignore[union-attr]
+        for offset, local_shape in rank_meta:
             n = int(torch.Size(local_shape).numel())
             index = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
             out[index] = rank_flat[pos : pos + n].view(local_shape)

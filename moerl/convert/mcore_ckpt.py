@@ -11,6 +11,7 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def _setup(model: ModelConfig, layout: str) -> list[torch.nn.Module]:
     return build_model(model, pcfg)
 
 
-def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+def _sharded_state_dict(chunks: list[Any]) -> dict:  # megatron-core modules (untyped)
     if len(chunks) == 1:
         return chunks[0].sharded_state_dict()
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}

@@ -38,9 +38,12 @@ def init_custom_process_group(
         timeout=timedelta(seconds=timeout_s),
         master_listen_fd=_listen(master_address, int(master_port)) if rank == 0 else None,
     )
+    # ignores: torch's stubs type these c10d backends as `Backend`, a class they give none
+    # of the collectives (broadcast) the bindings have, and list only ProcessGroupNCCL's
+    # (store, rank, size, options) constructor, not its (store, rank, size, timeout=...).
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
-    return dist.ProcessGroupNCCL(store, rank, world_size)
+        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))  # type: ignore[return-value]
+    return dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg,return-value]
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:

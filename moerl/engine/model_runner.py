@@ -15,10 +15,13 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +66,18 @@ def _router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
         if match and "router" in type(module).__name__.lower():
             routers[int(match.group(1))] = module
     return routers
+
+
+def _layer_kv(kv: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) [B, H, S, D] of every layer of a DynamicCache a forward filled."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    out = []
+    for layer in kv.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise RuntimeError(f"KV cache layer {type(layer).__name__} holds no keys/values")
+        out.append((layer.keys, layer.values))
+    return out
 
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -147,10 +162,8 @@ class ModelRunner:
             )
         finally:
             self._set_adapters(None)
-        cache.append(
-            [layer.keys[0, :, start:] for layer in kv.layers],
-            [layer.values[0, :, start:] for layer in kv.layers],
-        )
+        layer_kv = _layer_kv(kv)
+        cache.append([k[0, :, start:] for k, _ in layer_kv], [v[0, :, start:] for _, v in layer_kv])
         logits = out.logits[0, -1] if logits_from is None else out.logits[0, logits_from:]
         return logits.float(), self._routes(1, len(input_ids))[0]
 
@@ -189,11 +202,9 @@ class ModelRunner:
             )
         finally:
             self._set_adapters(None)
+        layer_kv = _layer_kv(kv)
         for b, c in enumerate(caches):
-            c.append(
-                [layer.keys[b, :, -1:] for layer in kv.layers],
-                [layer.values[b, :, -1:] for layer in kv.layers],
-            )
+            c.append([k[b, :, -1:] for k, _ in layer_kv], [v[b, :, -1:] for _, v in layer_kv])
         return out.logits[:, -1].float(), self._routes(batch, 1)[:, 0]
 
     # -- weights -----------------------------------------------------------------------

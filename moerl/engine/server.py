@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,22 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _resolve_on(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Request]
+) -> Callable[[Request], None]:
+    """A ``Request.on_done`` (called on the scheduler thread) that resolves ``future`` on
+    ``loop`` with the finished request, unless it is done already (cancelled)."""
+
+    def resolve(r: Request) -> None:
+        if not future.done():
+            future.set_result(r)
+
+    def on_done(r: Request) -> None:
+        loop.call_soon_threadsafe(resolve, r)
+
+    return on_done
 
 
 async def _until_disconnect(request: HTTPRequest) -> None:
@@ -382,9 +399,7 @@ def create_app(state: EngineState) -> FastAPI:
         futures = []
         for req in reqs:
             future: asyncio.Future[Request] = loop.create_future()
-            req.on_done = lambda r, f=future: loop.call_soon_threadsafe(
-                lambda: f.done() or f.set_result(r)
-            )
+            req.on_done = _resolve_on(loop, future)
             futures.append(future)
         sched.submit(*reqs)
         results: asyncio.Future[list[Request]] = asyncio.gather(*futures)
@@ -429,9 +444,7 @@ def create_app(state: EngineState) -> FastAPI:
             input_ids=[0],
             params=SamplingParams(max_new_tokens=1, temperature=0),
         )
-        req.on_done = lambda r: loop.call_soon_threadsafe(
-            lambda: future.done() or future.set_result(r)
-        )
+        req.on_done = _resolve_on(loop, future)
         sched.submit(req, bounded=False)
         try:
             await asyncio.wait_for(future, timeout=HEALTH_CHECK_TIMEOUT_S)

@@ -250,7 +250,7 @@ def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         )
         if value == [] and name == "token_ids_logprob":
             per_item = False
-        if not per_item:
+        if not per_item or not isinstance(value, list):  # per_item: a list
             continue
         if len(value) != size:
             raise RequestError(name, f"has {len(value)} values for a batch of {size} prompts")

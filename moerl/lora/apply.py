@@ -54,7 +54,7 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return type(module).__name__.startswith("TE") and hasattr(module, "weight")
 
 
-def _parts(converter, base: torch.nn.Module | ExpertSlice) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+def _parts(converter, base: Any) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
     if isinstance(converter, Copy):
         return [base.output_size], 1
     if isinstance(converter, Concat):
@@ -77,7 +77,7 @@ def _target(fmap, number: int, key: str, path: str, base, expert: int | None) ->
 def find_targets(chunk: torch.nn.Module, model: ModelConfig) -> Iterator[Target]:
     """Every adaptable linear of one model chunk (attention, MLPs, shared and routed experts)."""
     fmap = get_family(model.family).weight_map(model)
-    decoder = _unwrap(chunk).decoder
+    decoder: Any = _unwrap(chunk).decoder  # megatron-core TransformerBlock (untyped)
     for layer in decoder.layers:
         number = layer.layer_number - 1
         experts = getattr(layer.mlp, "experts", None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(
         self,
-        base: torch.nn.Module | ExpertSlice,
+        base: Any,  # a megatron-core linear or an ExpertSlice, read by attribute name
         hf_modules: list[str],
         out_sizes: list[int],
         rank: int,

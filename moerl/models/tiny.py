@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from importlib import resources
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from moerl.config.model import ModelConfig
 
 
 def model_config(name: str) -> ModelConfig:
     """The ``ModelConfig`` of ``conf/model/NAME.yaml``."""
-    path = resources.files("moerl.conf").joinpath("model", f"{name}.yaml")
+    path = resources.files("moerl.conf") / "model" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"no model config conf/model/{name}.yaml")
     raw = OmegaConf.load(str(path))
+    if not isinstance(raw, DictConfig):
+        raise ValueError(f"conf/model/{name}.yaml is not a mapping")
     raw.pop("defaults", None)
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -60,7 +60,7 @@ def local_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
 
     shards: list[Shard] = []
     for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
+        module: Any = getattr(chunk, "module", chunk)  # a megatron-core module (untyped)
         for item in _flatten(module.sharded_state_dict()):
             built = item.build() if isinstance(item, ShardedTensorFactory) else item
             for sh in _flatten(built):

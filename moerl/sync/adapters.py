@@ -58,7 +58,9 @@ class AdapterSync:
         self.gather, self.config, self.client, self._run = gather, config, client, run_coro
         self.prefix, self.timeout_s = prefix, timeout_s
         # where versions are written: only with the directory transport
-        self.directory = Path(directory) if transport == "directory" else None
+        self.directory = (
+            Path(directory) if transport == "directory" and directory is not None else None
+        )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.loaded: list[str] = []  # oldest first; the last one is current
         self._tensors: dict[str, Any] = {}

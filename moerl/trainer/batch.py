@@ -11,6 +11,7 @@ exchange fixed shapes. Tokens are flattened batch-major: index = b · S + s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,6 +311,7 @@ def step_microbatches(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     multiple = tp if getattr(config, "sequence_parallel", False) else 1
     seq_len = padded_length(trajs, multiple, at_least=pack_length if packing == "packed" else 0)
+    groups: Sequence[tuple[list[int], list[list[int]] | None]]  # (trajectories, packed rows)
     if packing == "packed":
         groups = _packed_groups(trajs, seq_len, micro_batch_size)
     else:

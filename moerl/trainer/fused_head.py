@@ -79,7 +79,7 @@ class FusedHead:
         self._installed = []
 
     def _forward(self, layer: Any, lora: Any):  # type: ignore[no-untyped-def]
-        def forward(input_: torch.Tensor, weight: torch.Tensor | None = None, **_: Any):  # type: ignore[no-untyped-def]
+        def forward(input_: torch.Tensor, weight: torch.Tensor | None = None, **_kwargs: Any):  # type: ignore[no-untyped-def]
             from megatron.core.tensor_parallel.mappings import (
                 gather_from_sequence_parallel_region,
             )

@@ -23,7 +23,7 @@ import torch
 from moerl.kernels.logprob import logprobs_from_logits
 
 
-def _tp() -> tuple[object | None, int, int]:
+def _tp() -> tuple[torch.distributed.ProcessGroup | None, int, int]:
     """(group, rank, size) of tensor parallelism, or (None, 0, 1) without megatron groups."""
     try:
         from megatron.core import parallel_state

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 
 
 def owned_indices(num: int, minibatches: int, dp_size: int, dp_rank: int) -> list[int]:

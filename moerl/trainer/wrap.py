@@ -43,7 +43,7 @@ def wrap_ddp(
 
     from moerl.models.spec import have_transformer_engine
 
-    config = chunks[0].config
+    config: Any = chunks[0].config  # megatron-core TransformerConfig (untyped)
     if (
         config.multi_latent_attention
         and config.tensor_model_parallel_size > 1

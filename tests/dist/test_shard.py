@@ -26,7 +26,7 @@ def _step(hf_dir: str, rollouts: str, out: str, mode: str) -> None:
     from moerl.config.trainer import TrainerConfig
     from moerl.convert import HFCheckpoint
     from moerl.models import get_family
-    from moerl.rollout.trajectory import load_jsonl
+    from moerl.common.trajectory import load_jsonl
     from moerl.trainer.shard import scatter_batch
     from moerl.trainer.trainer import Trainer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moerl.rollout.trajectory import Trajectory
+from moerl.common.trajectory import Trajectory
 from moerl.trainer.batch import split_for_rank
 from moerl.trainer.shard import light, owned_indices, shard_view
 
