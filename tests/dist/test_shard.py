@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from moerl.parallel import spawn
-from moerl.trainer.replay_check import collect_rollouts
+from moerl.checks.replay import collect_rollouts
 
 # metrics that are not a function of the step's math
 _NOT_MATH = ("seconds", "_s", "lr")
