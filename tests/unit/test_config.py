@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from importlib import resources
 
 import pytest
@@ -47,18 +44,6 @@ def _registered() -> None:
 def _compose(*overrides: str) -> DictConfig:
     with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
-
-
-def _launch(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    return subprocess.run(
-        [sys.executable, "-m", "moerl.launch", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 # --- composition ---------------------------------------------------------------
@@ -180,30 +165,6 @@ def test_validate_accepts_dataclass() -> None:
 
 
 # --- the entry point -----------------------------------------------------------
-
-
-def test_launch_help(tmp_path) -> None:
-    proc = _launch("--help", cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    assert "python -m moerl.launch" in proc.stdout
-    assert "parallel: " in proc.stdout and "tp2ep2" in proc.stdout
-
-
-def test_launch_valid_config(tmp_path) -> None:
-    proc = _launch(
-        "model=deepseek_moe_tiny", "parallel=ep2", "launcher.nproc=2", "launcher.dry_run=true",
-        cwd=str(tmp_path),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "ep: 2" in proc.stdout
-    assert "dry run, nothing started" in proc.stdout
-
-
-def test_launch_rejects_bad_world_size(tmp_path) -> None:
-    proc = _launch("parallel=tp2", "launcher.nproc=3", cwd=str(tmp_path))
-    assert proc.returncode != 0
-    assert "world size 3" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 MODEL_OPTIONS = _options("moerl.conf", "model")

@@ -13,59 +13,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
+from kernels_logprob_cases import CHUNKS, FP32
+from kernels_logprob_cases import kept_sets as _kept_sets
+from kernels_logprob_cases import problem as _problem
+from kernels_logprob_cases import reference as _reference
+from kernels_logprob_cases import run as _run
+from kernels_logprob_cases import trainer as _trainer
 
 from moerl.device import device, has_cuda
 from moerl.kernels import logprob
 from moerl.kernels.dispatch import backend
 from moerl.kernels.logprob import fused_logprobs, logprobs_from_logits
-from moerl.parallel import spawn
-from moerl.trainer.logprobs import token_logprobs
 
 # (T, V, H): ragged blocks, V below one block, one token, exact block multiples
 SHAPES = [(37, 150, 24), (5, 20, 16), (1, 70, 40), (32, 64, 32)]
-CHUNKS = dict(chunk_tokens=16, chunk_vocab=64)  # several backward chunks and forward splits
-FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16_GRAD = dict(rtol=2e-2, atol=2e-2)
 BF16_SCALED = 2e-2  # max error ≤ this × max |grad|: ~2.5 bf16 ulps of the largest entry
-
-
-def _problem(tokens, vocab, hidden, *, masked=True, float_temp=False, dtype=torch.float32):  # type: ignore[no-untyped-def]
-    """Logits of std ~2 at temperatures in [0.5, 1.5); every other token masked to a kept
-    set of 1..5 ids that holds its label (a one-id set is greedy: logprob 0)."""
-    gen = torch.Generator().manual_seed(tokens * 1000 + vocab)
-    hidden_TH = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    weight_VH = (torch.randn(vocab, hidden, generator=gen) * 2 / hidden**0.5).to(dtype)
-    labels_T = torch.randint(0, vocab, (tokens,), generator=gen)
-    temp = 0.7 if float_temp else 0.5 + torch.rand(tokens, generator=gen)
-    pos, ids = [], []
-    for t in range(0, tokens, 2) if masked else []:
-        others = [i for i in torch.randperm(vocab, generator=gen).tolist() if i != labels_T[t]]
-        kept = [int(labels_T[t])] + others[: (t // 2) % 5]
-        pos += [t] * len(kept)
-        ids += kept
-    mask = {}
-    if masked:
-        mask = dict(mask_pos_N=torch.tensor(pos), mask_ids_N=torch.tensor(ids))
-    g_T, g_ent_T = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
-    return dict(hidden=hidden_TH, weight=weight_VH, labels=labels_T, temp=temp, mask=mask,
-                g=g_T, g_ent=g_ent_T)  # fmt: skip
-
-
-def _run(fn, p, inputs, with_entropy, **kwargs):  # type: ignore[no-untyped-def]
-    """Outputs and input gradients of Σ g·logprob (+ Σ g_H·entropy)."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    lp_T, ent_T = fn(*leaves, p["labels"], p["temp"], **p["mask"], with_entropy=with_entropy,
-                     **kwargs)  # fmt: skip
-    assert (ent_T is not None) == with_entropy
-    loss = (lp_T * p["g"]).sum() + ((ent_T * p["g_ent"]).sum() if with_entropy else 0)
-    loss.backward()
-    return [lp_T.detach()] + ([ent_T.detach()] if with_entropy else []) + [x.grad for x in leaves]
-
-
-def _trainer(logits_TVl, *args, with_entropy, **kwargs):  # type: ignore[no-untyped-def]
-    """The trainer's current code, shaped like the kernels' API."""
-    return token_logprobs(logits_TVl, *args, **kwargs), None
 
 
 def _compare(fn, p, inputs, with_entropy, out_tol, grad_tol, **kwargs):  # type: ignore[no-untyped-def]
@@ -136,34 +99,6 @@ def test_fused_kernel_frozen_weight_and_no_grad():
     torch.testing.assert_close(grads["triton"], grads["torch"], **FP32)
 
 
-def _dense_reference(logits_TV, labels_T, temp_T, kept: dict[int, list[int]]):  # type: ignore[no-untyped-def]
-    lp, ent = [], []
-    for t in range(logits_TV.shape[0]):
-        row = logits_TV[t] / temp_T[t]
-        if t in kept:
-            row = row + torch.full_like(row, float("-inf")).index_fill(0, torch.tensor(kept[t]), 0)
-        log_p = torch.log_softmax(row, dim=-1)
-        lp.append(log_p[labels_T[t]])
-        ent.append(-(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum())
-    return torch.stack(lp), torch.stack(ent)
-
-
-def _kept_sets(p) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
-    kept: dict[int, list[int]] = {}
-    for t, i in zip(p["mask"]["mask_pos_N"].tolist(), p["mask"]["mask_ids_N"].tolist()):
-        kept.setdefault(t, []).append(i)
-    return kept
-
-
-def _reference(p, logits_TV, kept, with_entropy):  # type: ignore[no-untyped-def]
-    """What ``_run`` returns, from the dense reference: [logprob, (entropy,) d logits]."""
-    ref_logits = logits_TV.detach().clone().requires_grad_(True)
-    ref_lp, ref_ent = _dense_reference(ref_logits, p["labels"], p["temp"], kept)
-    loss = (ref_lp * p["g"]).sum() + ((ref_ent * p["g_ent"]).sum() if with_entropy else 0)
-    loss.backward()
-    return [ref_lp.detach()] + ([ref_ent.detach()] if with_entropy else []) + [ref_logits.grad]
-
-
 def test_twin_matches_trainer_and_dense_reference():
     """The twin (logits and fused), and the trainer's ``token_logprobs``, each against the
     dense log_softmax reference; the fused gradients through the chain rule by hand."""
@@ -208,47 +143,6 @@ def test_bad_inputs_are_explained():
         fused_logprobs(p["hidden"], p["weight"][:, :8], p["labels"])
     with pytest.raises(ValueError, match="bfloat16"):
         fused_logprobs(p["hidden"], p["weight"].bfloat16(), p["labels"])
-
-
-def _shards_equal_whole(backend_name, p, shard, logits_TV, group):  # type: ignore[no-untyped-def]
-    with backend(backend_name):
-        whole = _run(fused_logprobs, p, [p["hidden"], p["weight"]], True, **CHUNKS)
-        part = _run(fused_logprobs, p, [p["hidden"], p["weight"][shard]], True, tp_group=group,
-                    **CHUNKS)  # fmt: skip
-        whole_l = _run(logprobs_from_logits, p, [logits_TV], True)
-        part_l = _run(logprobs_from_logits, p, [logits_TV[:, shard]], True, tp_group=group)
-    for got, want in zip(part[:3] + part_l[:2], whole[:3] + whole_l[:2]):
-        torch.testing.assert_close(got, want, **FP32)
-    torch.testing.assert_close(part[3], whole[3][shard], **FP32)
-    torch.testing.assert_close(part_l[2], whole_l[2][:, shard], **FP32)
-
-
-def _sharded_equals_whole() -> None:
-    """Rank r holds vocabulary [r·Vl, (r+1)·Vl): results, d hidden and the d weight /
-    d logits shards equal the one-process ones, for the twin and the kernel; and the
-    trainer's ``token_logprobs`` under megatron's own TP group equals the dense reference
-    over the whole vocabulary (its d logits shard, that reference's slice)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    p = _problem(21, 150, 24)
-    vocab_local = 150 // world
-    shard = slice(rank * vocab_local, (rank + 1) * vocab_local)
-    logits_TV = p["hidden"] @ p["weight"].T
-    for name in ("torch", "triton"):
-        _shards_equal_whole(name, p, shard, logits_TV, dist.group.WORLD)
-
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=world, create_gloo_process_groups=True
-    )
-    trainer = _run(_trainer, p, [logits_TV[:, shard]], False)
-    want_lp_T, want_d_logits_TV = _reference(p, logits_TV, _kept_sets(p), with_entropy=False)
-    torch.testing.assert_close(trainer[0], want_lp_T, **FP32)
-    torch.testing.assert_close(trainer[1], want_d_logits_TV[:, shard], **FP32)
-
-
-def test_tp2_vocab_shards_equal_one_process():
-    spawn(_sharded_equals_whole, 2)
 
 
 @pytest.mark.gpu

@@ -4,24 +4,15 @@ checkpoint's config.json and the checkpoint a resume would load."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
-from safetensors.torch import save_file
+from tiny_hf_for_tests import hf_dir as _hf_dir
 
 from moerl.config.store import register_configs
 from moerl.launch import preflight
-from moerl.models import get_family
-from moerl.models.tiny import tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -33,16 +24,6 @@ def _no_torchrun(monkeypatch) -> None:
 def _compose(*overrides: str) -> DictConfig:
     with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
-
-
-def _hf_dir(path: Path, **changes: object) -> Path:
-    """A checkpoint directory whose config.json is moerl's tiny DeepSeek with `changes`
-    (the weights file only needs a valid header: preflight reads no tensor)."""
-    model = dataclasses.replace(tiny_config("deepseek_moe"), **changes)
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(get_family("deepseek_moe").to_hf(model)))
-    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
-    return path
 
 
 @pytest.mark.parametrize(
@@ -111,33 +92,3 @@ def test_preflight_refuses_a_resume_with_nothing_to_resume(tmp_path) -> None:
         with pytest.raises(ValueError) as info:
             preflight(cfg)
         assert "trainer.resume=true" in str(info.value) and str(folder) in str(info.value)
-
-
-def _launch(run: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    return subprocess.run(
-        [sys.executable, "-m", "moerl.launch", f"hydra.run.dir={run}", *overrides],
-        cwd=run.parent, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
-def test_launch_refuses_before_any_rank_starts(tmp_path) -> None:
-    """A real launch (not a dry run) of a config that today fails after 25 s, once the
-    model is written and an engine is up, stops at once: no model, no engine log."""
-    run = tmp_path / "run"
-    t0 = time.time()
-    proc = _launch(run, "trainer.global_batch_size=12")
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "invalid config: trainer.global_batch_size=12" in proc.stderr
-    assert not (run / "init_hf").exists() and not list(run.glob("engine*.log"))
-    assert time.time() - t0 < 60
-
-
-def test_dry_run_reads_the_checkpoints_config(tmp_path) -> None:
-    ckpt = _hf_dir(tmp_path / "hf", num_experts=6, moe_router_num_groups=2)
-    proc = _launch(
-        tmp_path / "run", "+recipe=deepseek_moe", f"model.path={ckpt}", "parallel.ep=4",
-        "launcher.nproc=4", "launcher.dry_run=true",
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert "parallel.ep=4" in proc.stderr and "dry run" not in proc.stdout

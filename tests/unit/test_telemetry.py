@@ -5,34 +5,24 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from run_dirs_for_tests import assert_png as _assert_png
+from run_dirs_for_tests import step_metrics as _step_metrics
+from run_dirs_for_tests import write_run as _write_run
 
 from moerl.telemetry.metrics import (
     MetricsWriter,
     read_metrics,
-    staleness_hist_metrics,
 )
 from moerl.telemetry.plots import assign_lanes, plot_run, staleness_counts
 from moerl.telemetry.progress import Progress, format_line
 from moerl.telemetry.timeline import Timeline, load_timeline
 
 REPO = Path(__file__).resolve().parents[2]
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _step_metrics(step: int) -> dict[str, float]:
-    return {
-        "reward_mean": 0.1 * step,
-        "staleness_max": float(step % 3),
-        "tokens_per_s": 1000.0 + step,
-        "trainer_idle_frac": 0.25,
-        "mismatch_k3": 1e-3,
-    }
 
 
 # --- MetricsWriter -----------------------------------------------------------------
@@ -217,37 +207,6 @@ def test_timeline_validation(tmp_path):
 # --- plots -------------------------------------------------------------------------
 
 
-def _write_run(run_dir: Path) -> None:
-    with MetricsWriter(run_dir) as w:
-        for step in range(6):
-            w.log(
-                step,
-                {
-                    **_step_metrics(step),
-                    "time_s": 2.0 * step,
-                    "mismatch/routing": 1e-3,
-                    "mismatch/sampling_mask": 4e-4,
-                    "mismatch/staleness": 2e-4,
-                    "mismatch/numerics": 1e-4,
-                    **staleness_hist_metrics({0: 50, 1: 10 + step, 3: 1}),
-                },
-            )
-    tl = Timeline(run_dir, "trainer")
-    for step in range(3):
-        tl.record("train", 100.0 + step, 100.5 + step, step=step)
-        tl.record("sync", 100.5 + step, 100.6 + step)
-    eng = Timeline(run_dir, "engine0")
-    for i in range(4):
-        eng.record("generate", 100.0 + 0.3 * i, 101.5 + 0.3 * i, rid=i)
-    tl.close()
-    eng.close()
-
-
-def _assert_png(path: Path) -> None:
-    data = path.read_bytes()
-    assert len(data) > 1000 and data[:8] == PNG_MAGIC, path
-
-
 def test_plot_run_writes_pngs(tmp_path):
     run = tmp_path / "run"
     _write_run(run)
@@ -272,27 +231,3 @@ def test_plot_run_skips_absent_data(tmp_path):
     assert messages[1].startswith("skipped timeline.png")
     for path in written:
         _assert_png(path)
-
-
-def test_plot_run_cli(tmp_path):
-    run = tmp_path / "run"
-    _write_run(run)
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "tools" / "plot_run.py"), str(run), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    printed = [Path(line) for line in proc.stdout.splitlines()]
-    assert [p.name for p in printed] == [
-        "reward.png",
-        "staleness.png",
-        "mismatch.png",
-        "timeline.png",
-    ]
-    for path in printed:
-        assert path.parent == out
-        _assert_png(path)
-    # a directory without metrics.jsonl: clear message, non-zero exit
-    proc = subprocess.run(
-        cmd[:2] + [str(tmp_path / "empty")], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2 and "metrics.jsonl not found" in proc.stderr

@@ -1,0 +1,68 @@
+"""`python -m moerl.launch` as a user runs it (a subprocess): --help, a dry run, and
+configs refused before any rank or engine starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tiny_hf_for_tests import hf_dir as _hf_dir
+
+
+def _launch(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """moerl.launch with ``args`` in ``run``'s parent (Hydra's run dir: ``run``), outside
+    any torchrun environment."""
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    return subprocess.run(
+        [sys.executable, "-m", "moerl.launch", f"hydra.run.dir={run}", *args],
+        cwd=run.parent, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_launch_help(tmp_path) -> None:
+    proc = _launch(tmp_path / "run", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m moerl.launch" in proc.stdout
+    assert "parallel: " in proc.stdout and "tp2ep2" in proc.stdout
+
+
+def test_launch_valid_config(tmp_path) -> None:
+    proc = _launch(
+        tmp_path / "run", "model=deepseek_moe_tiny", "parallel=ep2", "launcher.nproc=2",
+        "launcher.dry_run=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "ep: 2" in proc.stdout
+    assert "dry run, nothing started" in proc.stdout
+
+
+def test_launch_rejects_bad_world_size(tmp_path) -> None:
+    proc = _launch(tmp_path / "run", "parallel=tp2", "launcher.nproc=3")
+    assert proc.returncode != 0
+    assert "world size 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_launch_refuses_before_any_rank_starts(tmp_path) -> None:
+    """A real launch (not a dry run) of a config that today fails after 25 s, once the
+    model is written and an engine is up, stops at once: no model, no engine log."""
+    run = tmp_path / "run"
+    t0 = time.time()
+    proc = _launch(run, "trainer.global_batch_size=12")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "invalid config: trainer.global_batch_size=12" in proc.stderr
+    assert not (run / "init_hf").exists() and not list(run.glob("engine*.log"))
+    assert time.time() - t0 < 60
+
+
+def test_dry_run_reads_the_checkpoints_config(tmp_path) -> None:
+    ckpt = _hf_dir(tmp_path / "hf", num_experts=6, moe_router_num_groups=2)
+    proc = _launch(
+        tmp_path / "run", "+recipe=deepseek_moe", f"model.path={ckpt}", "parallel.ep=4",
+        "launcher.nproc=4", "launcher.dry_run=true",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert "parallel.ep=4" in proc.stderr and "dry run" not in proc.stdout
