@@ -110,27 +110,25 @@ ReplayPolicy = Callable[[ReplayInput], ReplayOutput]
 
 def is_none(spec: Any) -> bool:
     """Whether ``spec`` selects no replay at all (the plain router)."""
-    from moerl.common.registry import _plain
-
-    spec = _plain(spec)
-    if isinstance(spec, str):
-        return spec == "none"
-    if isinstance(spec, Mapping):
-        return spec.get("name") == "none" and not spec.get("_target_")
-    return isinstance(spec, NoReplayConfig)
+    return _selects(spec, "none", NoReplayConfig)
 
 
 def is_all(spec: Any) -> bool:
     """Whether ``spec`` is the built-in that replays every recorded route (no live
     routing needed: the router's own top-k is not computed)."""
+    return _selects(spec, "all", AllReplayConfig)
+
+
+def _selects(spec: Any, name: str, config: type) -> bool:
+    """Whether ``spec`` (a name, a mapping or an options dataclass) is built-in ``name``."""
     from moerl.common.registry import _plain
 
     spec = _plain(spec)
     if isinstance(spec, str):
-        return spec == "all"
+        return spec == name
     if isinstance(spec, Mapping):
-        return spec.get("name") == "all" and not spec.get("_target_")
-    return isinstance(spec, AllReplayConfig)
+        return spec.get("name") == name and not spec.get("_target_")
+    return isinstance(spec, config)
 
 
 def build_replay_policy(spec: Any, recent_window: int = 1) -> ReplayPolicy:
