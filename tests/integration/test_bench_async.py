@@ -19,10 +19,11 @@ def test_async_vs_sync_benchmark_quick(tmp_path, capsys):
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    results = bench.main(["--quick", "--steps", "2", "--out", str(tmp_path)])
+    # 3 steps: the recipe's 2 warmup steps must be shorter than the schedule
+    results = bench.main(["--quick", "--steps", "3", "--out", str(tmp_path)])
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sync_s=")]
     assert len(line) == 1 and "speedup=" in line[0] and "trainer_idle_async=" in line[0]
-    assert results["sync"]["steps"] == results["async"]["steps"] == 2
+    assert results["sync"]["steps"] == results["async"]["steps"] == 3
     assert results["sync"]["staleness_max"] == 0.0
     assert results["sync"]["loop_s"] > 0 and results["async"]["loop_s"] > 0
     assert results["len_p90"] >= 5 * results["len_p50"]

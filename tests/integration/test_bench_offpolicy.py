@@ -23,7 +23,7 @@ LINE = re.compile(
 def test_offpolicy_benchmark_smallest(tmp_path):
     script = ROOT / "tools" / "bench" / "offpolicy.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--steps", "2", "--staleness", "1", "--batch", "16",
+        [sys.executable, str(script), "--steps", "3", "--staleness", "1", "--batch", "16",
          "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -32,4 +32,4 @@ def test_offpolicy_benchmark_smallest(tmp_path):
     assert set(lines) == {"bypass", "recompute", "former"}
     assert float(lines["bypass"]["wmax"]) == 1.0  # bypass reweights nothing
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["steps"] == 2 and len(result["1/former"]["reward"]) == 2
+    assert result["steps"] == 3 and len(result["1/former"]["reward"]) == 3
