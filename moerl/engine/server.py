@@ -562,9 +562,11 @@ def create_app(state: EngineState) -> FastAPI:
         return _ok(f"weight version is {version}", new_version=str(version))
 
     from moerl.engine.lora_routes import register_lora_routes
+    from moerl.engine.openai_api import register_openai_routes
     from moerl.engine.weights import register_weight_routes
 
     register_lora_routes(app, state, body_of, _on_scheduler)
+    register_openai_routes(app, state, body_of)
 
     register_weight_routes(app, state, _ok, _fail, body_of, _on_scheduler)
     return app
