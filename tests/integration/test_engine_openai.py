@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -361,3 +363,57 @@ def test_tools_with_a_tool_call_parser(tiny_checkpoints, engine_factory):
     assert out.choices[0].message.tool_calls is None
     assert isinstance(out.choices[0].message.content, str)
     assert httpx.get(f"{engine.url}/server_info").json()["tool_call_parser"] == "qwen25"
+
+
+def test_a_client_leaving_a_stream_aborts_its_request(inprocess_engine):
+    """As /generate's: the first decode step waits for a queued control action so the
+    pause lands while the request runs; the client leaves; only an abort frees it."""
+    from engine_http import Http
+
+    sched = inprocess_engine.state.scheduler
+    held = threading.Event()
+
+    def hold(module, args, kwargs):  # type: ignore[no-untyped-def]
+        if kwargs["input_ids"].shape[1] == 1 and not held.is_set():
+            held.set()
+            deadline = time.monotonic() + 30
+            while sched.controls.empty() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    http = Http(inprocess_engine.url, timeout=30)
+    body = {"model": "m", "prompt": [5, 6], "max_tokens": 120, "ignore_eos": True, "stream": True}
+    handle = inprocess_engine.state.runner.model.register_forward_pre_hook(hold, with_kwargs=True)
+    try:
+        with httpx.stream("POST", f"{http.url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")  # its first token: it is running
+            assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+            assert http.info()["running_requests"] == 1
+        http.wait_for(
+            "the request aborted and its KV freed",
+            lambda i: i["running_requests"] == 0 and i["kv_cache_tokens"] == 0,
+        )
+    finally:
+        handle.remove()
+        http.post("/continue_generation")
+
+
+def test_seed_stop_and_echo(client, model, ds_engine):
+    kw = {"model": model, "prompt": "1+1=", "max_tokens": 8, "temperature": 1.0}
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    assert client.completions.create(seed=7, **kw).choices[0].text == a  # sampling_seed
+    greedy_text = client.completions.create(**{**kw, "temperature": 0}).choices[0].text
+    echoed = client.completions.create(**{**kw, "temperature": 0}, echo=True).choices[0].text
+    assert echoed == "1+1=" + greedy_text
+    if len(greedy_text) > 2:  # a stop string cuts the text where /generate's does
+        stop = greedy_text[1:3]
+        out = client.completions.create(**{**kw, "temperature": 0}, stop=[stop]).choices[0]
+        ref = generate(
+            ds_engine.url,
+            {
+                "text": "1+1=",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop": [stop]},
+            },
+        )
+        assert out.text == ref["text"] and out.finish_reason == "stop"
+        assert out.model_extra["matched_stop"] == stop
