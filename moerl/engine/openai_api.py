@@ -118,6 +118,6 @@ def register_openai_routes(app: FastAPI, state: EngineState, body_of: Any) -> No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest) -> Any:
         def call_of(body: dict[str, Any]) -> Call:
-            return chat_call(body, state.tokenizer, tool_parser, defaults)
+            return chat_call(body, state.tokenizer, tool_parser, defaults, runner.context_len)
 
         return await serve(request, call_of, chat_response, chat_events)

@@ -345,7 +345,11 @@ def _tools(body: dict[str, Any], parser: str | None) -> list[dict[str, Any]]:
 
 
 def chat_call(
-    body: dict[str, Any], tokenizer: Any, tool_parser: str | None, defaults: dict[str, Any]
+    body: dict[str, Any],
+    tokenizer: Any,
+    tool_parser: str | None,
+    defaults: dict[str, Any],
+    context_len: int,
 ) -> Call:
     """/v1/chat/completions (``OpenAIServingChat._convert_to_internal_request``):
     ``defaults`` are the checkpoint's generation_config sampling values."""
@@ -382,6 +386,11 @@ def chat_call(
     if ids is None:
         ids = apply_template(tokenizer, messages, tools, body, ctk)
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_new is not None and max_new > context_len:  # SGLang's _validate_request
+        name = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+        raise RequestError(
+            name, f"is too large: {max_new}; this model supports at most {context_len} tokens"
+        )
     gen = _generate_body(
         body, {"input_ids": ids}, _sampling(body, {**CHAT_DEFAULTS, **defaults}, max_new)
     )

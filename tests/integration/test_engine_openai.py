@@ -293,6 +293,7 @@ def test_rl_extension_fields_equal_generate(client, model, ds_engine, tokenizer)
             ["return_hidden_states"],
         ),
         ("chat/completions", {"messages": USER, "logit_bias": {"x": 1}}, ["logit_bias"]),
+        ("chat/completions", {"messages": USER, "max_tokens": 1000}, ["max_tokens", "128"]),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(ds_engine, route, body, words):
