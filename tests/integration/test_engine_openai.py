@@ -418,3 +418,43 @@ def test_seed_stop_and_echo(client, model, ds_engine):
         )
         assert out.text == ref["text"] and out.finish_reason == "stop"
         assert out.model_extra["matched_stop"] == stop
+
+
+def test_a_trajectory_from_the_openai_route_equals_generates(client, model, ds_engine, tokenizer):
+    """An agent's chat call with SGLang's extension fields decodes into the same
+    Trajectory (tokens, logprobs, versions, routes, sampling mask) as /generate's."""
+    from moerl.rollout.decode import response_from_openai_choice, trajectory_from_response
+
+    info = httpx.get(f"{ds_engine.url}/model_info").json()
+    shape = {"num_layers": info["num_hidden_layers"], "topk": info["num_experts_per_tok"]}
+    flags = {"routed_experts": True, "sampling_mask": True, **shape}
+    ids = chat_ids(tokenizer, USER)
+    sampling = {"max_new_tokens": MAX, "temperature": 0}
+    ref = generate(
+        ds_engine.url,
+        greedy(ids, return_logprob=True, return_routed_experts=True, return_sampling_mask=True),
+    )
+    want = trajectory_from_response(ref, ids, sampling, **flags)
+    out = client.chat.completions.create(
+        model=model,
+        messages=USER,
+        max_tokens=MAX,
+        temperature=0,
+        logprobs=True,
+        extra_body={
+            "return_meta_info": True,
+            "return_token_ids": True,
+            "return_routed_experts": True,
+            "return_sampling_mask": True,
+        },
+    )
+    response, prompt = response_from_openai_choice(out.choices[0].to_dict())
+    got = trajectory_from_response(response, prompt, sampling, **flags)
+    np.testing.assert_array_equal(got.prompt_ids, want.prompt_ids)
+    np.testing.assert_array_equal(got.response_ids, want.response_ids)
+    np.testing.assert_allclose(got.response_logprobs, want.response_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+    np.testing.assert_array_equal(got.versions, want.versions)
+    np.testing.assert_array_equal(got.mask_ids, want.mask_ids)
+    np.testing.assert_array_equal(got.mask_offsets, want.mask_offsets)
+    assert got.finish_reason == want.finish_reason
