@@ -458,3 +458,12 @@ def test_a_trajectory_from_the_openai_route_equals_generates(client, model, ds_e
     np.testing.assert_array_equal(got.mask_ids, want.mask_ids)
     np.testing.assert_array_equal(got.mask_offsets, want.mask_offsets)
     assert got.finish_reason == want.finish_reason
+
+
+def test_the_api_key_guards_the_openai_routes(robust_engine):
+    from engine_http import KEY
+
+    url = f"{robust_engine.url}/v1"
+    assert openai.OpenAI(base_url=url, api_key=KEY).models.list().data
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
