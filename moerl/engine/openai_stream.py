@@ -26,9 +26,21 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _visible(text: str, final: bool) -> str:
-    """Text safe to stream: a partial multi-byte character (U+FFFD at the end) waits."""
-    return text if final else text.rstrip("\ufffd")
+def _visible(call: Call, text: str, final: bool) -> str:
+    """Text safe to stream before the end: not a partial multi-byte character (U+FFFD at
+    the end), nor a tail that may begin a stop string (the end trims a matched one), as
+    SGLang's output streamer holds them back."""
+    if final:
+        return text
+    text = text.rstrip("\ufffd")
+    stops = call.body.get("stop") or []
+    cut = len(text)
+    for stop in [stops] if isinstance(stops, str) else stops:
+        for k in range(min(len(stop), len(text)), 0, -1):
+            if stop.startswith(text[-k:]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
 
 
 class _Progress:
@@ -105,7 +117,7 @@ async def completion_events(call: Call, reqs: list[Any], items: Any) -> Any:
                 break
             reason, matched = finish(meta)
             first = index not in progress.chars
-            delta = progress.text(index, _visible(ret["text"], reason is not None))
+            delta = progress.text(index, _visible(call, ret["text"], reason is not None))
             if first and call.echo:
                 delta = call.echo[index // call.n] + delta
             choice: dict[str, Any] = {"index": index, "text": delta, "logprobs": None}
@@ -183,7 +195,7 @@ async def chat_events(call: Call, reqs: list[Any], items: Any) -> Any:
             if index not in progress.chars:
                 yield _chat_chunk(meta, call, created, index, {"role": "assistant", "content": ""})
             reason, matched = finish(meta)
-            text = _visible(ret["text"] or "", reason is not None)
+            text = _visible(call, ret["text"] or "", reason is not None)
             calls: list[dict[str, Any]] = []
             if call.tools and reason is None:
                 text = text[: safe_prefix(text)]

@@ -400,24 +400,21 @@ def test_a_client_leaving_a_stream_aborts_its_request(inprocess_engine):
 
 
 def test_seed_stop_and_echo(client, model, ds_engine):
-    kw = {"model": model, "prompt": "1+1=", "max_tokens": 8, "temperature": 1.0}
-    a = client.completions.create(seed=7, **kw).choices[0].text
-    assert client.completions.create(seed=7, **kw).choices[0].text == a  # sampling_seed
-    greedy_text = client.completions.create(**{**kw, "temperature": 0}).choices[0].text
-    echoed = client.completions.create(**{**kw, "temperature": 0}, echo=True).choices[0].text
-    assert echoed == "1+1=" + greedy_text
-    if len(greedy_text) > 2:  # a stop string cuts the text where /generate's does
-        stop = greedy_text[1:3]
-        out = client.completions.create(**{**kw, "temperature": 0}, stop=[stop]).choices[0]
-        ref = generate(
-            ds_engine.url,
-            {
-                "text": "1+1=",
-                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop": [stop]},
-            },
-        )
-        assert out.text == ref["text"] and out.finish_reason == "stop"
-        assert out.model_extra["matched_stop"] == stop
+    kw = {"model": model, "prompt": "1+1=", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    sampled = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == sampled  # sampling_seed
+    echoed = client.completions.create(**kw, echo=True).choices[0].text
+    assert echoed == "1+1=" + sampled
+    # a stop string cuts the text where /generate's does, streamed or not
+    assert len(sampled) > 2, sampled
+    stop = sampled[1:3]
+    out = client.completions.create(**kw, stop=[stop]).choices[0]
+    params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7, "stop": [stop]}
+    ref = generate(ds_engine.url, {"text": "1+1=", "sampling_params": params})
+    assert out.text == ref["text"] == sampled[: sampled.find(stop)]
+    assert out.finish_reason == "stop" and out.model_extra["matched_stop"] == stop
+    chunks = client.completions.create(**kw, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.text
 
 
 def test_a_trajectory_from_the_openai_route_equals_generates(client, model, ds_engine, tokenizer):
