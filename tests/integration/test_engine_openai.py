@@ -468,3 +468,29 @@ def test_the_api_key_guards_the_openai_routes(robust_engine):
     assert openai.OpenAI(base_url=url, api_key=KEY).models.list().data
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+
+
+def test_chat_takes_prompt_token_ids(client, model, ds_engine, tokenizer):
+    """Token in, token out: SGLang's chat ``input_ids`` bypasses the template, so a
+    multi-turn agent sends the previous token stream plus the new turn's tokens."""
+    ids = chat_ids(tokenizer, USER) + [5, 6]
+    out = client.chat.completions.create(
+        model=model,
+        messages=USER,
+        max_tokens=MAX,
+        temperature=0,
+        extra_body={"input_ids": ids, "return_token_ids": True},
+    )
+    ref = generate(ds_engine.url, greedy(ids))
+    assert out.choices[0].model_extra["prompt_token_ids"] == ids
+    assert out.choices[0].model_extra["response_token_ids"] == ref["output_ids"]
+    cont = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    out = client.chat.completions.create(
+        model=model,
+        messages=cont,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"continue_final_message": True, "return_prompt_token_ids": True},
+    )
+    prompt = out.choices[0].model_extra["prompt_token_ids"]
+    assert tokenizer.decode(prompt) == "user: 1+2= assistant: 3"
