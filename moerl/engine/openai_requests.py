@@ -156,6 +156,7 @@ class Call:
     body: dict[str, Any]  # the request as sent (flags the reply reads)
     echo: list[str] = field(default_factory=list)  # completions: text put before each
     tools: list[dict[str, Any]] = field(default_factory=list)  # chat: tools to parse
+    tokenizer: Any = None  # chat: the token bytes of logprobs
 
     def flag(self, name: str) -> bool:
         return bool(self.body.get(name))
@@ -404,4 +405,5 @@ def chat_call(
         bool(body.get("stream")),
         body,
         tools=tools,
+        tokenizer=tokenizer,
     )

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from moerl.engine.openai_requests import Call
+from moerl.engine.token_bytes import token_bytes
 from moerl.engine.tool_calls import parse_tool_calls
 
 # -- pieces of a response ---------------------------------------------------------------
@@ -60,19 +61,19 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(rows: list[Any], tops: list[Any] | None) -> dict[str, Any]:
-    """SGLang's ChoiceLogprobs (token bytes are the token text's UTF-8)."""
+def chat_logprobs(rows: list[Any], tops: list[Any] | None, tokenizer: Any = None) -> dict:
+    """SGLang's ChoiceLogprobs: ``bytes`` are the token's raw bytes (``token_bytes``)."""
     content = []
-    for i, (logprob, _, text) in enumerate(rows):
+    for i, (logprob, token, text) in enumerate(rows):
         top = (tops[i] if tops and i < len(tops) else None) or []
         content.append(
             {
                 "token": text or "",
-                "bytes": list((text or "").encode()),
+                "bytes": token_bytes(tokenizer, token, text),
                 "logprob": logprob,
                 "top_logprobs": [
-                    {"token": t or "", "bytes": list((t or "").encode()), "logprob": lp}
-                    for lp, _, t in top
+                    {"token": t or "", "bytes": token_bytes(tokenizer, tid, t), "logprob": lp}
+                    for lp, tid, t in top
                 ],
             }
         )
@@ -159,7 +160,7 @@ def chat_response(call: Call, rets: list[dict], prompts: list[list[int]]) -> dic
         choice: dict[str, Any] = {"index": i, "message": message, "logprobs": None}
         if call.flag("logprobs"):
             choice["logprobs"] = chat_logprobs(
-                meta["output_token_logprobs"], meta.get("output_top_logprobs")
+                meta["output_token_logprobs"], meta.get("output_top_logprobs"), call.tokenizer
             )
         choice["finish_reason"], choice["matched_stop"] = reason, matched
         if call.flag("return_prompt_token_ids") or call.flag("return_token_ids"):

@@ -208,7 +208,7 @@ async def chat_events(call: Call, reqs: list[Any], items: Any) -> Any:
                 a, b = progress.new_rows(index, rows)
                 if b > a:
                     tops = meta.get("output_top_logprobs")
-                    logprobs = chat_logprobs(rows[a:b], tops[a:b] if tops else None)
+                    logprobs = chat_logprobs(rows[a:b], tops[a:b] if tops else None, call.tokenizer)
             delta = progress.text(index, text)
             if delta or logprobs:
                 yield _chat_chunk(meta, call, created, index, {"content": delta}, logprobs=logprobs)
