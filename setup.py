@@ -21,7 +21,15 @@ KERNELS = ["triton>=3.0"]
 # with `pip install --no-deps sglang==0.5.23` (Python >= 3.11), because its requirements
 # pin a CUDA torch and GPU kernels; the test skips without it.
 SGLANG_FRONTEND = ["requests", "aiohttp", "msgspec", "orjson", "pybase64", "pyzmq", "ipython"]
-TEST = ["pytest>=8", "pytest-timeout", "httpx", "hypothesis>=6", *KERNELS, *SGLANG_FRONTEND]
+TEST = [
+    "pytest>=8",
+    "pytest-timeout",
+    "httpx",
+    "hypothesis>=6",
+    "openai",
+    *KERNELS,
+    *SGLANG_FRONTEND,
+]
 
 packages = find_packages(include=["moerl", "moerl.*"])
 packages += ["moerl.kernels"] + [f"moerl.kernels.{p}" for p in find_packages("kernels")]

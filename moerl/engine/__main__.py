@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from moerl.engine.launch import build_state
+from moerl.engine.tool_calls import PARSERS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per streamed chunk unless a request sets sampling_params.stream_interval",
     )
     p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=PARSERS,
+        help="parse /v1/chat/completions tool calls in the <tool_call>{json}</tool_call> "
+        "format (Qwen 2.5/3, Hermes); without it a request with tools is refused",
+    )
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-loras-per-batch", type=int, default=8)

@@ -21,7 +21,8 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
@@ -223,7 +224,7 @@ def build_response(state: EngineState, req: Request) -> dict[str, Any]:
     return {"text": output_text(state, req), "output_ids": list(req.output_ids), "meta_info": meta}
 
 
-def _parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
+def parse_generate(state: EngineState, body: dict[str, Any]) -> list[Request]:
     """Every sequence a checked /generate body asks for: prompt after prompt of a batch,
     each prompt's ``n`` samples in a row (SGLang's order)."""
     if body.get("custom_logit_processor"):
@@ -313,10 +314,13 @@ def _parse_one(state: EngineState, body: dict[str, Any]) -> list[Request]:
     ]
 
 
-def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> StreamingResponse:
-    """Queue ``reqs`` and stream server-sent events as SGLang does: the response so far
-    every ``stream_interval`` tokens and at the end (with ``index`` when the body was a
-    batch or asked for n > 1), then ``[DONE]``. A client that goes away aborts the rest."""
+def start_stream(
+    state: EngineState, reqs: list[Request]
+) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """Queue ``reqs`` (before any reply: a full queue is still a 503) and return their
+    responses so far as ``(index, response)``: every ``stream_interval`` tokens and, once
+    each finishes, its final response (``meta_info.finish_reason`` set). Closing the
+    iterator early (the client went away) aborts the requests still running."""
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
     for index, req in enumerate(reqs):
@@ -324,16 +328,16 @@ def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> Streaming
 
         def on_token(r: Request, i: int = index, every: int = interval) -> None:
             if not r.done and len(r.output_ids) % every == 0:
-                item = build_response(state, r)
+                item = build_response(state, r)  # a snapshot, taken on the scheduler thread
                 loop.call_soon_threadsafe(chunks.put_nowait, (i, item))
 
         def on_done(r: Request, i: int = index) -> None:
             loop.call_soon_threadsafe(chunks.put_nowait, (i, None))
 
         req.on_token, req.on_done = on_token, on_done
-    state.scheduler.submit(*reqs)  # before the 200: a full queue is still a 503
+    state.scheduler.submit(*reqs)
 
-    async def events() -> Any:
+    async def items() -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
         try:
             open_ = len(reqs)
             while open_:
@@ -341,16 +345,64 @@ def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> Streaming
                 if item is None:  # finished: the final response, built once
                     open_ -= 1
                     item = build_response(state, reqs[index])
-                if indexed:
-                    item["index"] = index
-                yield f"data: {json.dumps(item)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (the stream was cancelled): stop its work
+                yield index, item
+        finally:  # the client went away (the stream was closed): stop its work
             left = [r for r in reqs if not r.done]
             if left:
                 state.scheduler.cancel(left, "the client disconnected")
 
+    return items()
+
+
+def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> StreamingResponse:
+    """Server-sent events as SGLang streams /generate: the response so far (with ``index``
+    when the body was a batch or asked for n > 1), then ``[DONE]``."""
+    items = start_stream(state, reqs)
+
+    async def events() -> AsyncIterator[str]:
+        async with aclosing(items):
+            async for index, item in items:
+                if indexed:
+                    item["index"] = index
+                yield f"data: {json.dumps(item)}\n\n"
+        yield "data: [DONE]\n\n"
+
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def run_all(
+    state: EngineState, request: HTTPRequest, reqs: list[Request]
+) -> list[Request] | None:
+    """Queue ``reqs`` and await them all; None when the client went away first (its
+    requests are then aborted)."""
+    loop = asyncio.get_running_loop()
+    futures = []
+    for req in reqs:
+        future: asyncio.Future[Request] = loop.create_future()
+        req.on_done = _resolve_on(loop, future)
+        futures.append(future)
+    state.scheduler.submit(*reqs)
+    results: asyncio.Future[list[Request]] = asyncio.gather(*futures)
+    gone: asyncio.Future[None] = asyncio.ensure_future(_until_disconnect(request))
+    either: set[asyncio.Future[Any]] = {results, gone}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not results.done():  # client went away (or the server stops): stop its work
+            results.cancel()
+            state.scheduler.cancel(reqs, "the client disconnected")
+    return results.result() if results.done() else None
+
+
+def failure(reqs: list[Request]) -> tuple[str, int] | None:
+    """(message, HTTP status) of the first request aborted with a status, as SGLang
+    answers those with an error rather than a response."""
+    for r in reqs:
+        reason = r.finish_reason or {}
+        if reason.get("status_code"):
+            return str(reason.get("message")), int(reason["status_code"])
+    return None
 
 
 def create_app(state: EngineState) -> FastAPI:
@@ -391,34 +443,16 @@ def create_app(state: EngineState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
         body = check_generate(await body_of(request))
-        reqs = _parse_generate(state, body)
-        loop = asyncio.get_running_loop()
+        reqs = parse_generate(state, body)
         several = is_batch(body) or len(reqs) > 1  # SGLang answers these with a list
         if body.get("stream"):
             return _stream(state, reqs, indexed=several)
-        futures = []
-        for req in reqs:
-            future: asyncio.Future[Request] = loop.create_future()
-            req.on_done = _resolve_on(loop, future)
-            futures.append(future)
-        sched.submit(*reqs)
-        results: asyncio.Future[list[Request]] = asyncio.gather(*futures)
-        gone: asyncio.Future[None] = asyncio.ensure_future(_until_disconnect(request))
-        either: set[asyncio.Future[Any]] = {results, gone}
-        try:
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not results.done():  # client went away (or the server stops): stop its work
-                results.cancel()
-                sched.cancel(reqs, "the client disconnected")
-        if not results.done():
+        done = await run_all(state, request, reqs)
+        if done is None:
             return Response(status_code=499)  # nobody reads it
-        done = results.result()
-        failed = [r for r in done if (r.finish_reason or {}).get("status_code")]
-        if failed:  # as SGLang: an abort with an HTTP status is an error response
-            reason = failed[0].finish_reason or {}
-            return _error(str(reason.get("message")), int(reason["status_code"]))
+        failed = failure(done)
+        if failed:
+            return _error(*failed)
         out = [build_response(state, r) for r in done]
         if not several:
             return JSONResponse(out[0])
@@ -528,9 +562,11 @@ def create_app(state: EngineState) -> FastAPI:
         return _ok(f"weight version is {version}", new_version=str(version))
 
     from moerl.engine.lora_routes import register_lora_routes
+    from moerl.engine.openai_api import register_openai_routes
     from moerl.engine.weights import register_weight_routes
 
     register_lora_routes(app, state, body_of, _on_scheduler)
+    register_openai_routes(app, state, body_of)
 
     register_weight_routes(app, state, _ok, _fail, body_of, _on_scheduler)
     return app

@@ -45,6 +45,7 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         # streamed chunks carry the whole text so far, as SGLang's default
         "incremental_streaming_output": False,
         "enable_return_routed_experts": sched.enable_routed_experts,
+        "tool_call_parser": state.tool_call_parser,
         "enable_lora": lora is not None,
         "max_lora_rank": None if lora is None else lora.max_rank,
         "max_loras_per_batch": None if lora is None else lora.max_loras,

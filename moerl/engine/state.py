@@ -23,6 +23,7 @@ class EngineState:
     groups: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     stream_interval: int = 1  # --stream-interval: tokens per streamed chunk by default
+    tool_call_parser: str | None = None  # --tool-call-parser: /v1/chat/completions' tools
     _grammar: Any = None
 
     def grammar_backend(self) -> Any:

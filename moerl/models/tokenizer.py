@@ -3,7 +3,10 @@ and a built-in character-level tokenizer for tiny models, so nothing downloads.
 
 The built-in vocabulary covers digits, arithmetic signs, lowercase letters and
 punctuation, which is what moerl's synthetic tasks need, and JSON's brackets and quotes
-(for constrained decoding tests).
+(for constrained decoding tests). Its chat template writes each message as
+``role: content `` and the generation prompt as ``assistant: `` (only characters of the
+vocabulary), so ``/v1/chat/completions`` runs on the tiny checkpoints; tool definitions
+are not rendered.
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ from pathlib import Path
 from typing import Any
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] + ': ' + (message['content'] or '') + ' ' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'assistant: ' }}{%- endif -%}"
+)
 CHARS = list("0123456789+-*/=()., :?") + list("abcdefghijklmnopqrstuvwxyz") + list('{}[]"_')
 
 
@@ -26,13 +35,15 @@ def build_tiny_tokenizer(vocab_size: int = 128) -> Any:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
     )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -161,6 +161,25 @@ def finish_type(finish_reason: Any) -> str | None:
     return str(finish_reason)
 
 
+def response_from_openai_choice(choice: Mapping[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """One ``/v1/chat/completions`` choice as a /generate response and its prompt ids,
+    the inputs of ``trajectory_from_response``: an agent's OpenAI calls made with SGLang's
+    ``return_meta_info`` and ``return_token_ids`` (plus ``logprobs``, and
+    ``return_routed_experts`` / ``return_sampling_mask`` for replay) carry everything a
+    Trajectory needs, from SGLang or the embedded engine alike."""
+    meta = choice.get("meta_info")
+    output_ids = choice.get("response_token_ids")
+    prompt_ids = choice.get("prompt_token_ids")
+    if not isinstance(meta, Mapping) or output_ids is None or prompt_ids is None:
+        raise EngineError(
+            "the chat completion choice has no meta_info / response_token_ids / "
+            "prompt_token_ids: send return_meta_info=true and return_token_ids=true "
+            "(in the openai client's extra_body)"
+        )
+    text = (choice.get("message") or {}).get("content") or ""
+    return {"text": text, "output_ids": list(output_ids), "meta_info": dict(meta)}, list(prompt_ids)
+
+
 def trajectory_from_response(
     response: Mapping[str, Any],
     prompt_ids: Any,

@@ -475,3 +475,19 @@ def test_generate_group_sends_one_request_per_sample():
     trajs = run(go())
     assert [t.index for t in trajs] == [0, 1, 2] and {t.group_id for t in trajs} == {9}
     assert sorted(rids) == ["p-0", "p-1", "p-2"]
+
+
+def test_an_openai_choice_without_sglangs_fields_names_them():
+    from moerl.rollout.decode import response_from_openai_choice
+
+    with pytest.raises(EngineError, match="return_meta_info=true and return_token_ids=true"):
+        response_from_openai_choice({"message": {"content": "hi"}})
+    choice = {
+        "message": {"content": "hi"},
+        "meta_info": {"weight_version": "3"},
+        "response_token_ids": [7, 8],
+        "prompt_token_ids": [5],
+    }
+    response, prompt = response_from_openai_choice(choice)
+    assert response == {"text": "hi", "output_ids": [7, 8], "meta_info": {"weight_version": "3"}}
+    assert prompt == [5]
