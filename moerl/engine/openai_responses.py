@@ -124,16 +124,7 @@ def completion_response(call: Call, rets: list[dict], prompts: list[list[int]]) 
             choice["token_ids"] = list(ret["output_ids"])
             choice["prompt_token_ids"] = list(prompts[i])
         choices.append(choice)
-    response = {
-        "id": rets[0]["meta_info"]["id"],
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": call.model,
-        "choices": choices,
-        "usage": usage_of(call, rets),
-        "metadata": _metadata(rets[0]["meta_info"]),
-    }
-    return _with_ext(response, sglext(call, rets, prompts[0]))
+    return _envelope(call, "text_completion", choices, rets, prompts)
 
 
 def assistant_message(
@@ -170,9 +161,16 @@ def chat_response(call: Call, rets: list[dict], prompts: list[list[int]]) -> dic
         if call.flag("return_meta_info"):
             choice["meta_info"] = meta
         choices.append(choice)
+    return _envelope(call, "chat.completion", choices, rets, prompts)
+
+
+def _envelope(
+    call: Call, obj: str, choices: list[dict], rets: list[dict], prompts: list[list[int]]
+) -> dict:
+    """A whole (non-streamed) response of ``obj`` around its ``choices``."""
     response = {
         "id": rets[0]["meta_info"]["id"],
-        "object": "chat.completion",
+        "object": obj,
         "created": int(time.time()),
         "model": call.model,
         "choices": choices,
