@@ -3,8 +3,10 @@ client-side timeout, and an engine served in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,26 @@ class InProcessEngine:
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def first_decode_waits_for_a_control(self) -> Iterator[None]:
+        """While open, the first decode step (a torch hook on the real model) waits until
+        a control action is queued (at most 30 s), so a pause lands while a request runs."""
+        sched = self.state.scheduler
+        held = threading.Event()
+
+        def hold(module, args, kwargs):  # type: ignore[no-untyped-def]
+            if kwargs["input_ids"].shape[1] == 1 and not held.is_set():
+                held.set()
+                deadline = time.monotonic() + 30
+                while sched.controls.empty() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+
+        handle = self.state.runner.model.register_forward_pre_hook(hold, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def close(self) -> None:
         self.server.should_exit = True

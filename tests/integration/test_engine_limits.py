@@ -5,7 +5,6 @@ freed), streaming or not, and /health_generate generates a token or says why not
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -80,20 +79,12 @@ def test_a_disconnected_stream_frees_its_running_request(inprocess_engine):
     """The first decode step (a torch hook on the real model) waits until a control action
     is queued, so the pause lands while the request runs; the client leaves; the request
     is aborted and its KV cache freed."""
-    sched = inprocess_engine.state.scheduler
-    held = threading.Event()
-
-    def hold(module, args, kwargs):  # type: ignore[no-untyped-def]
-        if kwargs["input_ids"].shape[1] == 1 and not held.is_set():
-            held.set()
-            deadline = time.monotonic() + 30
-            while sched.controls.empty() and time.monotonic() < deadline:
-                time.sleep(0.001)
-
     http = Http(inprocess_engine.url, timeout=30)
-    handle = inprocess_engine.state.runner.model.register_forward_pre_hook(hold, with_kwargs=True)
     try:
-        with httpx.stream("POST", f"{http.url}/generate", json={**LONG, "stream": True}) as r:
+        with (
+            inprocess_engine.first_decode_waits_for_a_control(),
+            httpx.stream("POST", f"{http.url}/generate", json={**LONG, "stream": True}) as r,
+        ):
             lines = r.iter_lines()  # kept: a dropped iterator closes the connection
             next(lines)  # its first token: it is running
             assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -105,7 +96,6 @@ def test_a_disconnected_stream_frees_its_running_request(inprocess_engine):
             lambda i: i["running_requests"] == 0 and i["kv_cache_tokens"] == 0,
         )
     finally:
-        handle.remove()
         http.post("/continue_generation")
 
 

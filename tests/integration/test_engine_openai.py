@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -375,21 +373,13 @@ def test_a_client_leaving_a_stream_aborts_its_request(inprocess_engine):
     pause lands while the request runs; the client leaves; only an abort frees it."""
     from engine_http import Http
 
-    sched = inprocess_engine.state.scheduler
-    held = threading.Event()
-
-    def hold(module, args, kwargs):  # type: ignore[no-untyped-def]
-        if kwargs["input_ids"].shape[1] == 1 and not held.is_set():
-            held.set()
-            deadline = time.monotonic() + 30
-            while sched.controls.empty() and time.monotonic() < deadline:
-                time.sleep(0.001)
-
     http = Http(inprocess_engine.url, timeout=30)
     body = {"model": "m", "prompt": [5, 6], "max_tokens": 120, "ignore_eos": True, "stream": True}
-    handle = inprocess_engine.state.runner.model.register_forward_pre_hook(hold, with_kwargs=True)
     try:
-        with httpx.stream("POST", f"{http.url}/v1/completions", json=body, timeout=30) as r:
+        with (
+            inprocess_engine.first_decode_waits_for_a_control(),
+            httpx.stream("POST", f"{http.url}/v1/completions", json=body, timeout=30) as r,
+        ):
             lines = r.iter_lines()  # kept: a dropped iterator closes the connection
             assert next(lines).startswith("data: ")  # its first token: it is running
             assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -399,7 +389,6 @@ def test_a_client_leaving_a_stream_aborts_its_request(inprocess_engine):
             lambda i: i["running_requests"] == 0 and i["kv_cache_tokens"] == 0,
         )
     finally:
-        handle.remove()
         http.post("/continue_generation")
 
 
