@@ -65,7 +65,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     from moerl.rollout.service import RolloutService
     from moerl.sync.publish import build_publisher
     from moerl.telemetry.runlog import open_run_log
-    from moerl.trainer.shard import scatter_batch
+    from moerl.trainer.shard import BatchScatter
     from moerl.trainer.trainer import Trainer
 
     leader, per_step = dist.get_rank() == 0, groups_per_step(cfg)
@@ -74,6 +74,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         lora=cfg.lora,
     )  # fmt: skip
     start, last = trainer.version, cfg.trainer.train_iters - 1
+    scatter = BatchScatter(cfg.trainer.minibatches)  # each data-parallel rank its shard
     rollout = None
     if leader:
         rollout = RolloutService(
@@ -98,7 +99,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             with run_log.span("wait", step=step):
                 batch = rollout.next_batch(trainer.version) if rollout else None
             wait_s = time.time() - t0
-            trajs = scatter_batch(batch, cfg.trainer.minibatches)  # each rank its shard
+            trajs = scatter(batch)
             with run_log.span("train", step=step):
                 metrics = trainer.step(trajs, **_probes(cfg, step, last))
             if _due(cfg.sync.every, step, last):

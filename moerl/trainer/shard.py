@@ -10,7 +10,7 @@ rewards, π_old and the IS correction over every token, the mismatch metrics) ne
 the light per-token fields, so every rank gets every trajectory with those alone
 (:func:`light`): token ids, logprobs, versions, reward, group.
 
-Rank 0 holds the batch and scatters one list per rank (:func:`scatter_batch`): the
+Rank 0 holds the batch and scatters one list per rank (:class:`BatchScatter`): the
 trajectories of its data-parallel shard whole, the others light, all in batch order, so
 indices mean the same on every rank.
 """
@@ -51,23 +51,29 @@ def shard_view(trajs: list[Trajectory], owned: list[int]) -> list[Trajectory]:
     return [t if i in mine else light(t) for i, t in enumerate(trajs)]
 
 
-def scatter_batch(trajs: list[Trajectory] | None, minibatches: int) -> list[Trajectory]:
-    """Collective: rank 0 passes the step's batch, every rank (rank 0 too) gets its
-    view (``shard_view`` of its data-parallel rank's ``owned_indices``)."""
-    from megatron.core import parallel_state
+class BatchScatter:
+    """Collective, built once on every rank after the parallel state exists: learns which
+    data-parallel rank each process is. Calling it each step, rank 0 passes the step's
+    batch and every rank (rank 0 too) gets its view (``shard_view`` of its
+    data-parallel rank's ``owned_indices``)."""
 
-    dp_size = parallel_state.get_data_parallel_world_size()
-    world = dist.get_world_size()
-    dp_of: list[Any] = [None] * world
-    dist.all_gather_object(dp_of, parallel_state.get_data_parallel_rank())
-    inputs = None
-    if dist.get_rank() == 0:
-        assert trajs is not None, "rank 0 scatters the batch"
-        views = {
-            r: shard_view(trajs, owned_indices(len(trajs), minibatches, dp_size, r))
-            for r in range(dp_size)
-        }
-        inputs = [views[int(dp_of[g])] for g in range(world)]
-    out: list[Any] = [None]
-    dist.scatter_object_list(out, inputs, src=0)
-    return out[0]
+    def __init__(self, minibatches: int) -> None:
+        from megatron.core import parallel_state
+
+        self.minibatches = minibatches
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_of: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(self.dp_of, parallel_state.get_data_parallel_rank())
+
+    def __call__(self, trajs: list[Trajectory] | None) -> list[Trajectory]:
+        inputs = None
+        if dist.get_rank() == 0:
+            assert trajs is not None, "rank 0 scatters the batch"
+            views = {
+                r: shard_view(trajs, owned_indices(len(trajs), self.minibatches, self.dp_size, r))
+                for r in range(self.dp_size)
+            }
+            inputs = [views[int(r)] for r in self.dp_of]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, inputs, src=0)
+        return out[0]

@@ -27,7 +27,7 @@ def _step(hf_dir: str, rollouts: str, out: str, mode: str) -> None:
     from moerl.convert import HFCheckpoint
     from moerl.models import get_family
     from moerl.common.trajectory import load_jsonl
-    from moerl.trainer.shard import scatter_batch
+    from moerl.trainer.shard import BatchScatter
     from moerl.trainer.trainer import Trainer
 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
@@ -39,7 +39,7 @@ def _step(hf_dir: str, rollouts: str, out: str, mode: str) -> None:
         t.reward = float(np.mean(t.response_ids % 2 == 0))
     batch = trajs
     if mode == "shard":
-        batch = scatter_batch(trajs if dist.get_rank() == 0 else None, cfg.minibatches)
+        batch = BatchScatter(cfg.minibatches)(trajs if dist.get_rank() == 0 else None)
     whole = [i for i, t in enumerate(batch) if t.routed_experts is not None]
     metrics = trainer.step(batch, decompose_sample=4, flip_sample=4)
     after = trainer.policy_logprobs(batch)
