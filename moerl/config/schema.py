@@ -8,6 +8,7 @@ from moerl.algo.config import AlgoConfig
 from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.config.engine import EngineConfig
+from moerl.config.env import EnvConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -48,6 +49,9 @@ class MoerlConfig:
     """Progress line, metrics and timeline files, optional TensorBoard/W&B."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Prompts and the verifiable reward (group `task`)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment of multi-turn / multi-agent episodes; `none` = single-turn
+    rollouts (group `env`)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Group sampling, filtering, partial rollouts (group `rollout`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -24,6 +24,7 @@ from moerl.algo.config import AlgoConfig, register_algo_configs
 from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig, register_buffer_configs
 from moerl.config.engine import EngineConfig
+from moerl.config.env import EnvConfig, register_env_configs
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -49,6 +50,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "staleness": StalenessConfig,
     "sync": SyncConfig,
     "task": TaskConfig,
+    "env": EnvConfig,
     "rollout": RolloutConfig,
     "lora": LoraConfig,
 }
@@ -97,4 +99,5 @@ def register_configs() -> None:
     register_algo_configs(cs)
     register_buffer_configs(cs)
     register_task_configs(cs)
+    register_env_configs(cs)
     register_recipes(cs)
