@@ -388,6 +388,13 @@ class AlgoConfig:
     one extra forward (no grad); the correction then weights or masks π_old/μ.
     'rollout' (bypass) = the engine's behaviour logprobs μ, no extra forward; a
     correction may then only mask, since the ratio π_θ/μ is already the IS weight."""
+    credit: str = "outcome"
+    """How an episode's rewards reach its tokens (moerl/algo/credit.py): 'outcome' = the
+    episode's total reward, one advantage for all its trained tokens; 'turn' = each
+    action's discounted return from that action on (turn_discount), so an action is
+    credited with what followed it, not with what came before."""
+    turn_discount: float = 1.0
+    """Discount per later action of the 'turn' credit, in [0, 1]."""
 
 
 ADVANTAGE_OPTIONS: dict[str, type[AdvantageConfig]] = {

@@ -92,6 +92,79 @@ def collect_rollouts(
     return trajs
 
 
+class _SplicedTokens:
+    """A multi-turn environment for the check: every answer is a few random token ids
+    spliced into the stream (observations of any id, as a tool's output may be)."""
+
+    def __init__(self, seed: int, turns: int) -> None:
+        self.rng, self.turns, self.done = np.random.default_rng(seed), turns, 0
+
+    def _tokens(self) -> Any:
+        from moerl.envs.base import Observation
+
+        n = int(self.rng.integers(2, 7))
+        return Observation(token_ids=self.rng.integers(4, 100, size=n).tolist())
+
+    async def reset(self) -> Any:
+        return self._tokens()
+
+    async def step(self, action: Any) -> Any:
+        from moerl.envs.base import Step
+
+        self.done += 1
+        return Step(self._tokens(), reward=0.0, done=self.done >= self.turns)
+
+
+def collect_episodes(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    num_episodes: int = 6,
+    turns: int = 3,
+    max_new_tokens: int = 8,
+    dtype: str = "float32",
+    seed: int = 0,
+    flags: tuple[str, ...] = (),
+) -> list[Trajectory]:
+    """Multi-turn episodes (moerl.rollout.episode) from a fresh embedded engine: each turn
+    splices random observation tokens after the policy's action, so later requests
+    re-send (or reuse from the prefix cache) every earlier token. ``flags``: more engine
+    flags."""
+    from moerl.engine.process import EngineProcess
+    from moerl.models.tokenizer import load_tokenizer
+    from moerl.rollout import EngineClient
+    from moerl.rollout.episode import EpisodeRunner, EpisodeSettings
+    from moerl.rollout.render import Renderer
+
+    params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 0.95, "top_k": 40}
+
+    async def go(url: str) -> list[Trajectory]:
+        async with EngineClient([url]) as client:
+            info = (await client.model_info())[url]
+            settings = EpisodeSettings(
+                params, max_turns=turns, max_tokens=int(info.get("context_length") or 10**6),
+                num_layers=info["num_hidden_layers"], topk=info["num_experts_per_tok"],
+            )  # fmt: skip
+            runner = EpisodeRunner(
+                client,
+                lambda prompt: _SplicedTokens(seed * 1000 + prompt, turns),
+                Renderer(load_tokenizer(hf_dir)),
+                settings,
+            )
+            runs = await asyncio.gather(
+                *[runner.run(i, group_id=i, index=0) for i in range(num_episodes)]
+            )
+            return [t for trajs, _ in runs for t in trajs]
+
+    with EngineProcess(
+        hf_dir, "--enable-return-routed-experts", "--dtype", dtype, "--random-seed", str(seed),
+        *flags,
+    ) as engine:  # fmt: skip
+        trajs = asyncio.run(go(engine.url))
+    save_jsonl(out, trajs)
+    return trajs
+
+
 def mismatch(trainer: np.ndarray, rollout: np.ndarray) -> tuple[float, float, float]:
     """(k3 KL estimate, mean |Δ|, max |Δ|) between per-token logprobs."""
     log_ratio = trainer - rollout
@@ -143,10 +216,12 @@ def _worker(
         )  # fmt: skip
         if dist.get_rank() != 0:
             continue
-        trainer = np.concatenate([res.logprobs[i] for i in range(len(trajs))])
+        # an episode's spliced observation tokens are not sampled: only trained ones count
+        trained = np.concatenate([t.trained for t in trajs])
+        trainer = np.concatenate([res.logprobs[i] for i in range(len(trajs))])[trained]
         ref = np.concatenate([
             (t.sampling_logprobs if mask == "on" else t.response_logprobs) for t in trajs
-        ])  # fmt: skip
+        ])[trained]  # fmt: skip
         scored[(replay, mask)] = trainer
         k3, mad, mx = mismatch(trainer, ref)
         rates = res.flip_rate()
@@ -166,15 +241,17 @@ def _worker(
         if all(k in scored for k in SETTINGS):
             from moerl.telemetry.mismatch import decompose
 
-            versions = np.concatenate([t.versions for t in trajs])
+            versions = np.concatenate([t.versions for t in trajs])[trained]
             payload["decomposition"] = asdict(
                 decompose(
                     replay_mask_T=scored[("on", "on")],
                     fresh_route_mask_T=scored[("off", "on")],
                     replay_full_vocab_T=scored[("on", "off")],
                     fresh_route_full_vocab_T=scored[("off", "off")],
-                    rollout_sampling_T=np.concatenate([t.sampling_logprobs for t in trajs]),
-                    rollout_full_T=np.concatenate([t.response_logprobs for t in trajs]),
+                    rollout_sampling_T=np.concatenate([t.sampling_logprobs for t in trajs])[
+                        trained
+                    ],
+                    rollout_full_T=np.concatenate([t.response_logprobs for t in trajs])[trained],
                     stale_T=versions < versions.max(),
                 )
             )

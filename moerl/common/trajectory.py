@@ -7,6 +7,10 @@
 Arrays are numpy so a trajectory crosses process boundaries and jsonl dumps without torch.
 Routed-expert rows follow SGLang's convention: row t holds the experts that routed token t,
 for t in [0, P + R - 1); the last sampled token was never fed back, so it has no row.
+
+An episode (docs/architecture.md, "Episodes") is one Trajectory per role: the response is
+everything after the role's first observation, the policy's actions and the observations
+spliced between them, told apart by `loss_mask` and described by `segments`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,34 @@ from typing import Any
 import numpy as np
 
 _ROUTED_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))
+
+SOURCES = ("policy", "env", "tool", "agent")
+"""Where a segment's tokens came from: sampled by the policy for this role (trained), or
+spliced in from the environment, a tool's result or another agent (not trained)."""
+
+
+@dataclass
+class Segment:
+    """A run of response positions [start, end) of one episode turn, from one source."""
+
+    start: int
+    end: int
+    source: str
+    """One of SOURCES; 'policy' segments are the trained ones (loss_mask 1)."""
+    turn: int
+    """0-based index of the episode's action this segment belongs to: an action's own
+    tokens, or the observation that answered it (-1: before the role's first action)."""
+    reward: float | None = None
+    """Reward the environment gave this action ('policy' segments)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "end": self.end,
+            "source": self.source,
+            "turn": self.turn,
+            "reward": self.reward,
+        }
 
 
 def _int32_1d(values: Any) -> np.ndarray:
@@ -67,6 +99,16 @@ class Trajectory:
     """Position of this completion within its group."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON-safe extras: rid, engine url, weight_versions spans, token counts."""
+    loss_mask: np.ndarray | None = None
+    """uint8 [R]: 1 where the response token was sampled by the policy for this
+    trajectory and is trained, 0 where it was spliced in (an episode's observations);
+    None = every response token is trained (a single-turn completion). Spliced positions
+    carry logprob 0, the version of the request that prefilled them and a mask row
+    holding only their own token."""
+    segments: list[Segment] = field(default_factory=list)
+    """An episode's turns, in order, covering [0, R); empty for a single completion."""
+    role: str | None = None
+    """The agent this episode trajectory belongs to (None: a single completion)."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _int32_1d(self.prompt_ids)
@@ -85,6 +127,9 @@ class Trajectory:
         if self.mask_offsets is not None:
             self.mask_offsets = _int32_1d(self.mask_offsets)
         self.temperature = float(self.temperature)
+        if self.loss_mask is not None:
+            self.loss_mask = np.asarray(self.loss_mask, dtype=np.uint8).reshape(-1)
+        self.segments = [s if isinstance(s, Segment) else Segment(**s) for s in self.segments]
 
     # ---- shape helpers -------------------------------------------------------------------
 
@@ -95,6 +140,17 @@ class Trajectory:
     @property
     def response_len(self) -> int:
         return int(self.response_ids.shape[0])
+
+    @property
+    def trained(self) -> np.ndarray:
+        """bool [R]: the response positions the trainer trains on."""
+        if self.loss_mask is None:
+            return np.ones(self.response_len, dtype=bool)
+        return self.loss_mask.astype(bool)
+
+    @property
+    def num_trained(self) -> int:
+        return self.response_len if self.loss_mask is None else int(self.loss_mask.sum())
 
     @property
     def has_sampling_mask(self) -> bool:
@@ -149,6 +205,41 @@ class Trajectory:
             problems.append(f"temperature={self.temperature} must be a positive number")
         problems += self._routing_problems(P, R, num_layers, topk, num_experts)
         problems += self._mask_problems(R)
+        problems += self._episode_problems(R)
+        return problems
+
+    def _episode_problems(self, R: int) -> list[str]:
+        problems = []
+        mask = self.loss_mask
+        if mask is not None:
+            if mask.shape[0] != R:
+                problems.append(f"loss_mask has {mask.shape[0]} entries but response_ids has {R}")
+            elif (mask > 1).any():
+                problems.append("loss_mask must hold only 0 and 1")
+        if not self.segments:
+            return problems
+        edge = 0
+        for seg in self.segments:
+            if seg.source not in SOURCES:
+                problems.append(f"segment source {seg.source!r} is not one of {SOURCES}")
+            if seg.start != edge or seg.end <= seg.start:
+                problems.append(
+                    f"segments must tile the response in order; got [{seg.start}, {seg.end}) "
+                    f"after position {edge}"
+                )
+                return problems
+            edge = seg.end
+        if edge != R:
+            problems.append(f"segments end at {edge} but the response has {R} tokens")
+        elif mask is not None and mask.shape[0] == R:
+            for seg in self.segments:
+                trained = seg.source == "policy"
+                if (mask[seg.start : seg.end] != int(trained)).any():
+                    problems.append(
+                        f"loss_mask disagrees with the {seg.source} segment "
+                        f"[{seg.start}, {seg.end}) (policy tokens are 1, the rest 0)"
+                    )
+                    break
         return problems
 
     def _routing_problems(
@@ -239,6 +330,12 @@ class Trajectory:
             "index": self.index,
             "meta": self.meta,
         }
+        if self.loss_mask is not None:
+            d["loss_mask"] = self.loss_mask.tolist()
+        if self.segments:
+            d["segments"] = [seg.to_dict() for seg in self.segments]
+        if self.role is not None:
+            d["role"] = self.role
         if self.routed_experts is not None:
             routes = np.ascontiguousarray(self.routed_experts)
             little = routes.astype(routes.dtype.newbyteorder("<"), copy=False)
@@ -273,6 +370,9 @@ class Trajectory:
             group_id=d.get("group_id"),
             index=d.get("index"),
             meta=dict(d.get("meta") or {}),
+            loss_mask=d.get("loss_mask"),
+            segments=[Segment(**seg) for seg in d.get("segments") or []],
+            role=d.get("role"),
         )
 
 

@@ -43,6 +43,13 @@ every engine serves v.
 In every mode, routes row t was computed under versions[clip(t - P + 1, 0, R - 1)]
 (moerl.rollout.partial.route_versions).
 
+Episodes (``episodes``, env != none; moerl.rollout.episode). Each of a group's G members
+is an episode played against its own environment (``make_env(prompt)``), giving one
+trajectory per role: a group holds G × roles trajectories, scored by the environment
+(the task's reward is not called). An episode is generating until it ends, so `drain`
+waits for whole episodes; many episodes are in flight and an environment step holds up
+only its own episode.
+
 Faults. The client re-sends a failed /generate (connection error, timeout, HTTP 5xx) on
 another engine and keeps the failed one out for cfg.engine_cooldown_s (build it with
 make_client). A group whose request still fails is aborted, its slot released, its prompt
@@ -64,6 +71,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from moerl.common.trajectory import Trajectory
 from moerl.config.rollout import RolloutConfig
 from moerl.rollout.buffer import BufferClosed, Reservation, RolloutBuffer
@@ -76,6 +85,7 @@ from moerl.rollout.scoring import RewardRunner, gather_or_cancel, uniform
 from moerl.rollout.stats import RolloutStats
 
 if TYPE_CHECKING:
+    from moerl.rollout.episode import EpisodeEnv
     from moerl.tasks.base import Prompt, Task
     from moerl.telemetry.timeline import Timeline
 
@@ -116,9 +126,11 @@ class Orchestrator:
         topk: int,
         start_cursor: int = 0,
         timeline: Timeline | None = None,
+        episodes: EpisodeEnv | None = None,
     ) -> None:
         """num_layers / topk: the model's num_hidden_layers and experts per token (shape of
-        the routes). start_cursor: the first prompt position to generate."""
+        the routes). start_cursor: the first prompt position to generate. episodes: the
+        environment every group member is an episode of (None: single completions)."""
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(cfg, DictConfig):
@@ -144,6 +156,11 @@ class Orchestrator:
         )
         self._changed = asyncio.Event()
         self._stats = RolloutStats(getattr(client, "retries", 0))
+        self._episodes = None
+        if episodes is not None:
+            self._episodes = episodes.runner(
+                client, self._sampling, cfg, num_layers, topk, self._gate.engines_open
+            )
 
     # ---- state -----------------------------------------------------------------------
 
@@ -257,12 +274,11 @@ class Orchestrator:
             )
             try:
                 async with span as s:
-                    group = await gather_or_cancel(
-                        [
-                            self._completion(item.prompt, flight, i)
-                            for i in range(self.cfg.group_size)
-                        ]
+                    member = self._completion if self._episodes is None else self._episode
+                    members = await gather_or_cancel(
+                        [member(item.prompt, flight, i) for i in range(self.cfg.group_size)]
                     )
+                    group = [t for m in members for t in m]
                     if s is not None:
                         s.attrs["tokens"] = sum(t.response_len for t in group)
             except asyncio.CancelledError:
@@ -288,7 +304,28 @@ class Orchestrator:
                 raise
             await self._requeue(flight, err)
 
-    async def _completion(self, prompt: Prompt, flight: _Flight, index: int) -> Trajectory:
+    async def _episode(self, prompt: Prompt, flight: _Flight, index: int) -> list[Trajectory]:
+        assert self._episodes is not None
+        adapter = self._adapter
+        trajs, stats = await self._episodes.run(
+            prompt, group_id=flight.item.pos, index=index, rid=f"{flight.rid}-{index}",
+            lora_path=adapter[0] if adapter else None,
+        )  # fmt: skip
+        for traj in trajs:
+            if adapter is not None:  # as _completion: the adapter is the version
+                traj.versions[:] = adapter[1]
+            self._stats.role(str(traj.role), float(traj.reward or 0.0))
+        spans = {int(v) for t in trajs for v in np.unique(t.versions)}
+        for name, value in (
+            ("episodes", 1), ("turns", stats.turns), ("env_s", stats.env_s),
+            ("env_steps", stats.env_steps), ("tool_calls", stats.tool_calls),
+            ("tool_errors", stats.tool_errors), ("resumed", stats.retried_turns),
+            ("turn_versions", len(spans)),
+        ):  # fmt: skip
+            self._count(name, value)
+        return trajs
+
+    async def _completion(self, prompt: Prompt, flight: _Flight, index: int) -> list[Trajectory]:
         sampling = self._sampling
         length = self.cfg.completion_length(flight.item.pos, index)
         if length is not None:  # a drawn length (cfg.length_distribution), EOS or not
@@ -314,7 +351,7 @@ class Orchestrator:
             # its policy version (it keeps that adapter to the end, whatever loads meanwhile)
             traj.versions[:] = adapter[1]
         traj.meta["prompt_id"] = prompt.prompt_id
-        return traj
+        return [traj]
 
     def set_adapter(self, name: str, version: int) -> None:
         """LoRA runs: completions started from now on use adapter ``name`` (policy
@@ -324,9 +361,12 @@ class Orchestrator:
     async def _score_and_put(self, item: Item, group: list[Trajectory], flight: _Flight) -> None:
         assert item.prompt is not None
         start = time.perf_counter()
-        rewards = await self._rewards.score(item.prompt, group)
-        for traj, reward in zip(group, rewards):
-            traj.reward = reward
+        if self._episodes is None:
+            rewards = await self._rewards.score(item.prompt, group)
+            for traj, reward in zip(group, rewards):
+                traj.reward = reward
+        else:  # the environment scored the episodes
+            rewards = [float(t.reward or 0.0) for t in group]
         self._count("score_s", time.perf_counter() - start)
         self._count("tokens", sum(t.response_len for t in group))
         self._count("completions", len(group))

@@ -101,11 +101,11 @@ def splice(head: Trajectory, tail: Trajectory, tail_routes: np.ndarray | None) -
     if head.sampling_logprobs is not None and tail.sampling_logprobs is not None:
         sampling_logprobs = np.concatenate([head.sampling_logprobs, tail.sampling_logprobs])
     versions = np.concatenate([head.versions, tail.versions])
-    segments = list(head.meta.get("segments") or [_segment(head, 0)])
+    segments = list(head.meta.get("requests") or [_segment(head, 0)])
     segments.append(_segment(tail, R1))
     meta = {
         **head.meta,
-        "segments": segments,
+        "requests": segments,
         "resumed": len(segments) - 1,
         "weight_versions": version_spans(versions),
         "completion_tokens": R1 + tail.response_len,

@@ -62,13 +62,17 @@ class RolloutService:
         try:
             self.client = self.aio.run(_call(make_client, engine_urls, cfg.rollout))
             self.aio.run(self.client.wait_until_healthy(cfg.engine.startup_timeout_s))
-            task = build_task(cfg.task, load_tokenizer(hf_dir))
-            self.aio.run(_call(self._build, task, run_dir, version, progress))
+            tokenizer = load_tokenizer(hf_dir)
+            task = build_task(cfg.task, tokenizer)
+            episodes = _episodes(cfg, tokenizer)
+            self.aio.run(_call(self._build, task, run_dir, version, progress, episodes))
         except BaseException:
             self.close()
             raise
 
-    def _build(self, task: Any, run_dir: Path, version: int, progress: dict[str, Any]) -> None:
+    def _build(
+        self, task: Any, run_dir: Path, version: int, progress: dict[str, Any], episodes: Any
+    ) -> None:
         from moerl.rollout.buffer import RolloutBuffer
         from moerl.rollout.orchestrator import Orchestrator
         from moerl.telemetry.timeline import Timeline
@@ -83,6 +87,7 @@ class RolloutService:
             self.client, task, self.buffer, cfg.rollout, num_layers=cfg.model.num_layers,
             topk=cfg.model.moe_router_topk, start_cursor=int(progress.get("cursor", 0)),
             timeline=Timeline(run_dir, "rollout") if cfg.telemetry.timeline else None,
+            episodes=episodes,
         )  # fmt: skip
         if progress.get("orchestrator"):
             self.orchestrator.load_state_dict(progress["orchestrator"])
@@ -191,6 +196,25 @@ class RolloutService:
                 self.aio.run(self.client.aclose())
         finally:
             self.aio.stop()
+
+
+def _episodes(cfg: MoerlConfig, tokenizer: Any) -> Any:
+    """The environment side of the run's episodes (moerl.rollout.episode.EpisodeEnv);
+    None for single-turn rollouts (env=none)."""
+    from moerl.envs import build_env_factory
+    from moerl.rollout.episode import EpisodeEnv
+    from moerl.rollout.render import Renderer
+
+    make_env = build_env_factory(cfg.env)
+    if make_env is None:
+        return None
+    env = cfg.env
+    return EpisodeEnv(
+        make_env=make_env,
+        renderer=Renderer(tokenizer, env.renderer),
+        max_turns=env.max_turns,
+        max_tokens=env.max_episode_tokens or cfg.model.max_position_embeddings,
+    )
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

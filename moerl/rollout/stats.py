@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -19,9 +19,18 @@ class _Window:
     reward_sum: float = 0.0
     gen_s: float = 0.0
     score_s: float = 0.0
+    episodes: int = 0
+    turns: int = 0
+    env_s: float = 0.0
+    env_steps: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turn_versions: int = 0  # sum over episodes of the versions their turns span
+    role_reward: dict[str, float] = field(default_factory=dict)
+    role_count: dict[str, int] = field(default_factory=dict)
 
 
-COUNTERS = tuple(f.name for f in fields(_Window))
+COUNTERS = tuple(f.name for f in fields(_Window) if not f.name.startswith("role_"))
 
 
 class RolloutStats:
@@ -35,6 +44,12 @@ class RolloutStats:
     def count(self, name: str, value: float = 1) -> None:
         for window in (self._w, self._total):
             setattr(window, name, getattr(window, name) + value)
+
+    def role(self, role: str, reward: float) -> None:
+        """One episode trajectory of ``role`` with ``reward``."""
+        for window in (self._w, self._total):
+            window.role_reward[role] = window.role_reward.get(role, 0.0) + reward
+            window.role_count[role] = window.role_count.get(role, 0) + 1
 
     def report(self, *, generating: int, cursor: int, client_retries: int) -> dict[str, float]:
         """Flat scalars; names without `_total` cover the time since the last report.
@@ -64,5 +79,20 @@ class RolloutStats:
             "rollout/groups_cancelled_total": float(t.cancelled),
             "rollout/group_failures_total": float(t.failures),
         }
+        if w.episodes:
+            out.update(
+                {
+                    "episode/count": float(w.episodes),
+                    "episode/turns_mean": w.turns / w.episodes,
+                    "episode/env_step_s": w.env_s / w.env_steps if w.env_steps else 0.0,
+                    "episode/tool_calls": float(w.tool_calls),
+                    "episode/tool_error_rate": (
+                        w.tool_errors / w.tool_calls if w.tool_calls else 0.0
+                    ),
+                    "episode/versions_spanned_mean": w.turn_versions / w.episodes,
+                }
+            )
+            for role, total in w.role_reward.items():
+                out[f"episode/reward_{role}"] = total / w.role_count[role]
         self._w = _Window()
         return out

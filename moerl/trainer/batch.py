@@ -39,6 +39,8 @@ class MicroBatch:
     seq_index: list[int]  # which trajectories (indices into the step's list)
     lengths: torch.Tensor  # int64 [B] real tokens per row (the rest is padding)
     seq_ids: torch.Tensor  # int64 [B, S] position of the token's trajectory in seq_index; -1 = pad
+    response_mask: torch.Tensor | None = None  # bool [B, S]: the label is a response token
+    # (trained or not: an episode's observations are response tokens outside loss_mask)
     attention_mask: torch.Tensor | None = None  # bool [B, 1, S, S], True = masked (packed rows)
     ref_logprobs: torch.Tensor | None = None  # fp32 [B, S] reference policy (KL term)
     old_logprobs: torch.Tensor | None = None  # fp32 [B, S] π_old, the trainer before the update
@@ -69,6 +71,22 @@ class MicroBatch:
 
 
 PACKING = ("padded", "packed")
+
+Advantage = float | np.ndarray
+"""A trajectory's advantage: one number, or one per response token (float32 [R])."""
+
+
+def token_advantages(advantage: Advantage, t: Trajectory) -> np.ndarray:
+    """float32 [R]: ``advantage`` on every response token of ``t``."""
+    values = np.asarray(advantage, dtype=np.float32)
+    if values.ndim == 0:
+        return np.full(t.response_len, float(values), dtype=np.float32)
+    if values.shape != (t.response_len,):
+        raise ValueError(
+            f"the advantages of {t.name()} have shape {values.shape}; expected a number or "
+            f"({t.response_len},), one per response token"
+        )
+    return values
 
 
 def behaviour_logprobs(t: Trajectory, use_mask: bool) -> np.ndarray:
@@ -115,7 +133,7 @@ def build_microbatch(
     num_experts: int | None = None,
     use_routes: bool = False,
     use_mask: bool = False,
-    advantages: list[float] | None = None,
+    advantages: list[Advantage] | None = None,
     ref_logprobs: list[np.ndarray] | None = None,
     old_logprobs: list[np.ndarray] | None = None,
     is_weights: list[np.ndarray] | None = None,
@@ -124,7 +142,9 @@ def build_microbatch(
     """``rows[b]`` lists the trajectories (positions in ``trajs``) packed one after the
     other into row b; by default one per row (padded). Packed rows get a block-diagonal
     causal attention mask, so each sequence sees only itself; RoPE is relative, so a
-    sequence's offset in its row does not change its attention."""
+    sequence's offset in its row does not change its attention. An episode's spliced
+    tokens (``Trajectory.loss_mask`` 0) are inputs but never in the loss; an advantage
+    is one number per trajectory or one per response token ([R], per-turn credit)."""
     packed = rows is not None
     if rows is None:
         rows = [[i] for i in range(len(trajs))]
@@ -134,6 +154,7 @@ def build_microbatch(
     position_ids = torch.zeros(b, seq_len, dtype=torch.long)
     seq_ids = torch.full((b, seq_len), -1, dtype=torch.long)
     loss_mask = torch.zeros(b, seq_len, dtype=torch.bool)
+    response_mask = torch.zeros(b, seq_len, dtype=torch.bool)
     rollout = torch.zeros(b, seq_len)
     sampling = torch.zeros(b, seq_len)
     versions = torch.zeros(b, seq_len, dtype=torch.long)
@@ -178,13 +199,16 @@ def build_microbatch(
             position_ids[row, span] = torch.arange(n)
             seq_ids[row, span] = i
             resp = slice(o + p - 1, o + p - 1 + r)  # positions whose label is a response token
-            loss_mask[row, resp] = True
+            loss_mask[row, resp] = torch.from_numpy(t.trained)
+            response_mask[row, resp] = True
             rollout[row, resp] = torch.from_numpy(t.response_logprobs.astype(np.float32))
             sampling[row, resp] = torch.from_numpy(behaviour_logprobs(t, use_mask))
             versions[row, resp] = torch.from_numpy(t.versions.astype(np.int64))
+            if r:  # prompt rows were routed by the forward that sampled token 0 (route_versions)
+                versions[row, o : o + p - 1] = int(t.versions[0])
             temperature[row, span] = float(t.temperature)
             if advantages is not None:
-                adv[row, resp] = float(advantages[i])
+                adv[row, resp] = torch.from_numpy(token_advantages(advantages[i], t))
             for key, values in per_token.items():
                 given_i = np.asarray(given[key][i], dtype=np.float32)  # type: ignore[index]
                 if given_i.shape != (r,):
@@ -227,6 +251,7 @@ def build_microbatch(
         seq_index=seq_index,
         lengths=lengths,
         seq_ids=seq_ids,
+        response_mask=response_mask,
         attention_mask=attention_mask,
         **per_token,
     )
@@ -291,7 +316,7 @@ def step_microbatches(
     topk: int,
     num_layers: int,
     num_experts: int | None = None,
-    advantages: list[float] | None = None,
+    advantages: list[Advantage] | None = None,
     ref_logprobs: list[np.ndarray] | None = None,
     old_logprobs: list[np.ndarray] | None = None,
     is_weights: list[np.ndarray] | None = None,

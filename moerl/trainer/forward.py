@@ -86,7 +86,8 @@ def trainer_logprobs(
     def loss_func(mb: MicroBatch, logits_BSV: torch.Tensor) -> tuple[torch.Tensor, dict]:
         lp = logprobs_of(mb, logits_BSV, use_mask, head is not None)
         for i, index in enumerate(mb.seq_index):
-            mine = (mb.seq_ids == i) & mb.loss_mask
+            response = mb.loss_mask if mb.response_mask is None else mb.response_mask
+            mine = (mb.seq_ids == i) & response
             result.logprobs[index] = lp[mine].detach().numpy().copy()
         return logits_BSV.sum() * 0.0, {}
 

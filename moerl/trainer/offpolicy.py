@@ -20,7 +20,7 @@ import torch
 
 from moerl.algo.correction import CorrectionInput, CorrectionOutput
 from moerl.common.trajectory import Trajectory
-from moerl.trainer.batch import behaviour_logprobs
+from moerl.trainer.batch import Advantage, behaviour_logprobs, token_advantages
 
 
 @dataclass
@@ -83,14 +83,15 @@ def finite_metrics(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, flo
 
 def prepare(
     trajs: list[Trajectory],
-    advantages: list[float],
+    advantages: list[Advantage],
     *,
     old_logprobs: list[np.ndarray] | None,
     correction_fn: Callable[[CorrectionInput], CorrectionOutput] | None,
     use_mask: bool,
     current_version: int,
 ) -> OffPolicyBatch:
-    """Run the correction once over every response token of ``trajs`` (π_old against μ)
+    """Run the correction once over every trained response token of ``trajs`` (π_old
+    against μ; an episode's spliced observation tokens take no part and get weight 1)
     and measure the mismatch. ``old_logprobs`` (π_old per trajectory) is needed by any
     correction; ``correction_fn`` None = no correction (weights None)."""
     if correction_fn is not None and old_logprobs is None:
@@ -104,23 +105,23 @@ def prepare(
                 f"old-policy logprobs of trajectory {t.group_id}/{t.index} have shape "
                 f"{np.shape(old)}; expected ({n},)"
             )
-    seq_T = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor(lengths))
-    old_T = torch.from_numpy(np.concatenate(old_logprobs).astype(np.float64))
+    trained_A = torch.from_numpy(np.concatenate([t.trained for t in trajs]))
+    seq_T = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor(lengths))[trained_A]
+    old_T = torch.from_numpy(np.concatenate(old_logprobs).astype(np.float64))[trained_A]
     mu_T = torch.from_numpy(np.concatenate([behaviour_logprobs(t, use_mask) for t in trajs]))
-    mu_T = mu_T.double()
+    mu_T = mu_T.double()[trained_A]
     versions_T = torch.from_numpy(np.concatenate([np.asarray(t.versions) for t in trajs]))
-    metrics = mismatch_metrics(
-        old_T, mu_T, versions_T.long(), seq_T, len(trajs), current_version
-    )  # fmt: skip
+    versions_T = versions_T.long()[trained_A]
+    metrics = mismatch_metrics(old_T, mu_T, versions_T, seq_T, len(trajs), current_version)
     result = OffPolicyBatch(old_logprobs=[np.asarray(o, np.float32) for o in old_logprobs])
     if correction_fn is not None:
+        adv_A = np.concatenate([token_advantages(a, t) for a, t in zip(advantages, trajs)])
         corr = correction_fn(
             CorrectionInput(
                 trainer_logprobs_T=old_T, rollout_logprobs_T=mu_T,
                 loss_mask_T=torch.ones(len(old_T), dtype=torch.bool), seq_ids_T=seq_T,
-                num_seqs=len(trajs), versions_T=versions_T.long(),
-                current_version=current_version,
-                advantages_T=torch.tensor(advantages, dtype=torch.float64)[seq_T],
+                num_seqs=len(trajs), versions_T=versions_T, current_version=current_version,
+                advantages_T=torch.from_numpy(adv_A).double()[trained_A],
             )
         )  # fmt: skip
         if not bool(torch.isfinite(corr.weights_T).all()):
@@ -128,8 +129,9 @@ def prepare(
                 "the IS correction returned non-finite weights: check the rollout logprobs "
                 "and the trainer's logprobs for NaN/inf"
             )
-        weights = corr.weights_T.detach().to(torch.float32).numpy()
-        result.is_weights = list(np.split(weights, np.cumsum(lengths)[:-1]))
+        weights_A = torch.ones(len(trained_A), dtype=torch.float32)
+        weights_A[trained_A] = corr.weights_T.detach().to(torch.float32)
+        result.is_weights = list(np.split(weights_A.numpy(), np.cumsum(lengths)[:-1]))
         metrics.update({k: torch.tensor(v) for k, v in corr.metrics.items()})
     result.metrics = finite_metrics(metrics)
     return result

@@ -25,7 +25,7 @@ from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
-from moerl.trainer.batch import MicroBatch, step_microbatches
+from moerl.trainer.batch import Advantage, MicroBatch, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.offpolicy import OffPolicyBatch, finite_metrics, mismatch_metrics
 from moerl.trainer.replay import RoutingReplay
@@ -131,7 +131,7 @@ def rl_train_step(
     chunks: list[Any],
     optimizer: Any,
     trajs: list[Trajectory],
-    advantages: list[float],
+    advantages: list[Advantage],
     *,
     loss_fn: Callable[[PolicyLossInput], PolicyLossOutput],
     offpolicy: OffPolicyBatch | None = None,

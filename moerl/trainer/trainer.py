@@ -20,6 +20,7 @@ from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
 from moerl.kernels.dispatch import set_backend as set_kernel_backend
+from moerl.trainer.batch import Advantage
 from moerl.trainer.fused_head import resolve_source
 
 REPLAY_POLICIES = ("all", "recent", "none")
@@ -107,6 +108,8 @@ class Trainer:
         self.correction_fn = build_correction(correction)
         self.correction_cfg = correction
         self.old_policy = algo.old_policy
+        self.credit = getattr(algo, "credit", "outcome")
+        self.turn_discount = float(getattr(algo, "turn_discount", 1.0))
         self.decoupled = bool(getattr(algo.loss, "decoupled", False))
         self.agg = getattr(algo.loss, "agg", "token_mean")
         self.version = 0
@@ -145,7 +148,7 @@ class Trainer:
         decomposition / router flip rates on that many trajectories: they measure the
         weights the batch's ratios use), then ``trainer.minibatches`` optimizer steps.
         Returns the metrics; the version bumps once."""
-        from moerl.algo.advantages import AdvantageInput
+        from moerl.algo.credit import assign_credit
         from moerl.algo.offpolicy import needs_old_policy
         from moerl.trainer.offpolicy import prepare
 
@@ -155,11 +158,10 @@ class Trainer:
                 f"trajectories {missing[:5]} have no reward: score them before training"
             )
         rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
-        groups = torch.tensor(
-            [int(t.group_id if t.group_id is not None else i) for i, t in enumerate(trajs)]
+        adv = assign_credit(
+            trajs, self.advantage_fn, credit=self.credit, discount=self.turn_discount
         )
-        adv = self.advantage_fn(AdvantageInput(rewards_S=rewards, group_ids_S=groups))
-        advantages = adv.advantages_S.tolist()
+        advantages = adv.advantages
         old = None
         if needs_old_policy(self.old_policy, self.correction_cfg):
             old = self.policy_logprobs(trajs)
@@ -200,7 +202,7 @@ class Trainer:
     def _minibatch_step(
         self,
         trajs: list[Trajectory],
-        advantages: list[float],
+        advantages: list[Advantage],
         offpolicy: Any,
         ref: list[Any] | None,
         indices: list[int],
@@ -341,12 +343,15 @@ class Trainer:
                             else t.response_logprobs, dtype=np.float64) for t in picked]
             )  # fmt: skip
 
+        trained = np.concatenate([t.trained for t in picked])  # not an episode's observations
         stale = np.concatenate([np.asarray(t.versions) < self.version for t in picked])
         dec = decompose(
-            replay_mask_T=runs["all", True], fresh_route_mask_T=runs["none", True],
-            replay_full_vocab_T=runs["all", False], fresh_route_full_vocab_T=runs["none", False],
-            rollout_sampling_T=cat("sampling_logprobs"), rollout_full_T=cat("response_logprobs"),
-            stale_T=stale,
+            replay_mask_T=runs["all", True][trained],
+            fresh_route_mask_T=runs["none", True][trained],
+            replay_full_vocab_T=runs["all", False][trained],
+            fresh_route_full_vocab_T=runs["none", False][trained],
+            rollout_sampling_T=cat("sampling_logprobs")[trained],
+            rollout_full_T=cat("response_logprobs")[trained], stale_T=stale[trained],
         )  # fmt: skip
         return {**decomposition_metrics(dec), **flips}
 

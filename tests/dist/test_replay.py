@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.checks.replay import collect_rollouts, score
+from moerl.checks.replay import collect_episodes, collect_rollouts, score
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +33,31 @@ def test_on_policy_is_ratio_is_one_with_replay_and_mask(layout, fp32_rollouts, t
     both = results[("on", "on")]
     assert both.max_abs_log_ratio < 1e-5, both
     assert both.flip_rate == 0.0 and all(x == 0.0 for x in both.flip_rate_per_layer)
+    assert results[("on", "off")].max_abs_log_ratio < 1e-5
+
+
+@pytest.fixture(scope="module")
+def fp32_episodes(tiny_checkpoints, tmp_path_factory):
+    path = tmp_path_factory.mktemp("episodes") / "fp32.jsonl"
+    trajs = collect_episodes(tiny_checkpoints["deepseek_moe"], path, num_episodes=6, turns=3)
+    return tiny_checkpoints["deepseek_moe"], path, trajs
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2ep2"])
+def test_episode_is_ratio_is_one_across_turns(layout, fp32_episodes, tmp_path):
+    """Fresh fp32 multi-turn episodes (observation tokens spliced between the actions,
+    every later request re-sending the earlier turns): with Keep Routing and the mask,
+    every trained token's log ratio is < 1e-5 and replay flips no route, so the routes of
+    spliced tokens (from the prefill of the request after them) and of earlier turns'
+    tokens are the ones the engine used."""
+    hf, rollouts, trajs = fp32_episodes
+    assert all(t.num_trained < t.response_len for t in trajs)  # observations were spliced
+    assert all(sum(s.source == "policy" for s in t.segments) >= 2 for t in trajs)
+    settings = [("on", "on"), ("on", "off")]
+    results = {(r.replay, r.mask): r for r in score(layout, hf, rollouts, tmp_path / "s.json", settings=settings)}
+    both = results[("on", "on")]
+    assert both.max_abs_log_ratio < 1e-5, both
+    assert both.flip_rate == 0.0
     assert results[("on", "off")].max_abs_log_ratio < 1e-5
 
 

@@ -238,7 +238,7 @@ def test_abort_resume_splices_one_trajectory_across_versions(ds_engine):
         traj.validate(num_layers=L, topk=K, num_experts=8)
         P, R = traj.prompt_len, traj.response_len
         assert R == LONG and traj.finish_reason == "length"
-        head_seg, tail_seg = traj.meta["segments"]
+        head_seg, tail_seg = traj.meta["requests"]
         r1 = head_seg["end"]
         assert 0 < r1 < LONG and tail_seg == {**tail_seg, "start": r1, "end": LONG}
         assert np.all(traj.versions[:r1] == old) and np.all(traj.versions[r1:] == old + 1)
@@ -285,7 +285,7 @@ def test_in_place_versions_change_mid_response(ds_engine):
     assert metrics["rollout/resumed"] == 0
     for traj in group:
         traj.validate(num_layers=L, topk=K, num_experts=8)
-        assert traj.response_len == LONG and "segments" not in traj.meta
+        assert traj.response_len == LONG and "requests" not in traj.meta
         switch = int(np.argmax(traj.versions == old + 1))
         assert 0 < switch < LONG
         assert np.all(traj.versions[:switch] == old) and np.all(traj.versions[switch:] == old + 1)
