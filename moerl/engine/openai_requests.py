@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moerl.engine.chat_template import apply_template, chat_messages
+from moerl.engine.tool_choice import ToolChoice, calls_schema, check_unconstrained, tool_choice
 from moerl.engine.validate import (
     BOOL,
     INT,
@@ -156,6 +157,7 @@ class Call:
     body: dict[str, Any]  # the request as sent (flags the reply reads)
     echo: list[str] = field(default_factory=list)  # completions: text put before each
     tools: list[dict[str, Any]] = field(default_factory=list)  # chat: tools to parse
+    forced_calls: bool = False  # chat: the output is a JSON array of calls (tool_choice.py)
     tokenizer: Any = None  # chat: the token bytes of logprobs
 
     def flag(self, name: str) -> bool:
@@ -310,31 +312,20 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return "" if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def _tools(body: dict[str, Any], parser: str | None) -> list[dict[str, Any]]:
-    """The request's tools, checked; [] when tool_choice is "none" (as SGLang, the
-    template then gets no tools and nothing is parsed)."""
+def _tools(body: dict[str, Any], parser: str | None) -> tuple[list[dict[str, Any]], ToolChoice]:
+    """The request's tools, checked, and its tool_choice; no tools when the choice is
+    "none" (as SGLang, the template then gets no tools and nothing is parsed) and only
+    the named one for a named choice (the template shows the model that one)."""
     tools = body.get("tools") or []
-    choice = body.get("tool_choice")
-    if choice is None:
-        choice = "auto" if tools else "none"
-    if isinstance(choice, dict) or choice == "required":
-        raise RequestError(
-            "tool_choice",
-            f"{show(choice)} is not served by the embedded engine (it needs a constrained "
-            'tool-call grammar); use "auto" or "none"',
-        )
-    if choice not in ("auto", "none"):
-        raise RequestError(
-            "tool_choice", f'must be "auto", "none" or "required", got {show(choice)}'
-        )
     for i, tool in enumerate(tools):
         function = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise RequestError(f"tools[{i}]", 'must be {"type": "function", "function": {...}}')
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise RequestError(f"tools[{i}].function.name", "must be a non-empty string")
-    if choice == "none" or not tools:
-        return []
+    choice = tool_choice(body)
+    if choice.mode == "none" or not tools:
+        return [], choice
     if parser is None:
         raise RequestError(
             "tools",
@@ -342,7 +333,9 @@ def _tools(body: dict[str, Any], parser: str | None) -> list[dict[str, Any]]:
             "back unparsed; start it with --tool-call-parser qwen25 (the "
             '<tool_call>{json}</tool_call> format) or send tool_choice="none"',
         )
-    return list(tools)
+    if choice.forced:
+        check_unconstrained(body)
+    return [t for t in tools if choice.name in (None, t["function"]["name"])], choice
 
 
 def chat_call(
@@ -376,7 +369,7 @@ def chat_call(
     if effort is not None:  # SGLang's normalize_reasoning_inputs
         ctk.setdefault("thinking", effort != "none")
         ctk.setdefault("enable_thinking", effort != "none")
-    tools = _tools(body, tool_parser)
+    tools, choice = _tools(body, tool_parser)
     for name in ("max_tokens", "max_completion_tokens", "top_logprobs"):
         value = body.get(name)
         if value is not None and value < (0 if name == "top_logprobs" else 1):
@@ -392,9 +385,11 @@ def chat_call(
         raise RequestError(
             name, f"is too large: {max_new}; this model supports at most {context_len} tokens"
         )
-    gen = _generate_body(
-        body, {"input_ids": ids}, _sampling(body, {**CHAT_DEFAULTS, **defaults}, max_new)
-    )
+    sampling = _sampling(body, {**CHAT_DEFAULTS, **defaults}, max_new)
+    if choice.forced:
+        schema = calls_schema(tools, choice, body.get("parallel_tool_calls") is not False)
+        sampling["json_schema"] = json.dumps(schema)
+    gen = _generate_body(body, {"input_ids": ids}, sampling)
     gen["return_logprob"] = bool(body.get("logprobs"))
     gen["top_logprobs_num"] = body.get("top_logprobs") or 0
     gen["logprob_start_len"] = -1
@@ -405,5 +400,6 @@ def chat_call(
         bool(body.get("stream")),
         body,
         tools=tools,
+        forced_calls=choice.forced,
         tokenizer=tokenizer,
     )

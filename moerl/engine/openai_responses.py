@@ -10,7 +10,7 @@ from typing import Any
 
 from moerl.engine.openai_requests import Call
 from moerl.engine.token_bytes import token_bytes
-from moerl.engine.tool_calls import parse_tool_calls
+from moerl.engine.tool_calls import parse_call_array, parse_tool_calls
 
 # -- pieces of a response ---------------------------------------------------------------
 
@@ -133,7 +133,8 @@ def assistant_message(
     """The assistant message, with tool calls parsed out when the request has tools."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
     if call.tools:
-        parsed = parse_tool_calls(text, call.tools)
+        parse = parse_call_array if call.forced_calls else parse_tool_calls
+        parsed = parse(text, call.tools)
         if parsed.calls:
             calls = parsed.calls if call.body.get("parallel_tool_calls", True) else parsed.calls[:1]
             message["content"], message["tool_calls"] = parsed.content, calls

@@ -181,8 +181,8 @@ def _chat_chunk(
 
 async def chat_events(call: Call, reqs: list[Any], items: Any) -> Any:
     """SGLang's ``_generate_chat_stream``: a role chunk, content deltas (held back where a
-    ``<tool_call>`` may begin when the request has tools), tool calls once a choice
-    finishes, then each choice's finish_reason."""
+    ``<tool_call>`` may begin when the request has tools, all of it when tool_choice
+    forces a call), tool calls once a choice finishes, then each choice's finish_reason."""
     created, progress = int(time.time()), _Progress()
     finished: dict[int, tuple[dict[str, Any], str, Any]] = {}
     async with aclosing(items):
@@ -197,8 +197,8 @@ async def chat_events(call: Call, reqs: list[Any], items: Any) -> Any:
             reason, matched = finish(meta)
             text = _visible(call, ret["text"] or "", reason is not None)
             calls: list[dict[str, Any]] = []
-            if call.tools and reason is None:
-                text = text[: safe_prefix(text)]
+            if call.tools and reason is None:  # a forced call's array is all calls
+                text = text[: 0 if call.forced_calls else safe_prefix(text)]
             elif call.tools:
                 message, reason, matched = assistant_message(call, text, reason, matched)
                 text, calls = message["content"], message.get("tool_calls", [])

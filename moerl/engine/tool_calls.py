@@ -55,20 +55,40 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> ParsedCalls:
             if not isinstance(act, dict) or act.get("name") not in known:
                 continue
             args = act.get("parameters") or act.get("arguments") or {}
-            calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
-                    "index": len(calls),
-                    "type": "function",
-                    "function": {
-                        "name": act["name"],
-                        "arguments": json.dumps(args, ensure_ascii=False),
-                    },
-                }
-            )
+            calls.append(_call(len(calls), act["name"], args))
     if not calls:  # a marker but no complete call: SGLang keeps the text as it is
         return ParsedCalls(text, [])
     return ParsedCalls(text[:start].strip(), calls)
+
+
+def parse_call_array(text: str, tools: list[dict[str, Any]]) -> ParsedCalls:
+    """The output of a forced ``tool_choice`` (``tool_choice.py``): a JSON array of
+    ``{"name", "parameters"}`` calls, all of them tool calls. Output the grammar did not
+    let finish (cut by max_tokens or a stop string) is returned as plain content, as
+    SGLang returns it when the array does not parse. ``tools`` is unused: the grammar
+    already held each name to a tool's."""
+    try:
+        action = json.loads(text)
+    except json.JSONDecodeError:
+        return ParsedCalls(text, [])
+    actions = [action] if isinstance(action, dict) else action
+    if not isinstance(actions, list) or not all(
+        isinstance(act, dict) and isinstance(act.get("name"), str) for act in actions
+    ):
+        return ParsedCalls(text, [])
+    return ParsedCalls(
+        "", [_call(i, act["name"], act.get("parameters", {})) for i, act in enumerate(actions)]
+    )
+
+
+def _call(index: int, name: str, args: Any) -> dict[str, Any]:
+    """One OpenAI ``tool_calls`` entry."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "index": index,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+    }
 
 
 def safe_prefix(text: str) -> int:

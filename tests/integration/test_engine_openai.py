@@ -278,7 +278,20 @@ def test_rl_extension_fields_equal_generate(client, model, ds_engine, tokenizer)
             {"messages": USER, "tools": [{"type": "function", "function": {"name": "add"}}]},
             ["tools", "--tool-call-parser"],
         ),
-        ("chat/completions", {"messages": USER, "tool_choice": "required"}, ["tool_choice"]),
+        (
+            "chat/completions",
+            {"messages": USER, "tool_choice": "required"},
+            ["tool_choice", "Tools cannot be empty", "required"],
+        ),
+        (
+            "chat/completions",
+            {
+                "messages": USER,
+                "tools": [{"type": "function", "function": {"name": "add"}}],
+                "tool_choice": {"type": "function", "function": {"name": "mul"}},
+            },
+            ["tool_choice", "Tool 'mul' not found in tools list."],
+        ),
         (
             "chat/completions",
             {"messages": USER, "return_sampling_mask": True},
@@ -354,18 +367,177 @@ def test_responses_fit_sglangs_models(ds_engine, model):
     validate_with_sglang(payloads)
 
 
-def test_tools_with_a_tool_call_parser(tiny_checkpoints, engine_factory):
+@pytest.fixture(scope="module")
+def tool_engine(tiny_checkpoints, engine_factory):
+    """An engine that parses tool calls (--tool-call-parser qwen25)."""
+    return engine_factory(tiny_checkpoints["qwen3_moe"], "--tool-call-parser", "qwen25")
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_engine):
+    return openai.OpenAI(base_url=f"{tool_engine.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_tools_with_a_tool_call_parser(tool_engine, tool_client):
     """--tool-call-parser: a request with tools is served (the tiny model writes no call,
     so the answer is plain content); parsing itself is tests/unit/test_engine_tool_calls.py."""
-    engine = engine_factory(tiny_checkpoints["qwen3_moe"], "--tool-call-parser", "qwen25")
-    client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    out = client.chat.completions.create(
+    out = tool_client.chat.completions.create(
         model="m", messages=USER, tools=tools, max_tokens=4, temperature=0
     )
     assert out.choices[0].message.tool_calls is None
     assert isinstance(out.choices[0].message.content, str)
-    assert httpx.get(f"{engine.url}/server_info").json()["tool_call_parser"] == "qwen25"
+    assert httpx.get(f"{tool_engine.url}/server_info").json()["tool_call_parser"] == "qwen25"
+
+
+# Tools the tiny tokenizer can write (lowercase, digits, `{}[]"_:,. `), with arguments an
+# untrained model would never get right unless decoding is constrained.
+CALC = {
+    "type": "object",
+    "properties": {
+        "op": {"type": "string", "enum": ["add", "mul"]},
+        "x": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["op", "x", "ok"],
+    "additionalProperties": False,
+}
+NOTE = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 4}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+CALC_TOOLS = [
+    {"type": "function", "function": {"name": "calc", "parameters": CALC}},
+    {"type": "function", "function": {"name": "note", "parameters": NOTE}},
+]
+
+
+def _valid_arguments(name: str, arguments: str) -> None:
+    """The call's arguments are JSON valid for its tool's schema (checked by hand)."""
+    args = json.loads(arguments)
+    if name == "calc":
+        assert set(args) == {"op", "x", "ok"}, args
+        assert args["op"] in ("add", "mul") and isinstance(args["ok"], bool)
+        assert isinstance(args["x"], int) and 0 <= args["x"] <= 99
+    else:
+        assert name == "note" and set(args) == {"text"}, (name, args)
+        assert isinstance(args["text"], str) and len(args["text"]) <= 4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_choice_required_forces_a_valid_call(tool_client, seed):
+    """The random-init model calls a tool with valid arguments only because the grammar
+    makes it (one call at most with parallel_tool_calls=false)."""
+    out = tool_client.chat.completions.create(
+        model="m",
+        messages=USER,
+        tools=CALC_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        seed=seed,
+        temperature=1.0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content == "" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    _valid_arguments(call.function.name, call.function.arguments)
+
+
+def test_a_named_tool_choice_calls_that_function(tool_client):
+    named = {"type": "function", "function": {"name": "note"}}
+    out = tool_client.chat.completions.create(
+        model="m",
+        messages=USER,
+        tools=CALC_TOOLS,
+        tool_choice=named,
+        parallel_tool_calls=False,  # an untrained model would add calls up to max_tokens
+        max_tokens=96,
+        n=3,
+        seed=7,
+        temperature=1.0,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls
+        assert call.function.name == "note"
+        _valid_arguments("note", call.function.arguments)
+
+    # streamed: no JSON leaks as content, the calls arrive whole
+    chunks = list(
+        tool_client.chat.completions.create(
+            model="m",
+            messages=USER,
+            tools=CALC_TOOLS,
+            tool_choice=named,
+            parallel_tool_calls=False,
+            max_tokens=96,
+            seed=7,
+            temperature=1.0,
+            stream=True,
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ""
+    calls = [call for d in deltas for call in d.tool_calls or []]
+    assert [c.function.name for c in calls] == ["note"]
+    _valid_arguments("note", calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_keeps_every_sampled_token_in_its_sampling_mask(tool_client):
+    """The tool-call grammar is folded into the recorded mask: every sampled token is in
+    its position's mask, and the first position allows only the array's ``[``."""
+    from moerl.models.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    out = tool_client.chat.completions.create(
+        model="m",
+        messages=USER,
+        tools=CALC_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        seed=3,
+        temperature=1.0,
+        extra_body={
+            "return_meta_info": True,
+            "return_sampling_mask": True,
+            "return_token_ids": True,
+        },
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    ids = choice.model_extra["response_token_ids"]
+    masks = choice.model_extra["meta_info"]["output_token_sampling_mask"]
+    assert len(masks) == len(ids) > 0
+    assert all(token in mask for token, mask in zip(ids, masks, strict=True))
+    assert masks[0] == [tok.convert_tokens_to_ids("[")]
+    assert all(len(mask) < 100 for mask in masks)  # constrained: never the whole vocabulary
+
+
+def test_a_forced_call_with_another_output_constraint_is_refused(tool_client):
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        tool_client.chat.completions.create(
+            model="m",
+            messages=USER,
+            tools=CALC_TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    with pytest.raises(openai.BadRequestError, match="Tool 'mul' not found in tools list"):
+        tool_client.chat.completions.create(
+            model="m",
+            messages=USER,
+            tools=CALC_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "mul"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="Tools cannot be empty"):
+        tool_client.chat.completions.create(model="m", messages=USER, tool_choice="required")
 
 
 def test_a_client_leaving_a_stream_aborts_its_request(inprocess_engine):
