@@ -312,3 +312,53 @@ def test_every_observation_tokenises_on_the_tiny_tokenizer() -> None:
             assert step.observation is not None
             seen.add(step.observation.text.split(" ")[0])
     assert {"result:", "error:", "higher", "lower"} <= seen
+
+
+# --- a random-init tiny model gets a signal --------------------------------------
+
+
+def _random_actions(n: int, seed: int, role: str = POLICY_ROLE) -> list[Action]:
+    """What a uniform sampler over the tiny models' 128 ids produces: up to 6 tokens, cut
+    at the first EOS (then finish 'stop'), unshowable ids as U+FFFD (decode_marked)."""
+    from moerl.tasks.rewards import decode_marked
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, 128, 6)
+        eos = np.flatnonzero(ids == TOK.eos_token_id)
+        body = ids[: eos[0]] if eos.size else ids
+        finish = "stop" if eos.size else "length"
+        out.append(_act(decode_marked(TOK, body), role=role, finish=finish))
+    return out
+
+
+def test_uniform_random_actions_earn_varied_rewards() -> None:
+    # GRPO learns nothing from a group whose rewards are all equal: with the default
+    # options the first turn of random-init sampling already scores > 0 and varies.
+    make_envs: dict[str, Any] = {
+        "calculator": lambda p: CalculatorEnv(p, CalculatorEnvConfig()),
+        "guess_number": lambda p: GuessNumberEnv(p, GuessNumberEnvConfig()),
+    }
+    task = build_task({"name": "arithmetic"}, TOK)
+    prompts = list(itertools.islice(task.prompts(0), 8))
+    for name, make in make_envs.items():
+        varied = 0
+        for i, prompt in enumerate(prompts):
+            rewards = []
+            for action in _random_actions(16, seed=i):
+                env = make(prompt)
+                asyncio.run(env.reset())
+                rewards.append(asyncio.run(env.step(action)).reward)
+            varied += len(set(rewards)) > 1
+            assert min(rewards) >= 0.0
+        assert varied >= len(prompts) // 2, name
+    solver_rewards = []
+    for action in _random_actions(64, seed=99, role="solver"):
+        env = TwoAgentEnv(_prompt(), TwoAgentEnvConfig())
+        asyncio.run(env.reset())
+        asyncio.run(env.step(_act("3+4", role="proposer")))
+        reward = asyncio.run(env.step(action)).reward
+        assert isinstance(reward, dict)
+        solver_rewards.append(reward["solver"])
+    assert len(set(solver_rewards)) > 1 and sum(solver_rewards) > 0
