@@ -313,9 +313,11 @@ def _check_rollout(cfg: MoerlConfig) -> None:
                 "rollout.partial_rollout=abort_resume with lora.enabled: a continued request "
                 "would mix adapters; use in_place (each request keeps its adapter) or drain"
             )
+    from moerl.envs import check_env_config
     from moerl.tasks import check_task_config
 
     check_task_config(cfg.task)
+    check_env_config(cfg.env)
     cfg.telemetry.validate("telemetry")
 
 

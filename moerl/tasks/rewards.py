@@ -188,13 +188,18 @@ def shaped(inp: RewardInput, cfg: ShapedConfig) -> float:
     s[i] in charset} / D, match = #{i < min(n, m): s[i] == a[i]} / D, stop = min(n, m) / D
     if stopped else 0. Dividing by D makes rambling past the answer cost credit.
     """
-    s, a = inp.text, str(inp.answer)
+    return shaped_score(inp.text, str(inp.answer), inp.stopped, cfg)
+
+
+def shaped_score(s: str, a: str, stopped: bool, cfg: ShapedConfig) -> float:
+    """The `shaped` reward of text `s` against answer `a` (for callers without a
+    trajectory, e.g. an environment scoring one turn)."""
     n, m = len(a), len(s)
     d = max(n, m, 1)
     k = min(n, m)
     fmt = sum(c in cfg.charset for c in s[:k]) / d
     match = sum(x == y for x, y in zip(s[:k], a[:k], strict=True)) / d
-    stop = k / d if inp.stopped else 0.0
+    stop = k / d if stopped else 0.0
     total = cfg.format_weight + cfg.match_weight + cfg.stop_weight
     return (cfg.format_weight * fmt + cfg.match_weight * match + cfg.stop_weight * stop) / total
 
