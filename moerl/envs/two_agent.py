@@ -9,8 +9,9 @@
 Rewards, per role:
     proposer  valid_reward for a valid proposal (operands 0..max_operand, an operator of
               `ops`), given at its turn, plus 1 - valid_reward when the solver then gets it
-              right, given with the solver's; an invalid proposal earns 0 and ends the
-              episode (the solver never acts)
+              right, given with the solver's; an invalid proposal earns 0 and no bonus,
+              and the solver gets the fallback problem instead (the task's example, or
+              1+1), so every role acts in every episode (the runner's contract)
     solver    1 for the right answer, else partial_credit * its shaped score
 so a proposer learns to pose valid problems the solver can solve. With `rounds` > 1 the
 proposer proposes again after each answer, told `solved`/`failed`; the solver's stream is
@@ -54,6 +55,7 @@ class TwoAgentEnv:
         self.example = "".join(map(str, example)) if example else ""
         self.rounds = 0
         self.answer = ""
+        self.bonus = False  # the problem being solved is the proposer's own
 
     def _propose(self, lead: str = "", others: dict[str, str] | None = None) -> Observation:
         like = f" like {self.example}" if self.example else ""
@@ -71,14 +73,16 @@ class TwoAgentEnv:
 
     def _proposed(self, action: Action) -> Step:
         problem = parse_problem(action.text, self.cfg)
+        valid = problem is not None
+        self.bonus = valid
         if problem is None:
-            return Step(reward={PROPOSER: 0.0}, done=True, info={"valid_proposal": False})
+            problem = parse_problem(self.example, self.cfg) or (1, "+", 1)
         a, op, b = problem
         self.answer = str(evaluate([a, b], [op]))
         return Step(
             observation=Observation(f"solve: {a}{op}{b}=", role=SOLVER),
-            reward={PROPOSER: self.cfg.valid_reward},
-            info={"valid_proposal": True},
+            reward={PROPOSER: self.cfg.valid_reward if valid else 0.0},
+            info={"valid_proposal": valid},
         )
 
     def _answered(self, action: Action) -> Step:
@@ -86,7 +90,7 @@ class TwoAgentEnv:
         stopped = action.finish_reason == "stop"
         solver = answer_reward(action.text, self.answer, stopped, cfg.partial_credit)
         solved = solver == 1.0
-        reward = {PROPOSER: (1.0 - cfg.valid_reward) * solved, SOLVER: solver}
+        reward = {PROPOSER: (1.0 - cfg.valid_reward) * (solved and self.bonus), SOLVER: solver}
         self.rounds += 1
         info = {"correct": solved}
         if self.rounds >= cfg.rounds:

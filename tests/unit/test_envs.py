@@ -244,11 +244,17 @@ def test_two_agent_wrong_answer() -> None:
 
 
 @pytest.mark.parametrize("text", ["hello", "100+1", "3-2", "5+" + "9" * 5000, ""])
-def test_two_agent_invalid_proposal_ends_with_zero(text: str) -> None:
+def test_two_agent_invalid_proposal_earns_zero_and_the_solver_gets_the_fallback(text: str) -> None:
+    """Every role acts in every episode: the solver solves the fallback problem (1+1
+    here, the prompt has no `+` example), the proposer gets neither reward."""
     cfg = TwoAgentEnvConfig(ops="+", max_operand=99)
-    _, [step] = _play(TwoAgentEnv(_prompt(), cfg), _act(text, role="proposer"))
-    assert step.done and step.observation is None
+    _, [step, answered] = _play(
+        TwoAgentEnv(_prompt("5-9="), cfg), _act(text, role="proposer"), _act("2", role="solver")
+    )
+    assert not step.done and step.observation is not None
+    assert step.observation.role == "solver" and step.observation.text == "solve: 1+1="
     assert step.reward == {"proposer": 0.0} and step.info["valid_proposal"] is False
+    assert answered.done and answered.reward == {"proposer": 0.0, "solver": 1.0}
 
 
 def test_two_agent_rounds_tell_both_streams() -> None:
