@@ -36,8 +36,9 @@ class EngineConfig:
     does with PREFIX_CACHE=false)."""
     prefix_cache_max_tokens: int = 65536
     """Tokens of finished sequences an embedded engine's prefix cache keeps (least recently
-    used dropped first); with a 2-layer toy model that is a few MB, with a real MoE's
-    KV sized by its layers and heads."""
+    used dropped first). A token holds its keys and values in every layer: kilobytes for
+    the tiny test models, ~0.3 MB for DeepSeek-V2-Lite in bf16, so lower it for big
+    models on small hosts."""
     startup_timeout_s: float = 300.0
     """How long an engine may take to become healthy before the run fails."""
 
