@@ -130,6 +130,13 @@ def check_resume(cfg: MoerlConfig, world: int) -> None:
         print(f"moerl: resuming from {path}", flush=True)
 
 
+def prefix_cache_flags(engine: Any) -> list[str]:
+    """An embedded engine's prefix-cache flags for ``engine.prefix_cache*``."""
+    if not engine.prefix_cache:
+        return ["--disable-radix-cache"]
+    return ["--prefix-cache-max-tokens", str(engine.prefix_cache_max_tokens)]
+
+
 def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], list[Any]]:
     """Engine URLs and the processes moerl owns (embedded engines only)."""
     if cfg.engine.kind == "sglang":
@@ -143,6 +150,7 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
     os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(32))
     flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
     flags += ["--max-running-requests", str(cfg.engine.max_running_requests)]
+    flags += prefix_cache_flags(cfg.engine)
     if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
         from moerl.lora import resolve_targets
 

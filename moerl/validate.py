@@ -243,7 +243,12 @@ def _check_engine(e: EngineConfig) -> None:
 
 def _check_engine_numbers(e: EngineConfig) -> None:
     one_of("engine.dtype", e.dtype, ENGINE_DTYPES)
-    for key in ("threads", "max_running_requests", "max_health_failures"):
+    for key in (
+        "threads",
+        "max_running_requests",
+        "max_health_failures",
+        "prefix_cache_max_tokens",
+    ):
         positive_int(f"engine.{key}", getattr(e, key))
     non_negative_int("engine.max_restarts", e.max_restarts)
     for key in ("startup_timeout_s", "health_interval_s"):

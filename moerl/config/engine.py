@@ -28,6 +28,17 @@ class EngineConfig:
     """CPU threads of each embedded engine process."""
     max_running_requests: int = 64
     """Requests an embedded engine decodes together (continuous batching)."""
+    prefix_cache: bool = True
+    """Keep finished sequences' KV and routes so a request extending one (the next turn of
+    an episode) prefills only its new tokens, with the cached tokens' routes (SGLang's radix
+    cache). false starts embedded engines with --disable-radix-cache; SGLang servers are
+    started elsewhere: give them --disable-radix-cache yourself (tools/slurm/moerl.sbatch
+    does with PREFIX_CACHE=false)."""
+    prefix_cache_max_tokens: int = 65536
+    """Tokens of finished sequences an embedded engine's prefix cache keeps (least recently
+    used dropped first). A token holds its keys and values in every layer: kilobytes for
+    the tiny test models, ~0.3 MB for DeepSeek-V2-Lite in bf16, so lower it for big
+    models on small hosts."""
     startup_timeout_s: float = 300.0
     """How long an engine may take to become healthy before the run fails."""
 

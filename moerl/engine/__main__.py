@@ -2,7 +2,7 @@
 
 Flags are named as SGLang's (``--model-path``, ``--port``, ``--host``,
 ``--max-running-requests``, ``--max-queued-requests``, ``--enable-return-routed-experts``,
-``--enable-lora``, ``--api-key``), so scripts move between the two by changing the module.
+``--enable-lora``, ``--disable-radix-cache``, ``--api-key``), so scripts move between the two by changing the module.
 The API key can come from the ``MOERL_API_KEY`` environment variable instead, which keeps
 it out of the process list. SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
 """
@@ -37,6 +37,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per streamed chunk unless a request sets sampling_params.stream_interval",
     )
     p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn the prefix cache off: every request prefills its whole input",
+    )
+    p.add_argument(
+        "--prefix-cache-max-tokens",
+        type=int,
+        default=65536,
+        help="tokens of finished sequences (KV and routes) the prefix cache keeps, least "
+        "recently used dropped first",
+    )
     p.add_argument(
         "--tool-call-parser",
         default=None,

@@ -13,6 +13,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine import API_KEY_ENV
     from moerl.engine.eos import eos_token_ids
     from moerl.engine.model_runner import ModelRunner
+    from moerl.engine.prefix_cache import PrefixCache
     from moerl.engine.scheduler import Scheduler
     from moerl.engine.server import create_app
     from moerl.engine.state import EngineState
@@ -36,6 +37,7 @@ def build_state(args: argparse.Namespace) -> Any:
         tokenizer = load_tokenizer(args.model_path)
     except (FileNotFoundError, OSError, ValueError):
         tokenizer = None  # input_ids only; "text" stays empty
+    prefix_cache = None if args.disable_radix_cache else PrefixCache(args.prefix_cache_max_tokens)
     scheduler = Scheduler(
         runner,
         max_running_requests=args.max_running_requests,
@@ -44,6 +46,7 @@ def build_state(args: argparse.Namespace) -> Any:
         tokenizer=tokenizer,
         weight_version=args.weight_version,
         enable_routed_experts=args.enable_return_routed_experts,
+        prefix_cache=prefix_cache,
     )
     state = EngineState(
         runner=runner,

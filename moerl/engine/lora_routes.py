@@ -45,7 +45,12 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
         bad = await asyncio.to_thread(nonfinite_tensor, tensors.items())
         if bad is not None:
             return reply(False, f"adapter {name!r}: {bad} holds NaN or inf; nothing loaded")
-        return await apply(lambda: runner.lora.load(name, config, tensors))
+
+        def load_it() -> None:
+            runner.lora.load(name, config, tensors)
+            sched.flush_adapter(name)  # a name loaded anew: its cached KV is stale
+
+        return await apply(load_it)
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: HTTPRequest) -> Any:
@@ -99,5 +104,6 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
                     f"retry when they finish, or load the next version under a new name"
                 )
             runner.lora.unload(name)
+            sched.flush_adapter(name)
 
         return await apply(unload)

@@ -3,9 +3,10 @@
 One background thread owns the model. Each iteration it first runs control actions
 (weight updates, pause/continue, aborts) — so a weight swap happens between decode
 steps and running requests keep going on the new weights — then prefills newly
-arrived requests one by one, then decodes one token for every running request in
-a single batched forward. HTTP handlers talk to it through thread-safe queues and
-get results back on their asyncio loop.
+arrived requests one by one (each reusing the KV and routes of the longest prefix the
+``PrefixCache`` holds, so only the rest is prefilled), then decodes one token for every
+running request in a single batched forward. HTTP handlers talk to it through
+thread-safe queues and get results back on their asyncio loop.
 
 The thread survives its requests: an exception while prefilling, decoding or sampling
 fails only the requests that step touched (a batched forward that raises is retried one
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from moerl.engine.model_runner import KVCache, ModelRunner
+from moerl.engine.prefix_cache import PrefixCache, Sequence
 from moerl.engine.sampling import Matcher, Sampler, SamplingParams, prompt_logprobs
 
 log = logging.getLogger(__name__)
@@ -75,8 +77,11 @@ class Request:
     masks: list[list[int]] = field(default_factory=list)
     sampling_logprobs: list[Any] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight version of each output token
-    routes: list[np.ndarray] = field(default_factory=list)  # [T, L, K] chunks, one per forward
+    # [T, L, K] chunks, one per forward (the prefix cache's rows first), from token 0
+    routes: list[np.ndarray] = field(default_factory=list)
     cache: KVCache = field(default_factory=KVCache)
+    cached_tokens: int = 0  # leading input tokens whose KV and routes the prefix cache gave
+    cache_epoch: tuple[int, int] | None = None  # the prefix cache's, at admission
     sampler: Sampler | None = None  # made at admission
     stop_tail: int = 0  # output tokens decoded to look for stop strings (0: all)
     finish_reason: dict[str, Any] | None = None
@@ -101,8 +106,10 @@ class Scheduler:
         tokenizer: Any = None,
         weight_version: str = "0",
         enable_routed_experts: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.runner = runner
+        self.prefix_cache = prefix_cache  # None: --disable-radix-cache
         if max_running_requests < 1:
             raise ValueError(f"--max-running-requests {max_running_requests} must be >= 1")
         if max_queued_requests is not None and max_queued_requests < 1:
@@ -194,6 +201,8 @@ class Scheduler:
         if request.done:
             return
         request.finish_reason = reason
+        if not reason.get("status_code"):  # finished or aborted, not failed
+            self._keep(request)
         request.cache = KVCache()  # free its KV now, not when the server drops it
         if request.on_done is not None:
             try:
@@ -264,6 +273,16 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = False
+
+    def flush_cache(self) -> None:
+        """Forget every cached prefix (new weights, or /flush_cache)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+
+    def flush_adapter(self, name: str) -> None:
+        """Forget the prefixes cached under adapter ``name`` (loaded anew or unloaded)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush_adapter(name)
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -389,7 +408,13 @@ class Scheduler:
                 self.finish(req, {"type": "length", "length": 0})
                 return
             start = req.logprob_start_len if req.return_logprob else None
-            logits, routes = self.runner.prefill(tokens, req.cache, req.lora, logits_from=start)
+            reused = self._reuse(req, tokens, start)
+            logits, routes = self.runner.prefill(
+                tokens[reused:],
+                req.cache,
+                req.lora,
+                logits_from=None if start is None else start - reused,
+            )
             self._record(req, routes)
             if start is not None:
                 self._input_logprobs(req, tokens, logits)
@@ -400,6 +425,44 @@ class Scheduler:
             self._emit(req, logits)
         if not req.done:
             self.running.append(req)
+
+    def _reuse(self, req: Request, tokens: list[int], logits_from: int | None) -> int:
+        """Seed ``req``'s KV cache and routes with the longest cached prefix of ``tokens``
+        and return its length: at most all but the last token (its logits are needed),
+        and no further than ``logits_from`` (input logprobs are computed from there on,
+        as SGLang caps the match at logprob_start_len)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        req.cache_epoch = cache.epoch(req.lora)
+        limit = len(tokens) - 1 if logits_from is None else min(len(tokens) - 1, logits_from)
+        hit = cache.match(req.lora, tokens, limit)
+        if hit is None:
+            return 0
+        seq, n = hit.sequence, hit.length
+        req.cache.append([k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
+        self._record(req, seq.routes_TLK[:n])
+        req.cached_tokens = n
+        return n
+
+    def _keep(self, req: Request) -> None:
+        """Hand a finished request's processed tokens (all but the last sampled one), their
+        KV and routes to the prefix cache."""
+        cache, n = self.prefix_cache, req.cache.length
+        if cache is None or req.cache_epoch is None or not n:
+            return
+        tokens = (req.input_ids + req.output_ids)[:n]
+        routes_TLK = np.concatenate(req.routes, axis=0) if req.routes else None
+        if routes_TLK is None or len(routes_TLK) != n or len(tokens) != n:
+            log.warning("request %s: KV and routes disagree; not cached", req.rid)
+            return
+        seq = Sequence(
+            tokens_T=np.asarray(tokens, dtype=np.int64),
+            keys=[k[:, :n].clone() for k in req.cache.keys],
+            values=[v[:, :n].clone() for v in req.cache.values],
+            routes_TLK=routes_TLK,
+        )
+        cache.insert(req.lora, seq, req.cache_epoch)
 
     def _input_logprobs(self, req: Request, tokens: list[int], logits_SV: torch.Tensor) -> None:
         """SGLang's input-token logprobs of prompt positions logprob_start_len.. : None for
@@ -455,7 +518,7 @@ class Scheduler:
                 self.fail(req, f"sampling failed: {_words(err)}")
 
     def _record(self, req: Request, routes: np.ndarray) -> None:
-        if req.return_routed_experts:
+        if req.return_routed_experts or self.prefix_cache is not None:
             req.routes.append(routes)
 
     def _emit(self, req: Request, logits: Any) -> None:

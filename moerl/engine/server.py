@@ -187,7 +187,7 @@ def build_response(state: EngineState, req: Request) -> dict[str, Any]:
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "weight_version": spans[-1]["version"],
     }
     if req.done:  # as SGLang: the spans come with the finished response
@@ -522,7 +522,9 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Any:
-        # No prefix cache is kept: every request owns its KV cache, freed when it ends.
+        # Unlike SGLang's, never refused while requests run: each owns its KV cache, and
+        # one admitted before the flush is not cached when it ends.
+        await _on_scheduler(state, sched.flush_cache)
         return PlainTextResponse("Cache flushed.")
 
     @app.post("/pause_generation")

@@ -33,7 +33,7 @@ VERSION = f"moerl {moerl.__version__} embedded engine (SGLang {SGLANG_API} nativ
 def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any]:
     """The engine's settings under SGLang's server-argument names."""
     sched, runner = state.scheduler, state.runner
-    lora = runner.lora
+    lora, cache = runner.lora, sched.prefix_cache
     return {
         **model_info,
         "max_context_length": runner.context_len,
@@ -50,8 +50,8 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "max_lora_rank": None if lora is None else lora.max_rank,
         "max_loras_per_batch": None if lora is None else lora.max_loras,
         "lora_target_modules": None if lora is None or not lora.targets else sorted(lora.targets),
-        # no prefix cache: every request owns its KV cache, freed when it ends
-        "disable_radix_cache": True,
+        "disable_radix_cache": sched.prefix_cache is None,
+        "prefix_cache_max_tokens": None if cache is None else cache.max_tokens,
         # one process, one model replica, no parallelism
         "tp_size": 1,
         "dp_size": 1,
@@ -88,6 +88,9 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         # tokens of KV cache held by running and retracted requests
         "kv_cache_tokens": sum(r.cache.length for r in sched.running + sched.retracted),
         "waiting_requests": sched.waiting.qsize(),
+        # tokens and sequences the prefix cache holds
+        "prefix_cache_tokens": 0 if sched.prefix_cache is None else sched.prefix_cache.tokens,
+        "prefix_cache_sequences": 0 if sched.prefix_cache is None else len(sched.prefix_cache),
         "paused": sched.paused,
         "decode_steps": sched.steps,
         "scheduler_loops": sched.loops,

@@ -8,7 +8,8 @@ into the model between two decode steps — running requests continue on the new
 weights and their later tokens carry the new ``weight_version``. A request that
 fails validation still receives the broadcast (so the trainer never hangs) and
 leaves the model untouched: a wrong name or shape, or a tensor holding NaN or inf (400
-naming it). A push that states more bytes than twice the model's fp32 size is refused
+naming it). Applied weights flush the prefix cache, whatever the body's ``flush_cache``
+says (SGLang keeps its cache on ``false``; here a stale prefix would be wrong KV). A push that states more bytes than twice the model's fp32 size is refused
 before receiving anything.
 """
 
@@ -120,6 +121,8 @@ def register_weight_routes(
             if abort_all:
                 sched.abort(abort_all=True, message="aborted by update_weights_from_distributed")
             count = runner.load_weights(zip(names, tensors))
+            # always, whatever the body's flush_cache: cached KV is the old weights'
+            sched.flush_cache()
             if version is not None:
                 sched.weight_version = str(version)
             return count, time.perf_counter() - start

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
+from safetensors import safe_open
 
 from moerl.parallel.spawn import free_port
 
@@ -98,3 +100,62 @@ class InProcessEngine:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's model.safetensors."""
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+class WeightTrainer:
+    """The trainer side of a weight update: rank 0 of a gloo group with one engine."""
+
+    def __init__(self, url: str) -> None:
+        from moerl.engine.group import init_custom_process_group
+        from moerl.parallel.spawn import free_port
+
+        self.url = url
+        port = free_port()
+        box: dict = {}
+        t = threading.Thread(
+            target=lambda: box.setdefault(
+                "g", init_custom_process_group("gloo", "127.0.0.1", port, 0, 2)
+            )
+        )
+        t.start()
+        r = httpx.post(f"{url}/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": "wu", "backend": "gloo",
+        }, timeout=120)  # fmt: skip
+        t.join()
+        assert r.status_code == 200 and r.json()["success"], r.text
+        self.group = box["g"]
+
+    def send(self, tensors: dict[str, torch.Tensor], version: str, bucketed: bool) -> dict:
+        from moerl.engine.bucket import dtype_name, flatten
+        from moerl.engine.group import broadcast
+
+        names = list(tensors)
+        body = {
+            "names": names,
+            "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()],
+            "group_name": "wu",
+            "weight_version": version,
+            "load_format": "flattened_bucket" if bucketed else None,
+            "flush_cache": False,
+        }
+        box: dict = {}
+        t = threading.Thread(
+            target=lambda: box.setdefault(
+                "r",
+                httpx.post(f"{self.url}/update_weights_from_distributed", json=body, timeout=120),
+            )
+        )
+        t.start()
+        payload = [flatten(list(tensors.values()))] if bucketed else list(tensors.values())
+        for tensor in payload:
+            broadcast(self.group, tensor.contiguous())
+        t.join()
+        return box["r"].json()

@@ -19,5 +19,6 @@ def test_engine_benchmark_quick():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
     results = bench.main(["--quick", "--threads", "1"])
-    for key in ("tokens_per_s_c1", "tokens_per_s_c32", "batching_speedup", "stall_decode_steps"):
+    keys = ("tokens_per_s_c1", "tokens_per_s_c32", "batching_speedup", "stall_decode_steps")
+    for key in (*keys, "turn_prefix_reuse_speedup", "turn_cached_tokens_median"):
         assert results[key] > 0

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
+from engine_http import WeightTrainer, checkpoint_tensors
 from transformers import AutoModelForCausalLM
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21], [30, 31, 32, 33, 34]]
@@ -189,63 +189,6 @@ def test_greedy_mask_is_one_token(ds_engine, reference):
 # --- weight updates -----------------------------------------------------------------
 
 
-def _checkpoint_tensors(path) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-class Trainer:
-    """The trainer side of a weight update: rank 0 of a gloo group with one engine."""
-
-    def __init__(self, url: str) -> None:
-        from moerl.engine.group import init_custom_process_group
-        from moerl.parallel.spawn import free_port
-
-        self.url = url
-        port = free_port()
-        box: dict = {}
-        t = threading.Thread(
-            target=lambda: box.setdefault(
-                "g", init_custom_process_group("gloo", "127.0.0.1", port, 0, 2)
-            )
-        )
-        t.start()
-        r = _post(url, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": "wu", "backend": "gloo",
-        })  # fmt: skip
-        t.join()
-        assert r.status_code == 200 and r.json()["success"], r.text
-        self.group = box["g"]
-
-    def send(self, tensors: dict[str, torch.Tensor], version: str, bucketed: bool) -> dict:
-        from moerl.engine.bucket import dtype_name, flatten
-        from moerl.engine.group import broadcast
-
-        names = list(tensors)
-        body = {
-            "names": names,
-            "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
-            "shapes": [list(t.shape) for t in tensors.values()],
-            "group_name": "wu",
-            "weight_version": version,
-            "load_format": "flattened_bucket" if bucketed else None,
-            "flush_cache": False,
-        }
-        box: dict = {}
-        t = threading.Thread(
-            target=lambda: box.setdefault(
-                "r", _post(self.url, "/update_weights_from_distributed", body)
-            )
-        )
-        t.start()
-        payload = [flatten(list(tensors.values()))] if bucketed else list(tensors.values())
-        for tensor in payload:
-            broadcast(self.group, tensor.contiguous())
-        t.join()
-        return box["r"].json()
-
-
 @pytest.fixture(scope="module")
 def updated_pair(tiny_checkpoints, engine_factory, tmp_path_factory):
     """An engine started on checkpoint A, and checkpoint B (same shape, new weights)."""
@@ -256,12 +199,12 @@ def updated_pair(tiny_checkpoints, engine_factory, tmp_path_factory):
         tiny_config("deepseek_moe"), tmp_path_factory.mktemp("b") / "hf", seed=1
     )
     engine = engine_factory(tiny_checkpoints["deepseek_moe"], "--enable-return-routed-experts")
-    return engine, Trainer(engine.url), b
+    return engine, WeightTrainer(engine.url), b
 
 
 def test_weight_update_matches_fresh_engine(updated_pair, engine_factory):
     engine, trainer, b = updated_pair
-    result = trainer.send(_checkpoint_tensors(b), version="1", bucketed=True)
+    result = trainer.send(checkpoint_tensors(b), version="1", bucketed=True)
     assert result["success"], result
     fresh = engine_factory(b)
     body = {
@@ -297,7 +240,7 @@ def test_weight_update_mid_generation_gives_version_spans(updated_pair, tiny_che
     # Pause in place so the swap lands mid-request whatever the machine's load (the
     # never-stop path without a pause is measured by tools/bench/engine.py).
     _post(engine.url, "/pause_generation", {"mode": "in_place"})
-    a = _checkpoint_tensors(tiny_checkpoints["deepseek_moe"])
+    a = checkpoint_tensors(tiny_checkpoints["deepseek_moe"])
     result = trainer.send(a, version="2", bucketed=False)
     assert result["success"], result
     _post(engine.url, "/continue_generation", {})

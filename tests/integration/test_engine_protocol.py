@@ -236,7 +236,8 @@ def test_server_info_has_the_fields_sglang_clients_read(ds_engine, tiny_checkpoi
     assert info["version"].startswith("moerl ") and "embedded engine" in info["version"]
     assert info["max_context_length"] == model["context_length"] == 128
     assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
-    assert info["disable_radix_cache"] is True and info["skip_tokenizer_init"] is False
+    assert info["disable_radix_cache"] is False and info["skip_tokenizer_init"] is False
+    assert info["prefix_cache_max_tokens"] == 65536
     assert info["max_running_requests"] == 64 and info["enable_lora"] is False
     assert info["dtype"] == "float32" and info["incremental_streaming_output"] is False
     assert "max_total_num_tokens" not in info  # no preallocated KV pool to size

@@ -69,6 +69,8 @@ def test_a_failing_step_fails_only_its_requests(inprocess_engine):
     model = inprocess_engine.state.runner.model
     handle = model.register_forward_pre_hook(fault, with_kwargs=True)
     http = Http(inprocess_engine.url, timeout=30)
+    # a cached [5, ...] would leave [99] a one-token prefill, which the fault takes for decode
+    assert http.post("/flush_cache").status_code == 200
     try:
         r = http.post("/generate", {**GEN, "input_ids": [5, 99]})
         assert r.status_code == 500 and "prefill failed: RuntimeError: poisoned token" in r.text

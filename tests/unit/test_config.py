@@ -143,6 +143,7 @@ def test_package_header() -> None:
             ["parallel.sequence_parallel=false", "MoE"],
         ),
         (["engine.kind=sglang"], 1, ["engine.urls"]),
+        (["engine.prefix_cache_max_tokens=0"], 1, ["engine.prefix_cache_max_tokens=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
     ],
@@ -155,6 +156,24 @@ def test_validate_names_key_value_and_fix(
         validate_config(cfg, world_size=world)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, flags",
+    [
+        ([], ["--prefix-cache-max-tokens", "65536"]),
+        (["engine.prefix_cache_max_tokens=512"], ["--prefix-cache-max-tokens", "512"]),
+        (["engine.prefix_cache=false"], ["--disable-radix-cache"]),
+    ],
+)
+def test_prefix_cache_config_becomes_engine_flags(overrides: list[str], flags: list[str]) -> None:
+    from moerl.engine.__main__ import parse_args
+    from moerl.launch import prefix_cache_flags
+
+    cfg = _compose(*overrides)
+    assert prefix_cache_flags(cfg.engine) == flags
+    args = parse_args(["--model-path", "m", *flags])  # the embedded engine reads them
+    assert args.disable_radix_cache == (flags == ["--disable-radix-cache"])
 
 
 def test_validate_accepts_dataclass() -> None:

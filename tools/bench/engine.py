@@ -6,13 +6,18 @@ Prints generated tokens/s at 1, 8 and 32 concurrent requests, the ratio of
 continuous batching (32 concurrent) to the same 32 requests one at a time
 (target >= 4x on 2 CPU cores), and the decode stall caused by an in-flight weight
 update: the largest gap between streamed tokens of a running request while the
-whole model is swapped, in units of the median decode step (target < 2).
+whole model is swapped, in units of the median decode step (target < 2). Then the
+cost of one multi-turn episode turn (~16 observation tokens appended to a context of a
+few hundred, ~16 tokens generated) with the prefix cache reusing the previous turn and
+with --disable-radix-cache, two engines alternating turn by turn:
+``turn_prefix_reuse_speedup`` = median turn time without reuse / with reuse.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -144,12 +149,63 @@ def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, fl
     return blocking, max(gaps) / median, median * 1000, update_s, client
 
 
+def _turn_reuse(
+    family: str, tmp: Path, threads: int, context: int, turns: int, step: int, episodes: int
+) -> dict:
+    """Median seconds of an episode turn after the first, with and without prefix reuse:
+    each turn sends the whole stream so far (context, then each turn's output and ``step``
+    observation tokens) and generates ``step`` tokens; the two engines alternate turns."""
+    import numpy as np
+
+    from moerl.engine.process import EngineProcess
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    positions = context + (turns + 1) * 2 * step
+    cfg = dataclasses.replace(tiny_config(family), max_position_embeddings=max(positions, 128))
+    model_dir = save_tiny_checkpoint(cfg, tmp / "hf-long")
+    rng = np.random.default_rng(0)
+    sampling = {"max_new_tokens": step, "temperature": 0, "ignore_eos": True}
+    times: dict[str, list[float]] = {"reuse": [], "full": []}
+    cached: list[int] = []
+    with (
+        EngineProcess(model_dir, threads=threads) as reuse,
+        EngineProcess(model_dir, "--disable-radix-cache", threads=threads) as full,
+    ):
+        urls = {"reuse": reuse.url, "full": full.url}
+        for url in urls.values():  # lazy initialisation is not timed
+            httpx.post(f"{url}/generate", json={"input_ids": [5, 6], "sampling_params": sampling})
+        for _ in range(episodes):
+            prompt = rng.integers(3, cfg.vocab_size, context).tolist()
+            streams = {name: list(prompt) for name in urls}
+            for turn in range(turns):
+                observation = rng.integers(3, cfg.vocab_size, step).tolist()
+                for name, url in urls.items():
+                    body = {"input_ids": streams[name], "sampling_params": sampling}
+                    start = time.perf_counter()
+                    out = httpx.post(f"{url}/generate", json=body, timeout=600).json()
+                    if turn:  # the first turn has nothing to reuse
+                        times[name].append(time.perf_counter() - start)
+                        if name == "reuse":
+                            cached.append(out["meta_info"]["cached_tokens"])
+                    streams[name] = streams[name] + out["output_ids"] + observation
+    assert all(cached), f"a later turn reused nothing: cached_tokens {cached}"
+    reuse_s, full_s = statistics.median(times["reuse"]), statistics.median(times["full"])
+    return {
+        "turn_ms_prefix_reuse": reuse_s * 1000,
+        "turn_ms_full_prefill": full_s * 1000,
+        "turn_prefix_reuse_speedup": full_s / reuse_s,
+        "turn_cached_tokens_median": statistics.median(cached),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="deepseek_moe")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in the engine")
     parser.add_argument("--quick", action="store_true", help="fewer tokens (for tests)")
+    parser.add_argument("--turn-context", type=int, default=384, help="episode prompt tokens")
     args = parser.parse_args(argv)
     new_tokens = 16 if args.quick else args.new_tokens
 
@@ -194,6 +250,17 @@ def main(argv: list[str] | None = None) -> dict:
             )
         finally:
             engine.close()
+        context = 96 if args.quick else args.turn_context
+        turns = 3 if args.quick else 4
+        results.update(_turn_reuse(args.family, Path(tmp), args.threads, context, turns, 16, 3))
+        print(
+            f"episode_turn context={context}+ turn_ms_full_prefill="
+            f"{results['turn_ms_full_prefill']:.1f} turn_ms_prefix_reuse="
+            f"{results['turn_ms_prefix_reuse']:.1f} turn_prefix_reuse_speedup="
+            f"{results['turn_prefix_reuse_speedup']:.2f}x (cached_tokens median "
+            f"{results['turn_cached_tokens_median']:.0f})",
+            flush=True,
+        )
     print(json.dumps(results))
     return results
 

@@ -142,12 +142,15 @@ def is_gpu(results: dict[str, Any]) -> bool:
 
 def _engine(r: dict[str, Any]) -> list[Row]:
     b, s = r.get("batching_speedup"), r.get("stall_decode_steps")
+    t = r.get("turn_prefix_reuse_speedup")
     return [
         Row("engine", "continuous batching: 32 concurrent vs one at a time", _x(b), "≥ 4×",
             _status(b, _num(b) is not None and b >= 4)),
         Row("engine", "decode stall of a weight swap (decode steps)",
             "n/a" if _num(s) is None else f"{s:.2f}", "< 2",
             _status(s, _num(s) is not None and s < 2)),
+        Row("engine", "episode turn: prefix cache vs full prefill", _x(t), "> 1×",
+            _status(t, _num(t) is not None and t > 1)),
     ]  # fmt: skip
 
 
