@@ -158,12 +158,16 @@ def _close(rollout: Any, publisher: Any, run_log: Any) -> None:
 
     failing = sys.exc_info()[1] is not None  # called from a finally: the run's error
     errors = []
-    for part in (rollout, publisher, run_log):
+    # the publisher's last calls (destroying the weight group) run on the rollout's loop
+    stop = rollout.stop_generation if rollout is not None else None
+    for close in (stop, publisher and publisher.close, rollout and rollout.close,
+                  run_log and run_log.close):  # fmt: skip
         try:
-            if part is not None:
-                part.close()
+            if close is not None:
+                close()
         except Exception as err:
-            logging.getLogger(__name__).warning("closing %s: %s", type(part).__name__, err)
+            name = getattr(close, "__qualname__", "close")
+            logging.getLogger(__name__).warning("closing: %s: %s", name, err)
             errors.append(err)
     if errors and not failing:
         raise errors[0]

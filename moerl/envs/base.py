@@ -86,7 +86,13 @@ class Step:
 @runtime_checkable
 class Env(Protocol):
     """One episode's environment; built per episode by the configured factory
-    ``make(prompt) -> Env`` (moerl.envs.registry)."""
+    ``make(prompt) -> Env`` (moerl.envs.registry).
+
+    An environment with several agents declares them in a ``roles`` attribute (a tuple
+    of names; without one the episode has the single role 'policy'). Every role must act
+    at least once in every episode: the runner gives one trajectory per role, so a group
+    always holds the same number of them. An optional ``async close()`` is awaited when
+    the episode ends."""
 
     async def reset(self) -> Observation:
         """The first observation (the task, as the first role should see it)."""

@@ -49,6 +49,8 @@ def parse_problem(text: str, cfg: TwoAgentEnvConfig) -> tuple[int, str, int] | N
 class TwoAgentEnv:
     """One episode of `rounds` proposal/answer rounds."""
 
+    roles = (PROPOSER, SOLVER)
+
     def __init__(self, prompt: Prompt, cfg: TwoAgentEnvConfig) -> None:
         self.cfg = cfg
         example = parse_problem(prompt.text, cfg)

@@ -221,6 +221,8 @@ class EpisodeStats:
     tool_errors: int = 0
     finish: str = "done"
     retried_turns: int = 0
+    cached_tokens: int = 0
+    """Input tokens the engine reused from its prefix cache (meta_info.cached_tokens)."""
 
 
 class EpisodeRunner:
@@ -301,7 +303,8 @@ class EpisodeRunner:
             t.meta.update(
                 rids=streams[role].rids, prompt_id=getattr(prompt, "prompt_id", None),
                 episode={"index": index, "turns": stats.turns, "finish": stats.finish,
-                         "roles": list(roles), "role_index": k},
+                         "roles": list(roles), "role_index": k,
+                         "cached_tokens": stats.cached_tokens},
             )  # fmt: skip
             trajs.append(t.validate(num_layers=self.settings.num_layers, topk=self.settings.topk))
         return trajs, stats
@@ -340,6 +343,7 @@ class EpisodeRunner:
                 response, prompt, params, sampling_mask=s.sampling_mask, url=url
             )
             if turn.finish_reason != "abort":
+                stats.cached_tokens += int(response["meta_info"].get("cached_tokens") or 0)
                 if sub is not None:
                     turn.meta["rid"] = sub
                 return turn, self._routes(response, stream, turn, url)
@@ -383,7 +387,7 @@ class EpisodeRunner:
         if obs.role not in streams:
             raise EnvError(
                 f"environment {type(env).__name__} addressed role {obs.role!r}; its roles "
-                f"are {list(streams)} (set env.roles)"
+                f"are {list(streams)} (declare every role in the environment's `roles` attribute)"
             )
         for role, text in obs.others.items():
             if role not in streams:

@@ -182,14 +182,23 @@ class RolloutService:
             out.update(self.supervisor.metrics())
         return out
 
+    def stop_generation(self) -> None:
+        """Stop supervision and generation (no request outlives the run); the event loop
+        keeps running for the publisher's last calls until close()."""
+        supervisor, orchestrator = self.supervisor, self.orchestrator
+        self.supervisor = self.orchestrator = None
+        try:
+            if supervisor is not None:
+                self.aio.run(_call(supervisor.stop))
+        finally:
+            if orchestrator is not None:
+                self.aio.run(orchestrator.stop(), timeout=60)
+
     def close(self) -> None:
         """Stop supervision and generation, close the buffer and the client, stop the
-        thread. Safe after a partial start."""
+        thread. Safe after a partial start, and after stop_generation()."""
         try:
-            if self.supervisor is not None:
-                self.aio.run(_call(self.supervisor.stop))
-            if self.orchestrator is not None:
-                self.aio.run(self.orchestrator.stop(), timeout=60)
+            self.stop_generation()
             if self.buffer is not None:
                 self.aio.run(_call(self.buffer.close))
             if self.client is not None:

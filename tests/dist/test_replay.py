@@ -46,13 +46,16 @@ def fp32_episodes(tiny_checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("layout", ["single", "tp2ep2"])
 def test_episode_is_ratio_is_one_across_turns(layout, fp32_episodes, tmp_path):
     """Fresh fp32 multi-turn episodes (observation tokens spliced between the actions,
-    every later request re-sending the earlier turns): with Keep Routing and the mask,
+    every later request re-sending the earlier turns, whose KV and routes the engine
+    reuses from its prefix cache): with Keep Routing and the mask,
     every trained token's log ratio is < 1e-5 and replay flips no route, so the routes of
     spliced tokens (from the prefill of the request after them) and of earlier turns'
     tokens are the ones the engine used."""
     hf, rollouts, trajs = fp32_episodes
     assert all(t.num_trained < t.response_len for t in trajs)  # observations were spliced
     assert all(sum(s.source == "policy" for s in t.segments) >= 2 for t in trajs)
+    # later turns reused the earlier turns' KV (and their routes) from the prefix cache
+    assert all(t.meta["episode"]["cached_tokens"] > 0 for t in trajs)
     settings = [("on", "on"), ("on", "off")]
     results = {(r.replay, r.mask): r for r in score(layout, hf, rollouts, tmp_path / "s.json", settings=settings)}
     both = results[("on", "on")]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -77,7 +76,9 @@ class Countdown:
     async def step(self, action) -> Step:  # type: ignore[no-untyped-def]
         self.done += 1
         type(self).steps += 1
-        return Step(Observation(text=f"next {self.done}2 ab"), reward=0.25, done=self.done >= self.turns)
+        return Step(
+            Observation(text=f"next {self.done}2 ab"), reward=0.25, done=self.done >= self.turns
+        )
 
 
 class ProposerSolver:
@@ -132,7 +133,10 @@ def test_turns_are_token_in_token_out(ds_engine):
     assert tok(tok.decode(stream), add_special_tokens=False)["input_ids"] != stream
     # the observation between turns is the text encoded on its own
     obs = [s for s in traj.segments if s.source == "env"][0]
-    assert traj.response_ids[obs.start : obs.end].tolist() == tok("next 12 ab", add_special_tokens=False)["input_ids"]
+    assert (
+        traj.response_ids[obs.start : obs.end].tolist()
+        == tok("next 12 ab", add_special_tokens=False)["input_ids"]
+    )
     assert traj.loss_mask[obs.start : obs.end].sum() == 0
     assert traj.reward == pytest.approx(0.75)
     assert [s.reward for s in traj.segments if s.source == "policy"] == [0.25] * 3
@@ -191,7 +195,10 @@ async def _mid_episode_update(url: str, mode: str):  # type: ignore[no-untyped-d
         runner = asyncio.create_task(orch.run())
         try:
             for _ in range(30000):  # both episodes took their first step: turn 1 runs
-                if Countdown.steps >= 2 and (await client.server_info())[url]["running_requests"] >= 1:
+                if (
+                    Countdown.steps >= 2
+                    and (await client.server_info())[url]["running_requests"] >= 1
+                ):
                     break
                 await asyncio.sleep(0.001)
             await orch.before_update()
@@ -206,14 +213,22 @@ async def _mid_episode_update(url: str, mode: str):  # type: ignore[no-untyped-d
 
 
 def _turn_versions(traj) -> list[set[int]]:  # type: ignore[no-untyped-def]
-    return [set(traj.versions[s.start : s.end].tolist()) for s in traj.segments if s.source == "policy"]
+    return [
+        set(traj.versions[s.start : s.end].tolist()) for s in traj.segments if s.source == "policy"
+    ]
 
 
 @pytest.mark.parametrize("mode", ["in_place", "abort_resume", "drain"])
 def test_weight_update_mid_episode(ds_engine, mode):
-    old, group, responses, metrics, steps_at_push = asyncio.run(_mid_episode_update(ds_engine.url, mode))
+    old, group, responses, metrics, steps_at_push = asyncio.run(
+        _mid_episode_update(ds_engine.url, mode)
+    )
     assert len(group) == 2 and metrics["episode/count"] == 2
-    committed = {r["meta_info"]["id"]: r for r in responses if r["meta_info"]["finish_reason"]["type"] != "abort"}
+    committed = {
+        r["meta_info"]["id"]: r
+        for r in responses
+        if r["meta_info"]["finish_reason"]["type"] != "abort"
+    }
     for traj in group:
         traj.validate(num_layers=L, topk=K, num_experts=8)
         turns = _turn_versions(traj)
