@@ -97,8 +97,9 @@ class EpisodeEnv:
 
 
 @dataclass
-class _Stream:
-    """One role's token stream and what the trainer needs of it."""
+class RoleStream:
+    """One role's token stream and what the trainer needs of it: ``observe`` appends
+    tokens it did not generate, ``commit`` a finished turn, ``trajectory()`` the record."""
 
     role: str
     ids: list[int] = field(default_factory=list)
@@ -256,7 +257,7 @@ class EpisodeRunner:
         (``env.roles``, default one 'policy' role), in that order."""
         env = self.make_env(prompt)
         roles = tuple(getattr(env, "roles", (POLICY_ROLE,)))
-        streams = {r: _Stream(r) for r in roles}
+        streams = {r: RoleStream(r) for r in roles}
         stats = EpisodeStats()
         obs: Observation | None = await self._env(env.reset(), stats, env)
         turn, source = 0, "env"
@@ -313,7 +314,7 @@ class EpisodeRunner:
 
     async def _turn(
         self,
-        stream: _Stream,
+        stream: RoleStream,
         max_new: int,
         rid: str | None,
         lora_path: str | None,
@@ -351,7 +352,7 @@ class EpisodeRunner:
         raise EngineError(f"a turn of {rid} was aborted {MAX_TURN_RETRIES} times; giving up")
 
     def _routes(
-        self, response: Mapping[str, Any], stream: _Stream, turn: Trajectory, url: str | None
+        self, response: Mapping[str, Any], stream: RoleStream, turn: Trajectory, url: str | None
     ) -> np.ndarray | None:
         if not self.settings.routed_experts:
             return None
@@ -380,8 +381,8 @@ class EpisodeRunner:
             stats.env_steps += 1
 
     def _deliver(
-        self, streams: dict[str, _Stream], obs: Observation, turn: int, source: str, env: Env
-    ) -> _Stream:
+        self, streams: dict[str, RoleStream], obs: Observation, turn: int, source: str, env: Env
+    ) -> RoleStream:
         """Append ``obs`` (and its ``others``) to the streams; the stream that acts next.
         ``source``: 'tool' when the observation answers a tool call, else 'env'."""
         if obs.role not in streams:
@@ -397,7 +398,7 @@ class EpisodeRunner:
         self._append(stream, obs.text, obs.token_ids, source, turn)
         return stream
 
-    def _append(self, stream: _Stream, text: str, ids: Any, source: str, turn: int) -> None:
+    def _append(self, stream: RoleStream, text: str, ids: Any, source: str, turn: int) -> None:
         if ids is not None:
             tokens = [int(i) for i in ids]
         elif not stream.ids:
@@ -406,7 +407,7 @@ class EpisodeRunner:
             tokens = self.renderer.next(text, stream.last_action)
         stream.observe(tokens, source, turn - 1)
 
-    def _reward(self, streams: dict[str, _Stream], role: str, reward: Any, env: Env) -> None:
+    def _reward(self, streams: dict[str, RoleStream], role: str, reward: Any, env: Env) -> None:
         if isinstance(reward, Mapping):
             for r, value in reward.items():
                 if r not in streams:

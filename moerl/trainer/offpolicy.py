@@ -75,6 +75,23 @@ def mismatch_metrics(
     }
 
 
+def turn_staleness(trajs: list[Trajectory], current_version: int) -> dict[str, float]:
+    """Staleness per turn of the batch's episodes: ``episode/staleness_turn_K`` is the mean
+    version gap (current - the version that sampled it) of the K-th actions' tokens, for
+    K < 4, and ``episode/staleness_turn_last`` that of each episode's last action; {}
+    without episodes."""
+    gaps: dict[str, list[float]] = {}
+    for t in trajs:
+        actions = [s for s in t.segments if s.source == "policy"]
+        for k, seg in enumerate(actions):
+            gap = float(current_version - np.mean(t.versions[seg.start : seg.end]))
+            if k < 4:
+                gaps.setdefault(f"episode/staleness_turn_{k}", []).append(gap)
+            if k == len(actions) - 1:
+                gaps.setdefault("episode/staleness_turn_last", []).append(gap)
+    return {k: float(np.mean(v)) for k, v in gaps.items()}
+
+
 def finite_metrics(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     """Floats, without the maxima that saw no token (-inf)."""
     out = {k: float(v) for k, v in metrics.items()}

@@ -150,7 +150,7 @@ class Trainer:
         Returns the metrics; the version bumps once."""
         from moerl.algo.credit import assign_credit
         from moerl.algo.offpolicy import needs_old_policy
-        from moerl.trainer.offpolicy import prepare
+        from moerl.trainer.offpolicy import prepare, turn_staleness
 
         missing = [f"{t.group_id}/{t.index}" for t in trajs if t.reward is None]
         if missing:
@@ -183,6 +183,7 @@ class Trainer:
         self.version += 1
         metrics = {**offpolicy.metrics, **_combine([r.metrics for r in results])}
         metrics.update({f"advantage/{k}": float(v) for k, v in adv.metrics.items()})
+        metrics.update(turn_staleness(trajs, self.version - 1))
         metrics.update(version=float(self.version), reward_mean=float(rewards.mean()))
         norms = [float(r.grad_norm) for r in results if r.grad_norm is not None]
         if norms:  # before clipping; the mean over the batch's optimizer steps

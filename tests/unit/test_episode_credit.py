@@ -144,3 +144,20 @@ def test_correction_sees_only_trained_tokens():
     assert w[t.trained] == pytest.approx(np.full(6, min(np.exp(0.3), 2.0)), rel=1e-5)
     assert out.metrics["mismatch/log_ratio_abs_max"] == pytest.approx(0.3, abs=1e-5)
     assert torch.tensor(out.metrics["mismatch/mean_abs_dlogp"]) == pytest.approx(0.3, abs=1e-5)
+
+
+def test_staleness_per_turn():
+    """Turn 0 sampled by version 3, turn 1 half by 3 and half by 4 (an in-place update),
+    trainer at version 5: gaps 2 and 1.5; the last turn's is 1.5."""
+    from moerl.trainer.offpolicy import turn_staleness
+
+    t = episode(0, None, [(2, 1, 0.0), (4, 0, 1.0)])
+    t.versions[:] = 3
+    t.versions[5:] = 4
+    assert turn_staleness([t], 5) == {
+        "episode/staleness_turn_0": 2.0,
+        "episode/staleness_turn_1": 1.5,
+        "episode/staleness_turn_last": 1.5,
+    }
+    single = Trajectory(prompt_ids=[1], response_ids=[2], response_logprobs=[0.0], versions=[0])
+    assert turn_staleness([single], 5) == {}
