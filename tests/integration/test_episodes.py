@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from moerl.rollout.render import Renderer
 from moerl.tasks.base import Prompt
 
 L, K = 4, 4  # the tiny DeepSeek model: 4 hidden layers, top-4 routing
-LONG = 30  # tokens of a turn that is still running when the test intervenes (3 turns fit the 128-token context)
+LONG = 96  # tokens of a turn that is still running when the test intervenes
 
 
 class Recording(EngineClient):
@@ -63,9 +64,13 @@ def bpe_tokenizer():  # type: ignore[no-untyped-def]
 
 class Countdown:
     """Single-agent: text observations each turn, reward 0.25 per action, `turns` actions.
-    Counts steps across its instances (``steps``) so a test can wait for a turn."""
+    Counts steps across its instances (``steps``); with ``barrier`` set, the first step
+    of each episode waits until ``barrier`` episodes arrived, so their second turns start
+    together."""
 
     steps = 0
+    barrier = 0
+    arrived: asyncio.Event | None = None
 
     def __init__(self, prompt, turns: int = 3) -> None:  # type: ignore[no-untyped-def]
         self.turns, self.done = turns, 0
@@ -180,14 +185,25 @@ class Task1:
         raise AssertionError("episodes are scored by their environment")
 
 
+@pytest.fixture(scope="module")
+def long_engine(tiny_checkpoints, engine_factory, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny DeepSeek model with a 512-token context: three long turns fit."""
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    model = replace(tiny_config("deepseek_moe"), max_position_embeddings=512)
+    path = save_tiny_checkpoint(model, tmp_path_factory.mktemp("long") / "ds", seed=0)
+    return engine_factory(path, "--enable-return-routed-experts")
+
+
 async def _mid_episode_update(url: str, mode: str):  # type: ignore[no-untyped-def]
-    """Two episodes of 3 long turns; the version bumps while their second turns run."""
+    """Two episodes of 3 long turns; the version bumps while both second turns run."""
     cfg = RolloutConfig(
         group_size=2, max_inflight_groups=1, max_new_tokens=LONG, ignore_eos=True,
         top_k=20, partial_rollout=mode,
     )  # fmt: skip
-    Countdown.steps = 0
-    episodes = EpisodeEnv(Countdown, Renderer(build_tiny_tokenizer()), max_turns=8, max_tokens=128)
+    Countdown.steps, Countdown.barrier, Countdown.arrived = 0, 2, None
+    episodes = EpisodeEnv(Countdown, Renderer(build_tiny_tokenizer()), max_turns=8, max_tokens=512)
     async with Recording([url]) as client:
         old = int((await client.model_info())[url]["weight_version"])
         buffer = RolloutBuffer(BufferConfig(max_groups=4), StalenessConfig(throttle=False))
@@ -197,10 +213,12 @@ async def _mid_episode_update(url: str, mode: str):  # type: ignore[no-untyped-d
             for _ in range(30000):  # both episodes took their first step: turn 1 runs
                 if (
                     Countdown.steps >= 2
-                    and (await client.server_info())[url]["running_requests"] >= 1
+                    and (await client.server_info())[url]["running_requests"] >= 2
                 ):
                     break
                 await asyncio.sleep(0.001)
+            else:
+                raise AssertionError("the second turns never ran together")
             await orch.before_update()
             steps_at_push = Countdown.steps
             await client.update_weight_version(old + 1)
@@ -209,6 +227,7 @@ async def _mid_episode_update(url: str, mode: str):  # type: ignore[no-untyped-d
         finally:
             await orch.stop()
             await runner
+        Countdown.barrier = 0
         return old, group, client.responses, orch.metrics(), steps_at_push
 
 
@@ -219,9 +238,9 @@ def _turn_versions(traj) -> list[set[int]]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("mode", ["in_place", "abort_resume", "drain"])
-def test_weight_update_mid_episode(ds_engine, mode):
+def test_weight_update_mid_episode(long_engine, mode):
     old, group, responses, metrics, steps_at_push = asyncio.run(
-        _mid_episode_update(ds_engine.url, mode)
+        _mid_episode_update(long_engine.url, mode)
     )
     assert len(group) == 2 and metrics["episode/count"] == 2
     committed = {
