@@ -190,8 +190,9 @@ def turn_cost(family: str, threads: int, context: int, turns: int, step: int,
         "radix_flag": radix,
         "turn_context": context,
         "turn_new_tokens": step,
-        "turn_ms_by_context": {str(n): 1000 * statistics.median(s) for n, s in
-                               sorted(by_context.items())},  # fmt: skip
+        "turn_ms_by_context": {
+            str(n): 1000 * statistics.median(s) for n, s in sorted(by_context.items())
+        },  # fmt: skip
         "turn_ms_prefix_reuse": None,
         "turn_ms_full_prefill": None,
         "turn_prefix_reuse_speedup": None,
