@@ -215,9 +215,9 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default=RECIPE)
-    parser.add_argument("--steps", type=int, default=8, help="trainer steps per run")
+    parser.add_argument("--steps", type=int, help="trainer steps per run (8; quick: 6)")
     parser.add_argument("--staleness", type=int, default=3, help="max_staleness of the async run")
-    parser.add_argument("--batch", type=int, default=16, help="trainer.global_batch_size")
+    parser.add_argument("--batch", type=int, help="trainer.global_batch_size (16; quick: 8)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3, help="env steps per episode")
     parser.add_argument("--median-s", type=float, default=0.3, help="median env step latency")
@@ -226,14 +226,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-length", type=int, default=128, help="model.seq_length")
     parser.add_argument("--engine-threads", type=int, default=1)
     parser.add_argument("--trainer-threads", type=int, default=1)
-    parser.add_argument("--turn-context", type=int, default=384, help="prompt tokens (turns)")
-    parser.add_argument("--turn-episodes", type=int, default=3, help="episodes timed (turns)")
+    parser.add_argument("--turn-context", type=int, help="prompt tokens (turns; 384, quick: 96)")
+    parser.add_argument("--turn-episodes", type=int, help="episodes timed (turns; 3, quick: 2)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="a small workload (for tests)")
     parser.add_argument("--out", type=Path, help="write result.json here")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.batch, args.turn_context, args.turn_episodes = 6, 8, 96, 2
+    # --quick picks smaller defaults; a flag given explicitly wins
+    defaults = {"steps": 8, "batch": 16, "turn_context": 384, "turn_episodes": 3}
+    quick = {"steps": 6, "batch": 8, "turn_context": 96, "turn_episodes": 2}
+    for key, value in (quick if args.quick else defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.batch % args.group_size:
         parser.error(f"--batch={args.batch} is not a multiple of --group-size={args.group_size}")
     importable_here()
