@@ -9,7 +9,7 @@ result.json) and nothing else, so a saved results.json renders again anywhere:
 - ``report_markdown(results)``: ``REPORT.md``;
 - ``readme_section(results)``: the "Results" section for README.md.
 
-Targets are the ones the benchmarks print (issues 3, 5, 7, 8, 9); a ratio without a
+Targets are the ones the benchmarks print (issues 3, 5, 7, 8, 9, 18); a ratio without a
 stated target reads "—". Anchors are published numbers with their source and setting;
 ours are ratios on a 2-core CPU with tiny models, never comparable in absolute terms.
 """
@@ -33,6 +33,7 @@ BENCHES = (
     "lora_sync",
     "kernels",
     "offpolicy",
+    "episodes",
 )
 PLOTS = {
     "timeline": "timeline_async.png",
@@ -82,6 +83,9 @@ ANCHORS = [
     Anchor("async vs sync speedup", "up to 2.24× on RLVR and 2.72× on agentic tasks",
            "ROLL Flash (Lu et al. 2025, arXiv:2510.11345)",
            "same GPU budget as the synchronous baseline, large GPU pools", "async_speedup"),
+    Anchor("async vs sync speedup, multi-turn episodes", "up to 2.72× on agentic tasks",
+           "ROLL Flash (Lu et al. 2025, arXiv:2510.11345)",
+           "agentic environments, large GPU pools", "episodes_speedup"),
     Anchor("bucketed weight sync", "48 s → 45 s per sync from bucketed parameter gather alone, "
            "→ 6 s (8×) with flattened CUDA-IPC buckets", "SkyRL pull request #487",
            "Qwen3-30B-A3B, TP2/EP8, 8×H100, colocated engine", "weight_sync_speedup"),
@@ -270,6 +274,24 @@ def _kernels(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _episodes(r: dict[str, Any]) -> list[Row]:
+    sp, idle = r.get("speedup"), r.get("async", {}).get("trainer_idle")
+    turn = r.get("turn_prefix_reuse_speedup")
+    p50, p90 = _num(r.get("env_latency_p50")), _num(r.get("env_latency_p90"))
+    latency = f", env latency p50 {p50:.2f} s, p90 {p90:.2f} s" if p50 and p90 else ""
+    return [
+        Row("episodes", f"async speedup, episodes/s (async / sync{latency})", _x(sp), "≥ 2×",
+            _status(sp, _num(sp) is not None and sp >= 2)),
+        Row("episodes", "trainer idle fraction, async (sync)",
+            "n/a" if _num(idle) is None
+            else f"{idle:.2f} ({_num(r.get('sync', {}).get('trainer_idle')) or 0:.2f})", "—", "—"),
+        Row("episodes", "trained tokens/s, async / sync", _x(r.get("token_speedup")), "—", "—"),
+        Row("episodes", "episode turn: full prefill / prefix reuse",
+            _x(turn) if _num(turn) is not None else "n/a (engine without a prefix cache)",
+            "—", "—"),
+    ]  # fmt: skip
+
+
 HEADLINES = {
     "engine": _engine,
     "async_vs_sync": _async,
@@ -279,6 +301,7 @@ HEADLINES = {
     "offpolicy": _offpolicy,
     "lora_sync": _lora,
     "kernels": _kernels,
+    "episodes": _episodes,
 }
 
 
@@ -303,6 +326,8 @@ def _ours(results: dict[str, Any]) -> dict[str, str]:
     out = {}
     a = _result(results, "async_vs_sync") or {}
     out["async_speedup"] = f"{_x(a.get('speedup'))} (tiny model, lognormal lengths)"
+    e = _result(results, "episodes") or {}
+    out["episodes_speedup"] = f"{_x(e.get('speedup'))} (tiny model, lognormal env latency)"
     w = _result(results, "weight_sync") or {}
     out["weight_sync_speedup"] = (
         "; ".join(f"{n}: {_x((w.get(n) or {}).get('speedup'))}" for n in w.get("configs", []))

@@ -4,7 +4,8 @@
                                   [--timeout-s S] [--readme README.md]
 
 Benches (each ``tools/bench/<name>.py``, called as ``main([...])``): engine,
-async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy. Each runs in
+async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes. Each
+runs in
 a fresh child process (several make their own process a one-rank gloo world, which must
 not leak into the next), in its own session so a timeout (``--timeout-s``, else a
 per-bench default) kills it with everything it started. A bench that fails or times out
@@ -76,6 +77,10 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
     "offpolicy": (True, {"full": [], "quick": ["--quick"],
                          "smoke": ["--quick", "--steps", "2", "--staleness", "1"]},
                   {"full": 3600, "quick": 900, "smoke": 300}),
+    # a sync and an async run of 3-turn episodes with lognormal env latency, then turn timings
+    "episodes": (True, {"full": [], "quick": ["--quick"],
+                        "smoke": ["--quick", "--steps", "3", "--turn-episodes", "1"]},
+                 {"full": 1800, "quick": 420, "smoke": 300}),
 }  # fmt: skip
 NOISE = ("UserWarning", "warnings.warn(", "Writing model shards")
 
