@@ -118,6 +118,7 @@ class RoleStream:
     early_reward: float = 0.0  # rewards given before the role's first action
     temperature: float = 1.0
     rids: list[str] = field(default_factory=list)
+    masked: bool = True  # every turn came with its sampling mask
 
     @property
     def response_len(self) -> int:
@@ -147,10 +148,14 @@ class RoleStream:
         self.versions.append(turn.versions)
         if turn.mask_ids is not None and turn.mask_offsets is not None:
             self.mask_rows.extend(turn.mask_row(t).tolist() for t in range(R))
-        else:
+        else:  # no mask recorded: the trajectory will have none
+            self.masked = False
             self.mask_rows.extend([int(i)] for i in turn.response_ids)
         self.trained.append(np.ones(R, dtype=np.uint8))
-        self.segments.append(Segment(start, start + R, "policy", index))
+        reward = None
+        if not self.actions and self.early_reward:
+            reward, self.early_reward = self.early_reward, 0.0
+        self.segments.append(Segment(start, start + R, "policy", index, reward))
         if routes is not None:
             self.routes.append(routes)
             self.rows += routes.shape[0]
@@ -187,10 +192,12 @@ class RoleStream:
         R = sum(len(a) for a in self.logprobs)
         total = self.prompt_len + R
         policy = [s for s in self.segments if s.source == "policy"]
-        if self.early_reward and policy:
-            policy[0].reward = float(policy[0].reward or 0.0) + self.early_reward
         counts = np.array([len(r) for r in self.mask_rows], dtype=np.int32)
         mask_ids = np.concatenate([np.asarray(r, dtype=np.int32) for r in self.mask_rows])
+        mask_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        sampling = np.concatenate(self.sampling)
+        if not self.masked:
+            mask_ids = mask_offsets = sampling = None
         routes = None
         if self.routes:
             routes = np.concatenate(self.routes, axis=0)[: max(total - 1, 0)]
@@ -199,10 +206,10 @@ class RoleStream:
             response_ids=np.asarray(self.ids[self.prompt_len : total], dtype=np.int32),
             response_logprobs=np.concatenate(self.logprobs),
             versions=np.concatenate(self.versions),
-            sampling_logprobs=np.concatenate(self.sampling),
+            sampling_logprobs=sampling,
             routed_experts=routes,
             mask_ids=mask_ids,
-            mask_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            mask_offsets=mask_offsets,
             temperature=self.temperature,
             reward=float(sum(s.reward or 0.0 for s in policy)),
             loss_mask=np.concatenate(self.trained),

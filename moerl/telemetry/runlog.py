@@ -33,6 +33,8 @@ def step_metrics(trajs: list[Any], version: int, wall_s: float, wait_s: float) -
         "tokens_per_s": tokens / max(wall_s, 1e-9),
         "trainer_idle_frac": wait_s / max(wall_s, 1e-9),
         "response_len_mean": tokens / max(len(trajs), 1),
+        # the policy's own tokens (an episode's observations are response tokens too)
+        "trained_tokens": float(sum(t.num_trained for t in trajs)),
         "batch_versions": float(len(np.unique(versions))),
         "step_s": wall_s,
     }

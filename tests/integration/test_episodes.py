@@ -274,3 +274,22 @@ def test_weight_update_mid_episode(long_engine, mode):
     if mode == "abort_resume":
         assert metrics["rollout/resumed"] == 2
         assert sum(r["meta_info"]["finish_reason"]["type"] == "abort" for r in responses) == 2
+
+
+def test_an_episode_without_routes_or_mask_records_none(ds_engine):
+    """rollout.return_routed_experts / return_sampling_mask off: the episode claims no
+    routes and no mask (spliced positions do not make one up)."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            runner = EpisodeRunner(
+                client, Countdown, Renderer(build_tiny_tokenizer()),
+                settings(routed_experts=False, sampling_mask=False),
+            )  # fmt: skip
+            (traj,), _ = await runner.run(Prompt(0, np.array([1])), group_id=0, index=0)
+            return traj
+
+    traj = asyncio.run(go())
+    assert traj.routed_experts is None and traj.mask_ids is None
+    assert traj.sampling_logprobs is None and not traj.has_sampling_mask
+    assert traj.num_trained < traj.response_len

@@ -109,7 +109,7 @@ def summarize(metrics: list[dict[str, Any]], batch: int) -> dict[str, float]:
     """Loop wall time, trainer idle fraction, trained response tokens and per-step means
     of one run (`batch` completions per step)."""
     step_s = np.array([m["step_s"] for m in metrics])
-    tokens = batch * sum(m["response_len_mean"] for m in metrics)
+    tokens = sum(m.get("trained_tokens", batch * m["response_len_mean"]) for m in metrics)
     idle = np.array([m["trainer_idle_frac"] for m in metrics])
     return {
         "loop_s": float(metrics[-1]["time_s"]),

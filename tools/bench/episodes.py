@@ -29,9 +29,9 @@ Prints the settings, one line per run, and one summary line
 
 episodes_per_s: episodes trained (steps x batch) over the loop's wall time (metrics.jsonl
 `time_s` of the last step: engine and process start-up excluded). speedup = async / sync
-episodes per second (target >= 2x). trained_tokens_per_s: response tokens the trainer
-processed per second (an episode's response holds its actions, which are trained, and the
-observations between them, which are inputs only). env_latency_p50 / p90: of one env step.
+episodes per second (target >= 2x). trained_tokens_per_s: the policy's own tokens the
+trainer trained on per second (metrics.jsonl `trained_tokens`: an episode's actions, not
+the observations spliced between them). env_latency_p50 / p90: of one env step.
 --out DIR keeps the run directories (DIR/runs) and writes DIR/result.json.
 """
 
