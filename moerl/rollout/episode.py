@@ -192,12 +192,12 @@ class RoleStream:
         R = sum(len(a) for a in self.logprobs)
         total = self.prompt_len + R
         policy = [s for s in self.segments if s.source == "policy"]
-        counts = np.array([len(r) for r in self.mask_rows], dtype=np.int32)
-        mask_ids = np.concatenate([np.asarray(r, dtype=np.int32) for r in self.mask_rows])
-        mask_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        sampling = np.concatenate(self.sampling)
-        if not self.masked:
-            mask_ids = mask_offsets = sampling = None
+        mask_ids = mask_offsets = sampling = None
+        if self.masked:
+            counts = np.array([len(r) for r in self.mask_rows], dtype=np.int32)
+            mask_ids = np.concatenate([np.asarray(r, dtype=np.int32) for r in self.mask_rows])
+            mask_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            sampling = np.concatenate(self.sampling)
         routes = None
         if self.routes:
             routes = np.concatenate(self.routes, axis=0)[: max(total - 1, 0)]
