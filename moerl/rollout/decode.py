@@ -112,6 +112,26 @@ def decode_routed_experts(
     return flat.astype(np.int32).reshape(rows, num_layers, topk)
 
 
+def response_routes(
+    response: Mapping[str, Any],
+    *,
+    rows: int,
+    num_layers: int | None,
+    topk: int | None,
+    url: str | None = None,
+) -> np.ndarray:
+    """int32 [rows, L, K]: a /generate response's routed experts (``rows`` of them: the
+    request's routed_experts_start_len on); RoutedExpertsMissing when it has none."""
+    b64 = response["meta_info"].get("routed_experts")
+    if b64 is None:
+        raise RoutedExpertsMissing(
+            f"routed experts were requested but the response (engine {url}) has none: "
+            f"{ROUTED_EXPERTS_FIX}",
+            urls=[url] if url else None,
+        )
+    return decode_routed_experts(b64, rows=rows, num_layers=num_layers, topk=topk)
+
+
 def sampling_mask_to_csr(masks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """(mask_ids int32 [N], mask_offsets int32 [R+1]) from one id list per output token."""
     lengths_R = np.fromiter((len(m) for m in masks), dtype=np.int64, count=len(masks))

@@ -43,8 +43,8 @@ import numpy as np
 from moerl.common.trajectory import Segment, Trajectory
 from moerl.envs.base import POLICY_ROLE, Action, Env, Observation, Step
 from moerl.rollout.client import ENGINE_URL_KEY, EngineClient
-from moerl.rollout.decode import ROUTED_EXPERTS_FIX, decode_routed_experts, trajectory_from_response
-from moerl.rollout.errors import EngineError, RoutedExpertsMissing
+from moerl.rollout.decode import response_routes, trajectory_from_response
+from moerl.rollout.errors import EngineError
 from moerl.rollout.render import Renderer
 
 MAX_TURN_RETRIES = 64
@@ -363,17 +363,11 @@ class EpisodeRunner:
     ) -> np.ndarray | None:
         if not self.settings.routed_experts:
             return None
-        b64 = response["meta_info"].get("routed_experts")
-        if b64 is None:
-            raise RoutedExpertsMissing(
-                f"routed experts were requested but the response (engine {url}) has none: "
-                f"{ROUTED_EXPERTS_FIX}",
-                urls=[url] if url else None,
-            )
         rows = max(turn.prompt_len + turn.response_len - 1, 0) - stream.rows
-        return decode_routed_experts(
-            b64, rows=rows, num_layers=self.settings.num_layers, topk=self.settings.topk
-        )
+        return response_routes(
+            response, rows=rows, num_layers=self.settings.num_layers, topk=self.settings.topk,
+            url=url,
+        )  # fmt: skip
 
     # ---- the environment ------------------------------------------------------------
 

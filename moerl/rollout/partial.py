@@ -40,8 +40,8 @@ import numpy as np
 
 from moerl.common.trajectory import Trajectory
 from moerl.rollout.client import ENGINE_URL_KEY, EngineClient
-from moerl.rollout.decode import ROUTED_EXPERTS_FIX, decode_routed_experts, trajectory_from_response
-from moerl.rollout.errors import EngineError, RoutedExpertsMissing
+from moerl.rollout.decode import response_routes, trajectory_from_response
+from moerl.rollout.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +165,8 @@ async def continue_trajectory(
     tail = trajectory_from_response(response, prefix, params, sampling_mask=sampling_mask, url=url)
     tail_routes = None
     if routed_experts:
-        b64 = response["meta_info"].get("routed_experts")
-        if b64 is None:
-            raise RoutedExpertsMissing(
-                f"routed experts were requested but the continuation response (engine "
-                f"{url}) has none: {ROUTED_EXPERTS_FIX}",
-                urls=[url] if url else None,
-            )
-        tail_routes = decode_routed_experts(
-            b64, rows=tail.response_len, num_layers=num_layers, topk=topk
+        tail_routes = response_routes(
+            response, rows=tail.response_len, num_layers=num_layers, topk=topk, url=url
         )
     return splice(head, tail, tail_routes).validate(num_layers=num_layers, topk=topk)
 

@@ -98,7 +98,9 @@ def test_pipeline_parallel_metrics_equal_the_single_process(runs):
     single, pp2 = runs["mbs1"], runs["pp2"]
     for key in ("loss", "is/weight_mean", "mismatch/k3", "loss/ratio_mean", "grad_norm"):
         assert key in pp2, key
-        assert pp2[key] == pytest.approx(single[key], rel=1e-6, abs=1e-9), key
+        # fp32 sums taken in another order (two stages, other thread counts): a CI run
+        # measured a loss 1.5e-6 apart, so 1e-5, still far below any real difference
+        assert pp2[key] == pytest.approx(single[key], rel=1e-5, abs=1e-9), key
 
 
 def test_correction_sees_the_batch_whatever_the_micro_batch_size(runs):
