@@ -21,6 +21,9 @@ KERNELS = ["triton>=3.0"]
 # with `pip install --no-deps sglang==0.5.23` (Python >= 3.11), because its requirements
 # pin a CUDA torch and GPU kernels; the test skips without it.
 SGLANG_FRONTEND = ["requests", "aiohttp", "msgspec", "orjson", "pybase64", "pyzmq", "ipython"]
+# The `math` reward (moerl/tasks/verifiers/math_answer.py): LaTeX and numeric equivalence;
+# `pip install moerl[verify]`. 0.9 is the release tested.
+VERIFY = ["math-verify>=0.9"]  # parse(parsing_timeout=), verify(timeout_seconds=) as tested
 TEST = [
     "pytest>=8",
     "pytest-timeout",
@@ -29,6 +32,7 @@ TEST = [
     "openai",
     *KERNELS,
     *SGLANG_FRONTEND,
+    *VERIFY,
 ]
 
 packages = find_packages(include=["moerl", "moerl.*"])
@@ -86,6 +90,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "apex": ["apex"],
         "kernels": KERNELS,
+        "verify": VERIFY,
         "test": TEST,
         "dev": TEST + ["ruff", "mypy", "import-linter"],
     },

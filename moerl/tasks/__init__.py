@@ -2,7 +2,8 @@
 
 `build_task(cfg.task, tokenizer)` gives the configured task; see `base.py` for the
 contract the orchestrator uses, `synthetic.py` for the built-in generators, `jsonl.py` for
-bring-your-own data and `rewards.py` for the reward functions.
+bring-your-own data and `rewards.py` for the reward functions, `verifiers/` for the verifiers (`math`,
+`format_length`, `code`), registered on import.
 """
 
 from moerl.tasks.base import Prompt, RewardFn, Task
@@ -11,6 +12,7 @@ from moerl.tasks.jsonl import JsonlTask, read_records
 from moerl.tasks.registry import TASKS, build_task, check_task_config
 from moerl.tasks.rewards import REWARDS, RewardInput, build_reward, decode_response
 from moerl.tasks.synthetic import ArithmeticTask, CopyDigitsTask
+from moerl.tasks.verifiers import math_answer  # noqa: F401  (registers the verifiers)
 from moerl.tasks.warm_start import warm_start_examples
 
 __all__ = [

@@ -13,6 +13,12 @@ async function (a remote verifier) may be given instead, the orchestrator awaits
     shaped   dense credit for tiny models: format (characters from a charset) +
              per-position match + stopping at the right length; 1 only for the exact answer
 
+The verifiers (`moerl/tasks/verifiers/`) register three more: `math` (math-verify
+equivalence), `format_length` (a required pattern and a length budget) and `code` (tests
+run in a sandboxed subprocess). A reward that gives 0 because its check failed (a timeout,
+a crash, no answer found) says why with `note(inp, reason)`: the reason lands in
+`traj.meta["reward_reason"]` (kept with the trajectory) and in a debug log line.
+
 Decoding (`decode_response`) cuts the response at the first EOS, and marks every token it
 cannot show as text (a special token, or an id the model has but the tokenizer lacks; tiny
 models have vocab_size 128 over a 52-token tokenizer) with U+FFFD, so a sampled <pad> still
@@ -23,6 +29,7 @@ takes a position instead of silently vanishing.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -33,6 +40,8 @@ import numpy as np
 from moerl.common.registry import Registry
 from moerl.common.trajectory import Trajectory
 from moerl.tasks.base import Prompt
+
+log = logging.getLogger(__name__)
 
 PLACEHOLDER = "\ufffd"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -53,6 +62,14 @@ class RewardInput:
     """The prompt, for rewards that need more than the answer."""
     traj: Trajectory
     """The raw trajectory (token ids, finish_reason, meta)."""
+
+
+def note(inp: RewardInput, reason: str) -> float:
+    """Record why a completion scored 0 (traj.meta["reward_reason"], a debug log); returns
+    0.0 so a verifier can `return note(inp, "timeout after 5s")`."""
+    inp.traj.meta["reward_reason"] = reason
+    log.debug("reward 0 for prompt %s: %s", inp.prompt.prompt_id, reason)
+    return 0.0
 
 
 def decode_response(tokenizer: Any, traj: Trajectory) -> tuple[str, bool]:
