@@ -11,6 +11,6 @@ fails (timeout, crash, no answer) scores 0 and says why in traj.meta["reward_rea
 never raises into the orchestrator.
 """
 
-from moerl.tasks.verifiers import math_answer
+from moerl.tasks.verifiers import code, format_length, math_answer
 
-__all__ = ["math_answer"]
+__all__ = ["code", "format_length", "math_answer"]
