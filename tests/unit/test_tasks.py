@@ -234,7 +234,7 @@ def test_bad_config_errors_name_the_key() -> None:
         (CopyDigitsTaskConfig(min_digits=0), "task.min_digits=0 must be >= 1"),
         (CopyDigitsTaskConfig(num_prompts=-1), "task.num_prompts=-1 must be >= 0"),
         (JsonlTaskConfig(), "task.path is empty"),
-        (ArithmeticTaskConfig(reward="nope"), "unknown reward function 'nope'; known: exact"),
+        (ArithmeticTaskConfig(reward="nope"), "unknown reward function 'nope'; known: .*exact"),
         ({"name": "copy_digits", "reward_options": {"wieght": 1}}, "not an option"),
         ({"name": "copy_digits", "reward_options": {"stop_weight": -1}}, "weights must be"),
         ({"name": "arithmetic", "max_digits": 3}, "task.max_digits is not an option"),

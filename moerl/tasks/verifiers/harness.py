@@ -82,7 +82,7 @@ def run_tests(results: object) -> None:
     for i, test in enumerate(tests):
         try:
             exec(compile(test, f"test_{i}", "exec"), namespace)
-            line = {"ok": True}
+            line: dict[str, object] = {"ok": True}
         except BaseException as err:  # noqa: B036
             line = {"ok": False, "error": describe(err)}
         write(json.dumps(line) + "\n")
