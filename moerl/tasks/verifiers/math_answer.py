@@ -2,8 +2,8 @@
 
 What is compared (the completion's last marked answer):
 
-    \\boxed{...}       anywhere in the text: math-verify reads the boxed answer (the last
-                      one wins)
+    \\boxed{...}       anywhere in the text: math-verify reads the boxed answer (several
+                      boxed answers are read together, as a set)
     answer: ...        else, the text after the last `answer:` (case-insensitive, the
                       `answer_marker` option) up to the end of its line
     the whole text     else; math-verify takes the last LaTeX or plain expression in it
