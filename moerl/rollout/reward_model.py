@@ -241,7 +241,7 @@ class RewardModel:
                     )
                 if not _retryable(err) or attempt == cfg.max_retries:
                     self._counts["failures"] += 1
-                    if isinstance(err, RewardModelError) and err.status_code is not None:
+                    if not _retryable(err):  # HTTP 4xx: fatal for the orchestrator
                         raise err
                     raise RewardModelError(
                         f"reward model failed {attempt + 1} times "
