@@ -86,8 +86,13 @@ def _group(n: int, text: str = "12,34,5") -> tuple[Prompt, list[Trajectory]]:
     ids = TOK.encode(text, add_special_tokens=False)
     trajs = [
         Trajectory(
-            prompt_ids=[1, 5], response_ids=ids, response_logprobs=np.zeros(len(ids)),
-            versions=np.zeros(len(ids)), reward=1.0, group_id=0, index=i,
+            prompt_ids=[1, 5],
+            response_ids=ids,
+            response_logprobs=np.zeros(len(ids)),
+            versions=np.zeros(len(ids)),
+            reward=1.0,
+            group_id=0,
+            index=i,
         )  # fmt: skip
         for i in range(n)
     ]
