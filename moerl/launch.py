@@ -172,6 +172,45 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
     return [p.url for p in procs], procs
 
 
+def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]:
+    """The reward model's URLs and the embedded RM engines moerl owns: ``reward_model.urls``
+    when given, else ``num_engines`` engines on ``reward_model.path`` or on a random tiny
+    model built from ``model`` (seeded by trainer.seed + 1, so it differs from the policy)
+    and written into the run directory. RM engines never receive weight updates."""
+    rm = cfg.reward_model
+    if not rm.enabled:
+        return [], []
+    if rm.urls:
+        return list(rm.urls), []
+    from moerl.engine import API_KEY_ENV
+    from moerl.engine.process import EngineProcess
+
+    if rm.path:
+        path = Path(rm.path)
+    else:
+        from moerl.models.hf_tiny import save_tiny_checkpoint
+
+        path = run_dir / "reward_hf"
+        if not (path / "config.json").is_file():
+            print(f"moerl: writing a random {cfg.model.family} reward model to {path}", flush=True)
+            save_tiny_checkpoint(cfg.model, path, seed=cfg.trainer.seed + 1)
+    procs = []
+    for i in range(rm.num_engines):
+        print(f"moerl: starting reward-model engine {i} on {path}", flush=True)
+        procs.append(
+            EngineProcess(
+                path,
+                "--dtype",
+                cfg.engine.dtype,
+                api_key=os.environ.get(API_KEY_ENV),
+                threads=rm.threads,
+                log_path=run_dir / f"reward_engine{i}.log",
+                startup_timeout_s=cfg.engine.startup_timeout_s,
+            )  # fmt: skip
+        )
+    return [p.url for p in procs], procs
+
+
 def run_rank(cfg: Any, run_dir: str) -> None:
     """One trainer rank (its process group is up): rank 0 prepares the checkpoint and
     engines and tells the others where they are."""
@@ -187,16 +226,23 @@ def run_rank(cfg: Any, run_dir: str) -> None:
     from moerl.loop import RunContext, run_training
 
     root = Path(run_dir)
-    procs: list[Any] = []
+    procs: list[Any] = []  # every engine process this rank owns (closed at the end)
+    engines: list[Any] = []  # the policy's (the supervisor restarts them)
     try:
         info: list[Any] = [None]
         if dist.get_rank() == 0:
             hf_dir = prepare_checkpoint(cfg, root)
-            urls, procs = start_engines(cfg, hf_dir, root)
-            info = [(str(hf_dir), urls)]
+            urls, engines = start_engines(cfg, hf_dir, root)
+            procs += engines
+            reward_urls, reward_procs = start_reward_engines(cfg, root)
+            procs += reward_procs
+            info = [(str(hf_dir), urls, reward_urls)]
         dist.broadcast_object_list(info, src=0)
-        hf, urls = info[0]
-        ctx = RunContext(run_dir=root, hf_dir=Path(hf), engine_urls=urls, engines=procs)
+        hf, urls, reward_urls = info[0]
+        ctx = RunContext(
+            run_dir=root, hf_dir=Path(hf), engine_urls=urls, engines=engines,
+            reward_urls=reward_urls,
+        )  # fmt: skip
         last = run_training(cfg, ctx)
         if dist.get_rank() == 0 and last:
             print(

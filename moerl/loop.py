@@ -35,6 +35,7 @@ class RunContext:
     hf_dir: Path  # the initial HF checkpoint: the trainer loads it, the engines serve it
     engine_urls: list[str]
     engines: list[Any] = field(default_factory=list)  # rank 0: the EngineProcesses moerl owns
+    reward_urls: list[str] = field(default_factory=list)  # the reward model's servers
 
 
 def _broadcast(obj: Any) -> Any:
@@ -79,8 +80,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     if leader:
         rollout = RolloutService(
             cfg, hf_dir=ctx.hf_dir, run_dir=ctx.run_dir, engine_urls=ctx.engine_urls,
-            engines=ctx.engines, version=start, progress=trainer.progress,
-            groups_per_step=per_step,
+            engines=ctx.engines, reward_urls=ctx.reward_urls, version=start,
+            progress=trainer.progress, groups_per_step=per_step,
         )  # fmt: skip
     publisher = run_log = None
     try:

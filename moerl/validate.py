@@ -384,4 +384,59 @@ def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None
     _check_rollout(cfg)
     _check_groups(cfg, world_size)
     _check_telemetry_and_sync(cfg)
+    _check_reward_model(cfg)
     return cfg
+
+
+def _check_reward_model(cfg: MoerlConfig) -> None:
+    """reward_model.*: checked only when enabled (the defaults of a disabled one are fine)."""
+    import re
+
+    from moerl.config.reward_model import REWARD_MODEL_KINDS
+
+    rm = cfg.reward_model
+    if not rm.enabled:
+        return
+    one_of("reward_model.kind", rm.kind, REWARD_MODEL_KINDS)
+    for key in ("num_engines", "threads", "batch_size", "max_concurrency", "judge_max_new_tokens"):
+        positive_int(f"reward_model.{key}", getattr(rm, key))
+    non_negative_int("reward_model.max_retries", rm.max_retries)
+    positive_seconds("reward_model.timeout_s", rm.timeout_s)
+    for key in ("retry_backoff_s", "linger_s"):
+        finite(f"reward_model.{key}", getattr(rm, key))
+        at_least(f"reward_model.{key}", getattr(rm, key), 0.0)
+    finite("reward_model.weight", rm.weight)
+    for url in rm.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"reward_model.urls has {url!r}; give base URLs like 'http://node7:30000'"
+            )
+    if rm.kind == "prm" and not rm.step_parser and not rm.step_delimiter:
+        raise ValueError(
+            "reward_model.kind=prm needs reward_model.step_delimiter (e.g. ',') or a "
+            "reward_model.step_parser import path to cut responses into steps"
+        )
+    if rm.kind == "prm" and not rm.step_tag:
+        raise ValueError("reward_model.step_tag is empty; the PRM scores the tag after a step")
+    if rm.kind == "judge":
+        try:
+            re.compile(rm.judge_pattern)
+        except re.error as err:
+            raise ValueError(
+                f"reward_model.judge_pattern={rm.judge_pattern!r} is not a regex: {err}"
+            ) from None
+        for field_name in ("{prompt}", "{response}"):
+            if field_name not in rm.judge_template:
+                raise ValueError(
+                    f"reward_model.judge_template must hold {field_name} "
+                    f"(got {rm.judge_template!r})"
+                )
+    if rm.path or rm.urls:
+        return
+    from moerl.models.registry import PLAIN
+
+    if cfg.model.family == PLAIN:
+        raise ValueError(
+            "reward_model.path is empty and model.family has no Hugging Face format to build "
+            "a tiny reward model from; set reward_model.path or reward_model.urls"
+        )

@@ -13,6 +13,7 @@ from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
+from moerl.config.reward_model import RewardModelConfig
 from moerl.config.rollout import RolloutConfig
 from moerl.config.sync import SyncConfig
 from moerl.config.task import TaskConfig
@@ -56,3 +57,6 @@ class MoerlConfig:
     """Group sampling, filtering, partial rollouts (group `rollout`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train and sync adapters only (group `lora`)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model served over HTTP (an outcome judge or a process reward model),
+    scored off the critical path next to the task's reward (group `reward_model`)."""

@@ -29,6 +29,7 @@ from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
+from moerl.config.reward_model import RewardModelConfig
 from moerl.config.rollout import RolloutConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import SyncConfig
@@ -53,6 +54,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "env": EnvConfig,
     "rollout": RolloutConfig,
     "lora": LoraConfig,
+    "reward_model": RewardModelConfig,
 }
 
 

@@ -50,6 +50,12 @@ trajectory per role: a group holds G × roles trajectories, scored by the enviro
 waits for whole episodes; many episodes are in flight and an environment step holds up
 only its own episode.
 
+Reward models (``reward_model``, moerl.rollout.reward_model). After the task's reward
+(or the environment's), a group is scored by the RM service in its own task (span
+"reward_model" in the timeline): batched with other groups' completions, retried there;
+a slow RM delays only the groups it scores. An RM that still fails fails the group (the
+fault policy below).
+
 Faults. The client re-sends a failed /generate (connection error, timeout, HTTP 5xx) on
 another engine and keeps the failed one out for cfg.engine_cooldown_s (build it with
 make_client). A group whose request still fails is aborted, its slot released, its prompt
@@ -86,6 +92,7 @@ from moerl.rollout.stats import RolloutStats
 
 if TYPE_CHECKING:
     from moerl.rollout.episode import EpisodeEnv
+    from moerl.rollout.reward_model import RewardModel
     from moerl.tasks.base import Prompt, Task
     from moerl.telemetry.timeline import Timeline
 
@@ -127,10 +134,12 @@ class Orchestrator:
         start_cursor: int = 0,
         timeline: Timeline | None = None,
         episodes: EpisodeEnv | None = None,
+        reward_model: RewardModel | None = None,
     ) -> None:
         """num_layers / topk: the model's num_hidden_layers and experts per token (shape of
         the routes). start_cursor: the first prompt position to generate. episodes: the
-        environment every group member is an episode of (None: single completions)."""
+        environment every group member is an episode of (None: single completions).
+        reward_model: scores each group after the task's reward (None: none)."""
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(cfg, DictConfig):
@@ -143,6 +152,7 @@ class Orchestrator:
         self._sampling = cfg.sampling_params()
         self._adapter: tuple[str, int] | None = None  # LoRA: (engine adapter name, version)
         self._rewards = RewardRunner(task, cfg.reward_workers)
+        self._reward_model = reward_model
         self._tag = uuid.uuid4().hex[:8]
         self._data = DataCursor(task, start_cursor)
         self._flights: dict[int, _Flight] = {}
@@ -362,11 +372,17 @@ class Orchestrator:
         assert item.prompt is not None
         start = time.perf_counter()
         if self._episodes is None:
-            rewards = await self._rewards.score(item.prompt, group)
-            for traj, reward in zip(group, rewards):
+            for traj, reward in zip(group, await self._rewards.score(item.prompt, group)):
                 traj.reward = reward
-        else:  # the environment scored the episodes
-            rewards = [float(t.reward or 0.0) for t in group]
+        if self._reward_model is not None:
+            span = (
+                self.timeline.span("reward_model", group=item.pos, attempt=item.attempt)
+                if self.timeline is not None
+                else contextlib.nullcontext()
+            )
+            async with span:
+                await self._reward_model.score(item.prompt, group)
+        rewards = [float(t.reward or 0.0) for t in group]
         self._count("score_s", time.perf_counter() - start)
         self._count("tokens", sum(t.response_len for t in group))
         self._count("completions", len(group))
@@ -438,6 +454,8 @@ class Orchestrator:
         if had_requests:
             await abort_prefix(self.client, f"moerl-{self._tag}-")
         self._rewards.close()
+        if self._reward_model is not None:
+            await self._reward_model.aclose()
 
     def _count(self, name: str, value: float = 1) -> None:
         self._stats.count(name, value)
@@ -446,8 +464,11 @@ class Orchestrator:
         """Flat scalars (moerl.rollout.stats); names without `_total` cover the time since
         the last call: rollout/groups_done, groups_filtered, groups_cancelled,
         group_failures, retries, resumed, tokens, gen_s, score_s, reward_mean, ..."""
-        return self._stats.report(
+        out = self._stats.report(
             generating=self._generating,
             cursor=self._data.cursor,
             client_retries=getattr(self.client, "retries", 0),
         )
+        if self._reward_model is not None:  # reward_model/latency_s, retries, failures, ...
+            out.update(self._reward_model.metrics())
+        return out

@@ -40,12 +40,14 @@ class RolloutService:
         run_dir: Path,
         engine_urls: list[str],
         engines: list[Any],
+        reward_urls: list[str] | None = None,
         version: int,
         progress: dict[str, Any],
         groups_per_step: int,
     ) -> None:
         """Connect to the engines (waits until they are healthy) and build the buffer and
-        orchestrator at ``version``, resuming from a checkpoint's ``progress`` record
+        orchestrator at ``version`` (scoring with the reward model at ``reward_urls`` when
+        ``reward_model.enabled``), resuming from a checkpoint's ``progress`` record
         (cursor, buffer, orchestrator) when it has one. Nothing generates until start()."""
         from moerl.models.tokenizer import load_tokenizer
         from moerl.rollout.faults import make_client
@@ -65,13 +67,20 @@ class RolloutService:
             tokenizer = load_tokenizer(hf_dir)
             task = build_task(cfg.task, tokenizer)
             episodes = _episodes(cfg, tokenizer)
-            self.aio.run(_call(self._build, task, run_dir, version, progress, episodes))
+            rm = _reward_model(cfg, tokenizer, reward_urls or [])
+            self.aio.run(_call(self._build, task, run_dir, version, progress, episodes, rm))
         except BaseException:
             self.close()
             raise
 
     def _build(
-        self, task: Any, run_dir: Path, version: int, progress: dict[str, Any], episodes: Any
+        self,
+        task: Any,
+        run_dir: Path,
+        version: int,
+        progress: dict[str, Any],
+        episodes: Any,
+        reward_model: Any,
     ) -> None:
         from moerl.rollout.buffer import RolloutBuffer
         from moerl.rollout.orchestrator import Orchestrator
@@ -87,7 +96,7 @@ class RolloutService:
             self.client, task, self.buffer, cfg.rollout, num_layers=cfg.model.num_layers,
             topk=cfg.model.moe_router_topk, start_cursor=int(progress.get("cursor", 0)),
             timeline=Timeline(run_dir, "rollout") if cfg.telemetry.timeline else None,
-            episodes=episodes,
+            episodes=episodes, reward_model=reward_model() if reward_model else None,
         )  # fmt: skip
         if progress.get("orchestrator"):
             self.orchestrator.load_state_dict(progress["orchestrator"])
@@ -224,6 +233,18 @@ def _episodes(cfg: MoerlConfig, tokenizer: Any) -> Any:
         max_turns=env.max_turns,
         max_tokens=env.max_episode_tokens or cfg.model.max_position_embeddings,
     )
+
+
+def _reward_model(cfg: MoerlConfig, tokenizer: Any, urls: list[str]) -> Any:
+    """A factory of the run's RewardModel (built on the rollout loop, where its HTTP client
+    lives); None without one."""
+    if not cfg.reward_model.enabled:
+        return None
+    from functools import partial
+
+    from moerl.rollout.reward_model import RewardModel
+
+    return partial(RewardModel, cfg.reward_model, tokenizer, urls or list(cfg.reward_model.urls))
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

@@ -4,7 +4,7 @@
                                   [--timeout-s S] [--readme README.md]
 
 Benches (each ``tools/bench/<name>.py``, called as ``main([...])``): engine,
-async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes. Each
+async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes, rewards. Each
 runs in
 a fresh child process (several make their own process a one-rank gloo world, which must
 not leak into the next), in its own session so a timeout (``--timeout-s``, else a
@@ -77,6 +77,9 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
     "offpolicy": (True, {"full": [], "quick": ["--quick"],
                          "smoke": ["--quick", "--steps", "2", "--staleness", "1"]},
                   {"full": 3600, "quick": 900, "smoke": 300}),
+    # inline vs async scoring by a lognormal-latency reward model (~40 s)
+    "rewards": (True, {"full": [], "quick": ["--quick"], "smoke": ["--quick", "--steps", "3"]},
+                {"full": 900, "quick": 300, "smoke": 240}),
     # a sync and an async run of 3-turn episodes with lognormal env latency, then turn timings
     "episodes": (True, {"full": [], "quick": ["--quick"],
                         "smoke": ["--quick", "--steps", "3", "--turn-episodes", "1"]},
