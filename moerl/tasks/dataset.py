@@ -75,7 +75,7 @@ def load_splits(cfg: DatasetTaskConfig) -> dict[str, Any]:
     path = Path(cfg.path).expanduser()
     files = sorted(glob.glob(str(path))) if glob.has_magic(str(path)) else []
     if not path.exists() and not files:
-        raise FileNotFoundError(
+        raise ValueError(
             f"task.path={cfg.path!r} does not exist; give a local parquet, jsonl or arrow "
             "file (or a glob of them), or a directory written by datasets.save_to_disk"
         )
