@@ -4,9 +4,11 @@
     python -m moerl.launch +recipe=deepseek_moe task=dataset \\
         task.path=data/word_problems task.eval_split=test task.metadata_keys=[difficulty]
 
-`tom has 3 apples and buys 4 more. how many apples does tom have? ` -> `7`. Every character
-is in the tiny models' built-in tokenizer (lowercase letters, digits, `+-*/=()., :?` and
-space), so the set runs on the tiny recipes as well as on real checkpoints. Columns:
+`tom has 3 apples and buys 4 more. how many now? ` -> `7`. Every character is in the tiny
+models' built-in tokenizer (lowercase letters, digits, `+-*/=()., :?` and space), and every
+prompt is at most MAX_PROMPT_CHARS long, so a prompt, its BOS and an 8-token answer fit the
+tiny models' seq_length of 64: the set runs on the tiny recipes as well as on real
+checkpoints. Columns:
 
     prompt      the problem text
     messages    the same as one chat user turn (for task.messages_key=messages)
@@ -30,6 +32,7 @@ NAMES = ["tom", "ann", "sam", "mia", "ben", "eva", "leo", "zoe", "max", "ivy"]
 THINGS = ["apples", "pens", "cards", "books", "coins", "shells", "stamps", "marbles"]
 BOXES = [("box", "boxes"), ("bag", "bags"), ("jar", "jars"), ("crate", "crates")]
 
+MAX_PROMPT_CHARS = 55
 Problem = tuple[str, int]
 """(problem text, answer)."""
 
@@ -37,54 +40,42 @@ Problem = tuple[str, int]
 def buy(rng: np.random.Generator) -> Problem:
     who, what = rng.choice(NAMES), rng.choice(THINGS)
     a, b = rng.integers(1, 20, size=2)
-    return f"{who} has {a} {what} and buys {b} more. how many {what} does {who} have? ", a + b
+    return f"{who} has {a} {what} and buys {b} more. how many now? ", a + b
 
 
 def give(rng: np.random.Generator) -> Problem:
     who, what = rng.choice(NAMES), rng.choice(THINGS)
     a = rng.integers(2, 30)
     b = rng.integers(1, a)
-    return f"{who} has {a} {what} and gives {b} away. how many {what} are left? ", a - b
+    return f"{who} has {a} {what} and gives {b} away. how many left? ", a - b
 
 
 def groups(rng: np.random.Generator) -> Problem:
     box, boxes = BOXES[rng.integers(len(BOXES))]
     what = rng.choice(THINGS)
     each, n = rng.integers(2, 10, size=2)
-    return f"a {box} holds {each} {what}. how many {what} are in {n} {boxes}? ", each * n
+    return f"a {box} holds {each} {what}. how many in {n} {boxes}? ", each * n
 
 
 def share(rng: np.random.Generator) -> Problem:
     what = rng.choice(THINGS)
     kids, each = rng.integers(2, 10, size=2)
-    return (
-        f"{kids * each} {what} are shared equally by {kids} kids. "
-        f"how many {what} does each kid get? ",
-        each,
-    )
+    return f"{kids * each} {what} shared by {kids} kids. how many each? ", each
 
 
 def buy_then_give(rng: np.random.Generator) -> Problem:
     who, what = rng.choice(NAMES), rng.choice(THINGS)
     a, b = rng.integers(1, 20, size=2)
     c = rng.integers(1, a + b)
-    return (
-        f"{who} has {a} {what}, buys {b} more and then gives {c} away. "
-        f"how many {what} does {who} have now? ",
-        a + b - c,
-    )
+    return f"{who} has {a} {what}, buys {b}, gives {c}. how many now? ", a + b - c
 
 
 def groups_plus(rng: np.random.Generator) -> Problem:
-    box, boxes = BOXES[rng.integers(len(BOXES))]
+    _, boxes = BOXES[rng.integers(len(BOXES))]
     what = rng.choice(THINGS)
     n, each = rng.integers(2, 10, size=2)
     loose = rng.integers(1, 10)
-    return (
-        f"there are {n} {boxes} with {each} {what} in each {box} and {loose} more {what}. "
-        f"how many {what} are there in all? ",
-        n * each + loose,
-    )
+    return f"{n} {boxes} of {each} {what} and {loose} more. how many {what}? ", n * each + loose
 
 
 KINDS: dict[str, tuple[int, Callable[[np.random.Generator], Problem]]] = {
@@ -107,6 +98,7 @@ def make_problems(n: int, rng: np.random.Generator, seen: set[str]) -> list[dict
         kind = kinds[rng.integers(len(kinds))]
         difficulty, make = KINDS[kind]
         text, answer = make(rng)
+        assert len(text) <= MAX_PROMPT_CHARS, text
         if text in seen:
             continue
         seen.add(text)

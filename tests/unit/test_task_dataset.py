@@ -298,6 +298,7 @@ def test_word_problems_load_as_a_dataset_task(tmp_path: Path) -> None:
     assert not {p.text for p in train_prompts} & {p.text for p in test_prompts}
     for p in train_prompts + test_prompts:
         assert UNK not in p.input_ids, p.text
+        assert len(p.input_ids) <= tool.MAX_PROMPT_CHARS + 1  # + BOS: fits the tiny models
         assert UNK not in TOK(p.answer)["input_ids"]
         assert p.meta["difficulty"] in (1, 2, 3) and p.answer.lstrip("-").isdigit()
     assert {p.meta["difficulty"] for p in train_prompts} == {1, 2, 3}
