@@ -81,7 +81,7 @@ def load_splits(cfg: DatasetTaskConfig) -> dict[str, Any]:
         )
     cache_dir = cfg.cache_dir or None
     if path.is_dir() and (
-        (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file()
+        (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
     ):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.Dataset):
