@@ -16,6 +16,9 @@ from setuptools import find_packages, setup
 # Triton 3 runs its kernels on the CPU under TRITON_INTERPRET=1, which is how the tests
 # check every kernel against its torch twin without a GPU.
 KERNELS = ["triton>=3.0"]
+# task=dataset (moerl.tasks.dataset): local parquet / jsonl / arrow files through HF datasets;
+# imported lazily, so the core install does without it.
+DATA = ["datasets>=2.19", "pyarrow"]
 # What `import sglang` needs beyond moerl's own requirements, for SGLang's Python frontend
 # in tests/integration/test_sglang_frontend.py. sglang itself cannot be listed: it goes in
 # with `pip install --no-deps sglang==0.5.23` (Python >= 3.11), because its requirements
@@ -33,6 +36,7 @@ TEST = [
     *KERNELS,
     *SGLANG_FRONTEND,
     *VERIFY,
+    *DATA,
 ]
 
 packages = find_packages(include=["moerl", "moerl.*"])
@@ -91,6 +95,7 @@ setup(
         "apex": ["apex"],
         "kernels": KERNELS,
         "verify": VERIFY,
+        "data": DATA,
         "test": TEST,
         "dev": TEST + ["ruff", "mypy", "import-linter"],
     },

@@ -13,7 +13,7 @@ Torch-free, like the other config modules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from moerl.common.checks import at_least
@@ -46,10 +46,18 @@ class TaskConfig:
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template as one user turn (instruct
     checkpoints); false = the raw text, with the tokenizer's BOS if it has one."""
+    system_prompt: str = ""
+    """With `chat_template`: a system message put before each prompt's messages (unless
+    they already start with one); '' = none."""
 
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
         at_least(f"{key}.num_prompts", self.num_prompts, 0)
+        if self.system_prompt and not self.chat_template:
+            raise ValueError(
+                f"{key}.system_prompt is set but {key}.chat_template=false; a system prompt "
+                f"goes through the tokenizer's chat template: set {key}.chat_template=true"
+            )
 
 
 @dataclass
@@ -125,6 +133,105 @@ class JsonlTaskConfig(TaskConfig):
             raise ValueError(f"{key}.path is empty; set it to a local jsonl file")
 
 
+DATASET_FORMATS = ("parquet", "json", "arrow")
+
+
+@dataclass
+class DatasetTaskConfig(TaskConfig):
+    """Prompts from local parquet, JSON Lines or Arrow files, or a directory written by
+    `datasets.save_to_disk`, read through HF `datasets` (the `data` extra; never the hub).
+
+    Splits: the dataset's own (`split=train`, `eval_split=test`: a save_to_disk
+    DatasetDict, or a directory of files named by split, such as train.parquet and
+    test.parquet), or a held-out part carved from one split (`eval_fraction`, drawn with
+    `split_seed`, the same rows whatever the run seed)."""
+
+    name: str = "dataset"
+    """Registered name of this task."""
+    path: str = ""
+    """A local data file, a glob of files, or a directory (save_to_disk output or data files
+    named by split) (required)."""
+    format: str = ""
+    """parquet, json (JSON Lines) or arrow; '' = from the file suffix (.parquet, .jsonl,
+    .json, .arrow)."""
+    split: str = "train"
+    """The dataset split to read prompts from (a single file is split 'train')."""
+    eval_split: str = ""
+    """The split an evaluation reads ('test'); '' = the held-out part of `split` when
+    `eval_fraction` > 0."""
+    eval_fraction: float = 0.0
+    """Fraction of `split` held out for evaluation (0 <= f < 1); the task trains on the
+    rest, and `heldout=true` reads the held-out rows instead."""
+    split_seed: int = 0
+    """Seed of the held-out draw; independent of `seed`, so runs with different seeds
+    evaluate on the same rows."""
+    heldout: bool = False
+    """Read the held-out part (`eval_fraction`) instead of the training part."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (used when `messages_key` is empty)."""
+    messages_key: str = ""
+    """Column holding the prompt as chat messages ([{role, content}, ...]); needs
+    `chat_template=true`; '' = use `prompt_key`."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    metadata_keys: list[str] = field(default_factory=list)
+    """Columns copied into each Prompt.meta (e.g. ['difficulty']), for rewards and logs."""
+    cache_dir: str = ""
+    """Where `datasets` keeps its Arrow cache of parquet/json files; '' = its default
+    (~/.cache/huggingface/datasets, or HF_DATASETS_CACHE)."""
+    num_prompts: int = 0
+    """0 = every row of the split (or of its training part), in epochs; N > 0 = the first
+    N rows only."""
+
+    def validate(self, key: str) -> None:
+        super().validate(key)
+        if not self.path:
+            raise ValueError(
+                f"{key}.path is empty; set it to a local parquet, jsonl or arrow file, or a "
+                "datasets.save_to_disk directory"
+            )
+        if "://" in self.path:
+            raise ValueError(
+                f"{key}.path={self.path!r} is a URL; task=dataset reads local files only "
+                "(download the data first, e.g. with `huggingface-cli download`)"
+            )
+        if self.format and self.format not in DATASET_FORMATS:
+            raise ValueError(
+                f"{key}.format={self.format!r} is not one of {', '.join(DATASET_FORMATS)} "
+                "(or '' to infer it from the file suffix)"
+            )
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"{key}.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.heldout and self.eval_fraction == 0.0:
+            raise ValueError(f"{key}.heldout=true needs {key}.eval_fraction > 0")
+        if self.messages_key and not self.chat_template:
+            raise ValueError(
+                f"{key}.messages_key={self.messages_key!r} gives chat messages, which need "
+                f"the tokenizer's chat template: set {key}.chat_template=true"
+            )
+        if "item" in self.metadata_keys:
+            raise ValueError(f"{key}.metadata_keys: 'item' is reserved (the row index)")
+
+    def for_eval(self) -> DatasetTaskConfig:
+        """The same data's evaluation view: `eval_split`, else the held-out part; in file
+        order (no shuffle)."""
+        if self.eval_split:
+            return replace(
+                self,
+                split=self.eval_split,
+                eval_fraction=0.0,
+                heldout=False,
+                shuffle=False,
+                num_prompts=0,
+            )
+        if self.eval_fraction > 0:
+            return replace(self, heldout=True, shuffle=False, num_prompts=0)
+        raise ValueError(
+            "task=dataset has no evaluation data: set task.eval_split (a split of the "
+            "dataset, e.g. test) or task.eval_fraction (a held-out part of task.split)"
+        )
+
+
 @dataclass
 class CustomTaskConfig(TaskConfig):
     """A task outside moerl: `fn(tokenizer, **options) -> Task` (a class works too)."""
@@ -141,6 +248,7 @@ TASK_OPTIONS: dict[str, type[TaskConfig]] = {
     "arithmetic": ArithmeticTaskConfig,
     "copy_digits": CopyDigitsTaskConfig,
     "jsonl": JsonlTaskConfig,
+    "dataset": DatasetTaskConfig,
     "custom": CustomTaskConfig,
 }
 

@@ -26,21 +26,58 @@ from moerl.common.trajectory import Trajectory
 from moerl.tasks.base import Prompt
 from moerl.tasks.rewards import RewardInput, build_reward, decode_response
 
+Messages = list[dict[str, Any]]
+"""A chat prompt: [{"role": "user", "content": "..."}, ...], as apply_chat_template takes."""
 
-def encode_prompt(tokenizer: Any, text: str, chat_template: bool = False) -> np.ndarray:
-    """int32 [P]: the prompt's tokens, BOS first when the tokenizer has one."""
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: str | Messages,
+    chat_template: bool = False,
+    system_prompt: str = "",
+) -> np.ndarray:
+    """int32 [P]: the prompt's tokens, BOS first when the tokenizer has one.
+
+    With `chat_template`, a text prompt is one user turn and a messages prompt goes in as
+    given; `system_prompt` is put first unless the messages already start with a system
+    message. Without it, `prompt` must be text.
+    """
     if chat_template:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            chat_messages(prompt, system_prompt), add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
     else:
-        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        if not isinstance(prompt, str):
+            raise ValueError(
+                "a chat-messages prompt needs the tokenizer's chat template: set "
+                "task.chat_template=true"
+            )
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         bos = tokenizer.bos_token_id
         if bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]  # tokenizers without a post-processor (the tiny one) skip it
     return np.asarray(ids, dtype=np.int32)
+
+
+def chat_messages(prompt: str | Messages, system_prompt: str = "") -> Messages:
+    """The messages a chat-template prompt renders: a text prompt as one user turn, the
+    system prompt first unless the messages already start with a system message."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if system_prompt and not (messages and messages[0].get("role") == "system"):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return list(messages)
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """Raise ValueError when `task.chat_template=true` meets a tokenizer without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"task.chat_template=true but the tokenizer ({type(tokenizer).__name__}) has no "
+            "chat template (a base checkpoint?); set task.chat_template=false for raw text "
+            "prompts, or use an instruct checkpoint whose tokenizer_config.json has one"
+        )
 
 
 def encode_target(tokenizer: Any, text: str) -> np.ndarray:
@@ -67,6 +104,7 @@ class IndexedTask:
         reward: str = "",
         reward_options: dict[str, Any] | None = None,
         chat_template: bool = False,
+        system_prompt: str = "",
     ) -> None:
         if num_items is not None and num_items < 1:
             raise ValueError(f"a task needs at least one prompt, got num_items={num_items}")
@@ -74,7 +112,10 @@ class IndexedTask:
         self.seed = int(seed)
         self.num_items = num_items
         self.shuffle = shuffle
+        if chat_template:
+            check_chat_template(tokenizer)
         self.chat_template = chat_template
+        self.system_prompt = system_prompt
         self.reward_name = reward or self.default_reward
         self._reward = build_reward(self.reward_name, reward_options)
         self._perm: tuple[int, np.ndarray] | None = None
@@ -89,12 +130,13 @@ class IndexedTask:
             reward=cfg.reward,
             reward_options=dict(cfg.reward_options),
             chat_template=cfg.chat_template,
+            system_prompt=cfg.system_prompt,
         )
 
     # ---- subclass hooks --------------------------------------------------------------
 
-    def item(self, index: int) -> tuple[str, Any]:
-        """(prompt text, answer) of item `index`."""
+    def item(self, index: int) -> tuple[str | Messages, Any]:
+        """(prompt text or chat messages, answer) of item `index`."""
         raise NotImplementedError
 
     def reference(self, prompt: Prompt) -> str:
@@ -114,9 +156,19 @@ class IndexedTask:
     def prompt(self, pos: int) -> Prompt:
         """The prompt at stream position `pos`."""
         index = self.index_at(pos)
-        text, answer = self.item(index)
-        ids = encode_prompt(self.tokenizer, text, self.chat_template)
+        prompt, answer = self.item(index)
+        ids = encode_prompt(self.tokenizer, prompt, self.chat_template, self.system_prompt)
+        text = prompt if isinstance(prompt, str) else self.render(prompt)
         return Prompt(pos, ids, answer=answer, text=text, meta={"item": index})
+
+    def render(self, messages: Messages) -> str:
+        """A messages prompt as the chat template writes it (Prompt.text, for logs)."""
+        text = self.tokenizer.apply_chat_template(
+            chat_messages(messages, self.system_prompt),
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return str(text)
 
     def reward(self, prompt: Prompt, traj: Trajectory) -> Any:
         return self._reward(self.reward_input(prompt, traj))

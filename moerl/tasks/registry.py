@@ -16,10 +16,12 @@ from moerl.config.task import (
     ArithmeticTaskConfig,
     CopyDigitsTaskConfig,
     CustomTaskConfig,
+    DatasetTaskConfig,
     JsonlTaskConfig,
     TaskConfig,
 )
 from moerl.tasks.base import Task
+from moerl.tasks.dataset import DatasetTask, load_rows
 from moerl.tasks.jsonl import JsonlTask, read_records
 from moerl.tasks.rewards import build_reward
 from moerl.tasks.synthetic import ArithmeticTask, CopyDigitsTask
@@ -42,9 +44,15 @@ def jsonl(tokenizer: Any, cfg: JsonlTaskConfig) -> Task:
     return JsonlTask(tokenizer, cfg)
 
 
+@TASKS.register("dataset", DatasetTaskConfig)
+def dataset(tokenizer: Any, cfg: DatasetTaskConfig) -> Task:
+    return DatasetTask(tokenizer, cfg)
+
+
 def check_task_config(spec: str | TaskConfig | Any) -> None:
     """Start-up check without a tokenizer: the task name, its option ranges, the reward
-    function and its options, a `_target_`'s import, a jsonl file's records."""
+    function and its options, a `_target_`'s import, a jsonl file's records, a dataset's
+    files, split and columns."""
     from omegaconf import DictConfig, OmegaConf
 
     TASKS.build(spec)  # name, options and ranges; imports a `_target_`
@@ -62,6 +70,8 @@ def check_task_config(spec: str | TaskConfig | Any) -> None:
     build_reward(cfg.reward or default, dict(cfg.reward_options))
     if isinstance(cfg, JsonlTaskConfig):
         read_records(cfg.path, cfg.prompt_key, cfg.answer_key)
+    if isinstance(cfg, DatasetTaskConfig):
+        load_rows(cfg)
 
 
 def build_task(spec: str | TaskConfig | Any, tokenizer: Any) -> Task:
