@@ -12,8 +12,10 @@ engines (`engine=embedded`) or attaches to SGLang servers (`engine.urls=[...]`),
 every rank runs `moerl.loop.run_training`. Ranks die with the launcher and engines with
 rank 0, however either dies (even by SIGKILL); Ctrl-C stops the ranks and the engines.
 Everything checkable without a rank (`preflight`: the config, model.path's config.json,
-the checkpoint to resume) is checked first, also by `launcher.dry_run=true`. `--help`
-lists the groups; `--cfg job` prints the config without running.
+the checkpoint to resume) is checked first, also by `launcher.dry_run=true`. A dry run
+composes the config without Hydra's job runner, so it writes nothing (no run directory,
+no `.hydra/`, no log file). `--help` lists every key with its description; `--cfg job`
+prints the config without running.
 """
 
 from __future__ import annotations
@@ -255,21 +257,58 @@ def run_rank(cfg: Any, run_dir: str) -> None:
             proc.close()
 
 
+def checked(cfg: DictConfig) -> MoerlConfig:
+    """``preflight``, or one readable line on stderr and exit status 2 for a user error."""
+    try:
+        return preflight(cfg)
+    except ValueError as err:  # CheckpointError too
+        print(f"moerl: invalid config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+TRUE_WORDS = ("true", "yes", "on", "1")
+
+
+def is_dry_run(args: list[str]) -> bool:
+    """Whether the command line asks for a dry run (and no Hydra flag such as --cfg or
+    --help, which Hydra's own runner handles)."""
+    if any(arg.startswith("-") for arg in args):
+        return False
+    values = [a.partition("=")[2] for a in args if a.partition("=")[0] == "launcher.dry_run"]
+    return bool(values) and values[-1].strip().lower() in TRUE_WORDS
+
+
+def dry_run(overrides: list[str]) -> None:
+    """Compose, check and print the config; write nothing. Hydra's job runner would create
+    the run directory, its `.hydra/` snapshot and a log file before the job starts, so a
+    dry run composes through Hydra's compose API instead."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_module("moerl.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+    except HydraException as err:  # a bad override: Hydra's message, no traceback
+        print(f"moerl: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    report_dry_run(cfg, checked(cfg))
+
+
+def report_dry_run(cfg: DictConfig, typed: MoerlConfig) -> None:
+    print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+    world = typed.launcher.world_size()
+    print(f"moerl: config is valid for world size {world}; dry run, nothing started.")
+
+
 @hydra.main(config_path="pkg://moerl.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    try:
-        typed = preflight(cfg)
-    except ValueError as err:  # CheckpointError too
-        # A user error: one readable line, no traceback, non-zero exit.
-        print(f"moerl: invalid config: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    typed = checked(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
     world = typed.launcher.world_size()
-    if typed.launcher.dry_run:
-        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
-        print(f"moerl: config is valid for world size {world}; dry run, nothing started.")
+    if typed.launcher.dry_run:  # set by a recipe rather than on the command line
+        report_dry_run(cfg, typed)
         return
     print(f"moerl: run dir {run_dir}, {world} trainer rank(s), engine={typed.engine.kind}")
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun: we are a rank
@@ -292,5 +331,14 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(130) from None
 
 
+def cli() -> None:
+    """`python -m moerl.launch`: a dry run writes nothing; anything else is Hydra's job."""
+    args = sys.argv[1:]
+    if is_dry_run(args):
+        dry_run(args)
+    else:
+        main()
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -3,6 +3,10 @@
     python tools/convert_checkpoint.py hf2mcore --hf-dir HF --out MCORE [--layout tp2ep2]
     python tools/convert_checkpoint.py mcore2hf --mcore-dir MCORE --out HF [--layout pp2]
 
+MCORE is a directory hf2mcore wrote, a trainer checkpoint (`trainer.checkpoint_dir/step_N`)
+or a trainer's checkpoint directory (its newest checkpoint): each carries the model
+config and tokenizer the export needs.
+
 The layout sets how many local processes do the work (a megatron-core checkpoint
 can be saved in one layout and loaded in any other). On a cluster, run the same
 functions under torchrun.

@@ -25,6 +25,7 @@ from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig, register_buffer_configs
 from moerl.config.engine import EngineConfig
 from moerl.config.env import EnvConfig, register_env_configs
+from moerl.config.help import register_help_resolver
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -93,7 +94,7 @@ def register_recipes(cs: ConfigStore) -> list[str]:
 
 
 def register_configs() -> None:
-    """Register all schemas and recipes; safe to call any number of times."""
+    """Register all schemas, recipes and the `--help` resolver; safe to call any number of times."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=MoerlConfig, provider="moerl")
     for group, schema in GROUP_SCHEMAS.items():
@@ -103,3 +104,4 @@ def register_configs() -> None:
     register_task_configs(cs)
     register_env_configs(cs)
     register_recipes(cs)
+    register_help_resolver()

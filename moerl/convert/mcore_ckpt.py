@@ -2,7 +2,10 @@
 
 A Megatron checkpoint directory holds megatron-core's own sharded format plus
 ``moerl_model.json`` (the ``ModelConfig``) and the HF ``config.json`` and
-tokenizer files, so it can be loaded into any layout and converted back.
+tokenizer files, so it can be loaded into any layout and converted back. A trainer
+checkpoint (``trainer.checkpoint_dir/step_N``, or the directory itself: its ``latest``) holds
+the same files beside its model state (``write_model_files``), so ``mcore_to_hf`` exports it
+from the directory alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from moerl.models.registry import family_for_model_type, get_family
 from moerl.parallel.layout import parse_layout
 
 MODEL_JSON = "moerl_model.json"
+TRAINER_PROGRESS = "progress.json"  # moerl.trainer.checkpoint_files.PROGRESS
+TRAINER_LATEST = "latest"  # moerl.trainer.checkpoint_files.LATEST
 SIDE_FILES = (
     "config.json",
     "generation_config.json",
@@ -58,6 +63,29 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy(src / name, dst / name)
 
 
+def write_model_files(dst: Path, model: ModelConfig, hf_dir: str | Path | None) -> None:
+    """What an export needs beside the weights: the ``ModelConfig`` (its family included)
+    and the HF config and tokenizer files of ``hf_dir`` (the checkpoint the model started
+    from); without one, the family's config.json for ``model``."""
+    (dst / MODEL_JSON).write_text(json.dumps(asdict(model), indent=2))
+    if hf_dir is not None:
+        _copy_side_files(Path(hf_dir), dst)
+    if not (dst / "config.json").is_file():
+        try:
+            config = get_family(model.family).to_hf(model)
+        except (KeyError, ValueError):  # a family without a Hugging Face format
+            return
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _checkpoint_dir(path: str) -> Path:
+    """``path``, or the newest checkpoint a trainer's checkpoint directory points to."""
+    src = Path(path)
+    if (src / TRAINER_LATEST).is_file():
+        src = src / (src / TRAINER_LATEST).read_text().strip()
+    return src
+
+
 def hf_to_mcore(hf_dir: str, out: str, layout: str, family: str | None) -> None:
     """Body of every rank: load HF, save megatron-core's distributed checkpoint."""
     from megatron.core import dist_checkpointing
@@ -87,12 +115,16 @@ def mcore_to_hf(mcore_dir: str, out: str, layout: str, shard_mb: float) -> None:
     from megatron.core import dist_checkpointing, parallel_state
     from tqdm import tqdm
 
-    src = Path(mcore_dir)
+    src = _checkpoint_dir(mcore_dir)
     if not (src / MODEL_JSON).is_file():
         raise FileNotFoundError(f"{src / MODEL_JSON} is missing: not a moerl Megatron checkpoint")
     model = ModelConfig(**json.loads((src / MODEL_JSON).read_text()))
     chunks = _setup(model, layout)
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(src))
+    sharded = _sharded_state_dict(chunks)
+    if (src / TRAINER_PROGRESS).is_file():  # a trainer checkpoint keeps the model under "model"
+        state = dist_checkpointing.load({"model": sharded}, str(src))["model"]
+    else:
+        state = dist_checkpointing.load(sharded, str(src))
     if len(chunks) == 1:
         chunks[0].load_state_dict(state, strict=False)
     else:

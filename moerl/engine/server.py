@@ -370,6 +370,11 @@ def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> Streaming
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _settled(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 async def run_all(
     state: EngineState, request: HTTPRequest, reqs: list[Request]
 ) -> list[Request] | None:
@@ -390,6 +395,9 @@ async def run_all(
     finally:
         gone.cancel()
         if not results.done():  # client went away (or the server stops): stop its work
+            # retrieved once it settles, so asyncio logs no "exception was never retrieved"
+            # traceback for a client that simply left
+            results.add_done_callback(_settled)
             results.cancel()
             state.scheduler.cancel(reqs, "the client disconnected")
     return results.result() if results.done() else None

@@ -55,7 +55,7 @@ class Trainer:
                 "transformer-engine's causal attention does not take (THD packed_seq_params "
                 "are not wired yet); use trainer.packing=padded with transformer-engine"
             )
-        self.model, self.cfg = model, trainer
+        self.model, self.cfg, self.hf_dir = model, trainer, hf_dir
         initialize_for_model(parallel, model, seed=trainer.seed)
         # LoRA hooks megatron-core's local linears (and TE's grouped experts, which the
         # local spec does not build): with LoRA the model takes the local spec even where
@@ -387,19 +387,26 @@ class Trainer:
 
     def save(self, **progress: Any) -> Path:
         """Checkpoint model, optimizer, lr schedule, RNG and progress (version, plus
-        ``progress``); with LoRA also the adapters as a PEFT directory (``adapter/``)."""
+        ``progress``), the model config and tokenizer files an HF export needs; with LoRA
+        also the adapters as a PEFT directory (``adapter/``)."""
         from moerl.trainer import checkpoint
 
         if not self.cfg.checkpoint_dir:
             raise ValueError("trainer.checkpoint_dir is not set: nowhere to save")
-        extra = None
+        from moerl.convert.mcore_ckpt import write_model_files
+
+        adapters = None
         if self.lora is not None:
-            from moerl.lora import save_peft
+            adapters = (self.adapters(), self.peft_config())
 
-            tensors, config = self.adapters(), self.peft_config()
+        def extra(tmp: Path) -> None:
+            # the model config, family and tokenizer: tools/convert_checkpoint.py mcore2hf
+            # exports the checkpoint from its directory alone
+            write_model_files(tmp, self.model, self.hf_dir)
+            if adapters is not None:
+                from moerl.lora import save_peft
 
-            def extra(tmp: Path) -> None:
-                save_peft(tmp / "adapter", tensors, config)
+                save_peft(tmp / "adapter", *adapters)
 
         return checkpoint.save(
             self.cfg.checkpoint_dir,

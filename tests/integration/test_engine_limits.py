@@ -5,10 +5,13 @@ freed), streaming or not, and /health_generate generates a token or says why not
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
 from engine_http import Http
+
+from moerl.engine.process import EngineProcess
 
 LONG = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 126, "ignore_eos": True}}
 ONE = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
@@ -106,3 +109,22 @@ def test_health_generate_generates_or_says_why_not(http):
     assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
     paused = http.get("/health_generate", timeout=5)
     assert paused.status_code == 503 and "paused" in paused.json()["message"]
+
+
+def test_a_disconnected_client_leaves_no_traceback_in_the_engine_log(tiny_checkpoints, tmp_path):
+    """A client that leaves is routine: its requests are aborted, and the engine's log has
+    no traceback or asyncio error for it."""
+    log = tmp_path / "engine.log"
+    eng = EngineProcess(tiny_checkpoints["deepseek_moe"], threads=1, log_path=log)
+    try:
+        http = Http(eng.url, timeout=30)
+        assert http.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/generate", LONG, timeout=1.0)
+        http.wait_for("the request aborted", lambda i: i["waiting_requests"] == 0)
+        http.post("/continue_generation")
+        time.sleep(1.0)  # the cancelled futures settle
+    finally:
+        eng.close()
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR" not in text and "CancelledError" not in text, text

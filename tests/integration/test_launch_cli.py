@@ -27,6 +27,46 @@ def test_launch_help(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "python -m moerl.launch" in proc.stdout
     assert "parallel: " in proc.stdout and "tp2ep2" in proc.stdout
+    # every key with its type, value and the docstring under its dataclass field
+    assert "trainer.lr: float = " in proc.stdout
+    assert "Peak learning rate of the optimizer." in proc.stdout
+    assert "launcher.dry_run: bool = false" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_help_follows_the_composition(tmp_path) -> None:
+    """--help with a recipe and a group option lists that composition's keys and values."""
+    proc = _launch(tmp_path / "run", "+recipe=deepseek_moe", "task=arithmetic", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "task (ArithmeticTaskConfig)" in proc.stdout
+    assert "task.max_operand: int = " in proc.stdout
+    assert "model.family: str = deepseek_moe" in proc.stdout
+
+
+def test_dry_run_writes_nothing(tmp_path) -> None:
+    """A dry run composes and checks the config without Hydra's job runner: no run
+    directory, no `.hydra/` snapshot, no log file, in the working directory or elsewhere."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    for args in (
+        ["+recipe=deepseek_moe", "launcher.dry_run=true"],
+        ["+recipe=deepseek_moe", "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"],
+        ["+recipe=deepseek_moe", "launcher.dry_run=true", "parallel=tp2", "launcher.nproc=3"],
+        ["launcher.dry_run=true", "task.no_such_key=1"],
+    ):
+        subprocess.run(
+            [sys.executable, "-m", "moerl.launch", *args],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]
+    assert list(cwd.iterdir()) == []
+
+
+def test_dry_run_of_a_bad_override_is_one_line(tmp_path) -> None:
+    proc = _launch(tmp_path / "run", "launcher.dry_run=true", "task.no_such_key=1")
+    assert proc.returncode == 2
+    assert "task.no_such_key" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_launch_valid_config(tmp_path) -> None:
