@@ -11,7 +11,9 @@ What a dry run cannot have, the test supplies, and nothing else is changed:
   machine. A dry run reads its config.json (the architecture is checked against the
   layout), so the test points the path at a stand-in: the named `model=` option's
   config.json, written by its family's `to_hf`, and an empty weight index;
-- `mylab.*` is the user's own package: the test writes a one-function `mylab` for it.
+- `mylab.*` is the user's own package: the test writes a one-function `mylab` for it;
+- a command whose code block first runs a tool (`python tools/make_word_problems.py
+  --out data/…`) runs after that tool, in the same (temporary) directory.
 
 The `--help` commands and tools/*.py are run as subprocesses in
 tests/integration/test_readme_tools.py.
@@ -24,6 +26,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +48,10 @@ def _commands(text: str) -> list[str]:
     return [c for c in out if c]
 
 
+SETUP: dict[str, list[str]] = {}
+"""Launch command → the `python tools/…` commands before it in its code block."""
+
+
 def doc_commands() -> list[tuple[str, str]]:
     """(where, command) for every launch and sbatch command in the docs."""
     found = []
@@ -58,13 +65,19 @@ def doc_commands() -> list[tuple[str, str]]:
         )
         texts.append((str(path.relative_to(ROOT)), header))
     for where, text in texts:
+        tools: list[str] = []
         for cmd in _commands(text):
+            if cmd.startswith("python tools/"):
+                tools.append(cmd)
+                continue
             if "[" in cmd.split("moerl.launch")[-1].split("=")[0]:
                 continue  # a usage line: `python -m moerl.launch [+recipe=NAME]`
             if re.search(r"-m moerl\.launch|tools/slurm/moerl\.sbatch", cmd) and (
                 cmd.startswith(("python -m", "torchrun", "sbatch")) or re.match(r"\w+=", cmd)
             ):
                 found.append((where, cmd))
+                if tools:
+                    SETUP[cmd] = list(tools)
     # overrides that plug in the user's own code, shown without a command: on the tiny recipe
     for span in spans:
         if re.fullmatch(r"(\S+=\S+ )*\w+\._target_=mylab\.\S+", " ".join(span.split())):
@@ -167,6 +180,12 @@ def test_launch_command_dry_runs(where, cmd, tmp_path, monkeypatch, capsys, user
     args, world = _launch_args(cmd)
     if "--help" in args:
         return  # Hydra's help: tests/integration/test_readme_tools.py
+    monkeypatch.chdir(tmp_path)
+    for tool in SETUP.get(cmd, []):
+        words = shlex.split(tool)
+        words[:2] = [sys.executable, str(ROOT / words[1])]
+        proc = subprocess.run(words, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (tool, proc.stderr[-2000:])
     out = _dry_run(_substitute(args, tmp_path), world, monkeypatch, capsys)
     assert "dry run, nothing started" in out, (where, cmd)
 
