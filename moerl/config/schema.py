@@ -9,6 +9,7 @@ from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.config.engine import EngineConfig
 from moerl.config.env import EnvConfig
+from moerl.config.eval import EvalConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -56,3 +57,5 @@ class MoerlConfig:
     """Group sampling, filtering, partial rollouts (group `rollout`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train and sync adapters only (group `lora`)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training, through the same engines (group `eval`)."""
