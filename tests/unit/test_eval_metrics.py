@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from math import comb
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,3 +143,40 @@ def test_eval_sets_default_to_the_training_task_at_another_seed():
     assert named == {"a": {"name": "copy_digits", "seed": 5}}
     with pytest.raises(ValueError, match="held-out file"):
         EvalConfig().resolve_sets(JsonlTaskConfig(path="train.jsonl"))
+
+
+def _compose(*overrides: str) -> Any:
+    from hydra import compose, initialize_config_module
+
+    from moerl.config.store import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_eval_group_composes_and_validates_at_start_up():
+    from moerl.validate import validate_config
+
+    off = validate_config(_compose("+recipe=deepseek_moe"), world_size=1)
+    assert off.eval.every == 0 and not off.eval.enabled
+    on = validate_config(
+        _compose("+recipe=deepseek_moe", "eval=default",
+                 "+eval.sets.arith={name:arithmetic,seed:7,max_operand:50}"),
+        world_size=1,
+    )  # fmt: skip
+    assert on.eval.every == 10 and on.eval.sets["arith"]["max_operand"] == 50
+    with pytest.raises(ValueError, match=r"eval\.sets\.arith: .*max_operandd"):
+        validate_config(
+            _compose("eval=default", "+eval.sets.arith={name:arithmetic,max_operandd:5}"),
+            world_size=1,
+        )
+    with pytest.raises(ValueError, match=r"eval\.sets\.bad: .*min_operand"):
+        validate_config(
+            _compose("eval=default", "+eval.sets.bad={name:arithmetic,min_operand:-1}"),
+            world_size=1,
+        )
+    with pytest.raises(ValueError, match="eval.k"):
+        validate_config(_compose("eval=default", "eval.n=2"), world_size=1)
+    with pytest.raises(ValueError, match="not episodes"):
+        validate_config(_compose("+recipe=calculator", "eval=default"), world_size=1)
