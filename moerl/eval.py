@@ -79,8 +79,12 @@ def _evaluate(cfg: MoerlConfig, path: Path, urls: list[str], api_key: str | None
 
 @hydra.main(config_path="pkg://moerl.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    import logging
+
     from hydra.core.hydra_config import HydraConfig
 
+    for name in ("httpx", "httpcore"):  # no per-request lines between the JSON and the user
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         typed = preflight(cfg)
         if not typed.model.path:

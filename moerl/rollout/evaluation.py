@@ -131,7 +131,8 @@ class EvalRunner:
 
     async def _background(self, step: int) -> None:
         try:
-            self._ready.update(await self.evaluate(step))
+            metrics = await self.evaluate(step)
+            self._ready.update(metrics)  # after the await: pop_metrics() swaps the dict
             self._counts["done"] += 1
         except asyncio.CancelledError:
             raise

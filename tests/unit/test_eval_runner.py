@@ -152,6 +152,7 @@ def test_in_place_updates_leave_eval_requests_running():
         r.launch(step=0, version=0)
         while len(client.calls) < 2:
             await asyncio.sleep(0)
+        assert "eval/even/pass@1" not in r.pop_metrics()  # a step's line while it runs
         await r.before_update()
         r.after_update(1)
         client.release.set()
