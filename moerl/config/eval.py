@@ -74,8 +74,8 @@ class EvalConfig:
             at_least(f"{key}.temperature", self.temperature, 0.0, strict=True)
             if not self.k:
                 raise ValueError(f"{key}.k is empty; list the k of pass@k, e.g. [1, {self.n}]")
-        for k in self.k:
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max(self.n, 1):
+        for k in self.k if self.n else ():  # without samples k is not read
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n:
                 raise ValueError(
                     f"{key}.k={list(self.k)}: {k!r} is not in 1..{key}.n={self.n}; pass@k "
                     f"needs at least k samples per prompt, raise {key}.n or drop that k"

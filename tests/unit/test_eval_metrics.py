@@ -134,6 +134,10 @@ def test_eval_config_rejects_out_of_range_options(options, match):
         EvalConfig(**options).validate("eval")
 
 
+def test_greedy_only_eval_needs_no_k():
+    EvalConfig(every=1, greedy=True, n=0, k=[1, 4]).validate("eval")
+
+
 def test_eval_sets_default_to_the_training_task_at_another_seed():
     task = ArithmeticTaskConfig(seed=0, max_operand=9)
     sets = EvalConfig(seed=77).resolve_sets(task)
