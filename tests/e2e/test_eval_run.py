@@ -53,7 +53,7 @@ def test_eval_runs_beside_training_and_offline(tmp_path):
 
     out = tmp_path / "offline"
     printed = _run("moerl.eval", out, f"model.path={run / 'init_hf'}", *SMALL_EVAL)
-    report = json.loads(printed[printed.index("\n{") :])
+    report = json.loads(printed[printed.index("{\n") :])  # the JSON ends the output
     assert report == json.loads((out / "eval.json").read_text())
     numbers = report["metrics"]
     assert numbers[f"{SET}/prompts"] == 6 and 0.0 <= numbers[f"{SET}/pass@2"] <= 1.0
