@@ -8,6 +8,9 @@ that wait is the trainer's idle time), each data-parallel rank gets its shard
 (``moerl.trainer.shard``), the Trainer takes one optimizer step and a publisher
 (``moerl.sync.publish``: full weights by bucketed broadcast, or LoRA adapters) sends
 the new policy to the engines, bracketed by the rollout side's partial-rollout policy.
+Every ``eval.every`` steps (and after the last) rank 0 starts a held-out evaluation of
+the pushed policy on the rollout side, which runs beside generation and training and
+reports into a later step's metrics line (the last step waits for it).
 
 Resume: a checkpoint holds the model, optimizer, RNG, policy version, the data cursor and
 the buffer's groups, so a resumed run continues at the next step with the same prompts
@@ -107,7 +110,9 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 with run_log.span("sync", step=step, version=trainer.version):
                     metrics.update(_publish(publisher, rollout, trainer.version))
             if rollout:
-                metrics.update(rollout.metrics())
+                if cfg.eval.enabled and _due(cfg.eval.every, step, last):
+                    rollout.start_eval(step, trainer.version, final=step == last)
+                metrics.update(rollout.metrics(wait_eval=step == last))
             run_log.log(
                 step, batch or trajs, metrics, version=trainer.version - 1, wall_s=time.time() - t0,
                 wait_s=wait_s,

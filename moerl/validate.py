@@ -324,6 +324,32 @@ def _check_rollout(cfg: MoerlConfig) -> None:
     check_task_config(cfg.task)
     check_env_config(cfg.env)
     cfg.telemetry.validate("telemetry")
+    _check_eval(cfg)
+
+
+def _check_eval(cfg: MoerlConfig) -> None:
+    """Eval options in range; with eval.every on, every held-out set buildable."""
+    cfg.eval.validate("eval")
+    if not cfg.eval.enabled:
+        return
+    if cfg.env.name != "none":
+        raise ValueError(
+            f"eval.every={cfg.eval.every} with env={cfg.env.name}: evaluation samples single "
+            "completions of task prompts, not episodes; set eval.every=0 (eval=none)"
+        )
+    check_eval_sets(cfg)
+
+
+def check_eval_sets(cfg: MoerlConfig) -> None:
+    """Every held-out set of eval.sets (or the default one) is a buildable task spec
+    (`python -m moerl.eval` checks them whatever eval.every)."""
+    from moerl.tasks import check_task_config
+
+    for name, spec in cfg.eval.resolve_sets(cfg.task).items():
+        try:
+            check_task_config(spec)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"eval.sets.{name}: {err}") from None
 
 
 def _check_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:

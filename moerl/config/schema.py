@@ -9,6 +9,7 @@ from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.config.engine import EngineConfig
 from moerl.config.env import EnvConfig
+from moerl.config.eval import EvalConfig
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -60,3 +61,5 @@ class MoerlConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A reward model served over HTTP (an outcome judge or a process reward model),
     scored off the critical path next to the task's reward (group `reward_model`)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training, through the same engines (group `eval`)."""

@@ -25,6 +25,7 @@ from moerl.algo.correction_config import CorrectionConfig
 from moerl.config.buffer import BufferConfig, StalenessConfig, register_buffer_configs
 from moerl.config.engine import EngineConfig
 from moerl.config.env import EnvConfig, register_env_configs
+from moerl.config.eval import EvalConfig
 from moerl.config.help import register_help_resolver
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
@@ -56,6 +57,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "rollout": RolloutConfig,
     "lora": LoraConfig,
     "reward_model": RewardModelConfig,
+    "eval": EvalConfig,
 }
 
 

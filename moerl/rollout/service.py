@@ -12,6 +12,8 @@ EngineSupervisor that restarts engines. The trainer's loop talks to it in a few 
   a policy push: engines checked (True when restarted ones need the weight group
   rebuilt), the partial-rollout policy applied, new requests switched to the new
   version or adapter, restarted engines released;
+- ``start_eval(step, version)`` — held-out evaluation in the background, when
+  eval.every is on (moerl.rollout.evaluation); its numbers join ``metrics()``;
 - ``state()`` (what a checkpoint keeps), ``metrics()``, ``close()``.
 
 Only rank 0 builds one; the components on its thread never see the trainer.
@@ -61,6 +63,7 @@ class RolloutService:
         self.orchestrator: Any = None
         self.buffer: Any = None
         self.client: Any = None
+        self.evals: Any = None
         try:
             self.client = self.aio.run(_call(make_client, engine_urls, cfg.rollout))
             self.aio.run(self.client.wait_until_healthy(cfg.engine.startup_timeout_s))
@@ -69,6 +72,10 @@ class RolloutService:
             episodes = _episodes(cfg, tokenizer)
             rm = _reward_model(cfg, tokenizer, reward_urls or [])
             self.aio.run(_call(self._build, task, run_dir, version, progress, episodes, rm))
+            if cfg.eval.enabled:
+                self.evals = self.aio.run(
+                    _call(_evals, cfg, self.client, tokenizer, run_dir, version)
+                )
         except BaseException:
             self.close()
             raise
@@ -151,6 +158,8 @@ class RolloutService:
         paused by the partial-rollout policy when the push disturbs requests. True when
         engines were restarted and the weight group must be built again."""
         rejoin = bool(self.aio.run(self.supervisor.before_push()))
+        if pauses_generation and self.evals is not None:  # no eval request starts first
+            self.aio.run(self.evals.before_update())
         if pauses_generation:
             self.aio.run(self.orchestrator.before_update())
         return rejoin
@@ -164,9 +173,20 @@ class RolloutService:
             self.aio.run(_call(self.orchestrator.set_adapter, adapter, version))
         if paused:
             self.aio.run(self.orchestrator.after_update(version))
+        if self.evals is not None:
+            self.aio.run(_call(self.evals.after_update, version, adapter))
         if rejoined:
             self.aio.run(self.supervisor.reconnected())
         self.aio.run(_call(self.buffer.set_version, version))
+
+    def start_eval(self, step: int, version: int, *, final: bool = False) -> None:
+        """Evaluate policy ``version`` (just pushed after ``step``) in the background;
+        ``final``: wait for a running eval first (the last step always evaluates)."""
+        if self.evals is None:
+            return
+        if final:
+            self.aio.run(self.evals.wait())
+        self.aio.run(_call(self.evals.launch, step, version))
 
     # ---- state, metrics, close --------------------------------------------------------
 
@@ -183,8 +203,14 @@ class RolloutService:
 
         return self.aio.run(_call(read))
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, wait_eval: bool = False) -> dict[str, float]:
+        """The rollout side's metrics since the last call, with the numbers of evals
+        finished meanwhile (``wait_eval``: of the running one too, for the last step)."""
         out: dict[str, float] = {}
+        if self.evals is not None:
+            if wait_eval:
+                self.aio.run(self.evals.wait())
+            out.update(self.aio.run(_call(self.evals.pop_metrics)))
         out.update(self.aio.run(_call(self.buffer.metrics)))
         out.update(self.aio.run(_call(self.orchestrator.metrics)))
         if self.supervisor is not None:
@@ -194,9 +220,11 @@ class RolloutService:
     def stop_generation(self) -> None:
         """Stop supervision and generation (no request outlives the run); the event loop
         keeps running for the publisher's last calls until close()."""
-        supervisor, orchestrator = self.supervisor, self.orchestrator
-        self.supervisor = self.orchestrator = None
+        supervisor, orchestrator, evals = self.supervisor, self.orchestrator, self.evals
+        self.supervisor = self.orchestrator = self.evals = None
         try:
+            if evals is not None:
+                self.aio.run(evals.stop(), timeout=60)
             if supervisor is not None:
                 self.aio.run(_call(supervisor.stop))
         finally:
@@ -245,6 +273,22 @@ def _reward_model(cfg: MoerlConfig, tokenizer: Any, urls: list[str]) -> Any:
     from moerl.rollout.reward_model import RewardModel
 
     return partial(RewardModel, cfg.reward_model, tokenizer, urls or list(cfg.reward_model.urls))
+
+
+def _evals(cfg: MoerlConfig, client: Any, tokenizer: Any, run_dir: Path, version: int) -> Any:
+    """The held-out sets' EvalRunner (moerl.rollout.evaluation), built on the loop."""
+    from moerl.rollout.evaluation import EvalRunner
+    from moerl.tasks import build_task
+    from moerl.telemetry.timeline import Timeline
+
+    sets = {
+        name: build_task(spec, tokenizer) for name, spec in cfg.eval.resolve_sets(cfg.task).items()
+    }
+    return EvalRunner(
+        client, sets, cfg.eval, cfg.rollout.sampling_params(),
+        partial_rollout=cfg.rollout.partial_rollout, reward_workers=cfg.rollout.reward_workers,
+        version=version, timeline=Timeline(run_dir, "eval") if cfg.telemetry.timeline else None,
+    )  # fmt: skip
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:
