@@ -94,9 +94,13 @@ class EvalConfig:
 
     def resolve_sets(self, task: Any) -> dict[str, Any]:
         """The sets to evaluate: `sets`, or the training task `task` (an options
-        dataclass) at `seed` under the task's name."""
+        dataclass) at `seed` under the task's name; a data set's evaluation view (its
+        eval split or held-out part, `for_eval`)."""
         if self.sets:
             return {str(name): dict(spec) for name, spec in self.sets.items()}
+        for_eval = getattr(task, "for_eval", None)
+        if for_eval is not None:
+            return {str(task.name): for_eval()}
         if getattr(task, "name", "") == "jsonl":
             raise ValueError(
                 "eval without eval.sets evaluates the training task at another seed, but a "

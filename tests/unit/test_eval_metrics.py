@@ -149,6 +149,14 @@ def test_eval_sets_default_to_the_training_task_at_another_seed():
         EvalConfig().resolve_sets(JsonlTaskConfig(path="train.jsonl"))
 
 
+def test_a_data_set_is_evaluated_on_its_eval_split():
+    from moerl.config.task import DatasetTaskConfig
+
+    task = DatasetTaskConfig(path="data/wp", split="train", eval_split="test", seed=3)
+    (spec,) = EvalConfig(seed=77).resolve_sets(task).values()
+    assert spec.split == "test" and not spec.shuffle
+
+
 def _compose(*overrides: str) -> Any:
     from hydra import compose, initialize_config_module
 
