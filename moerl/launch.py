@@ -147,6 +147,7 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
 
     from moerl.engine import API_KEY_ENV
     from moerl.engine.process import EngineProcess
+    from moerl.telemetry.logs import log_dir
 
     # A key per run, unless the user set one: rank 0's clients read it from the environment.
     os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(32))
@@ -167,7 +168,7 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
                 *flags,
                 api_key=os.environ[API_KEY_ENV],
                 threads=cfg.engine.threads,
-                log_path=run_dir / f"engine{i}.log",
+                log_path=log_dir(run_dir) / f"engine{i}.log",
                 startup_timeout_s=cfg.engine.startup_timeout_s,
             )  # fmt: skip
         )
@@ -186,6 +187,7 @@ def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]
         return list(rm.urls), []
     from moerl.engine import API_KEY_ENV
     from moerl.engine.process import EngineProcess
+    from moerl.telemetry.logs import log_dir
 
     if rm.path:
         path = Path(rm.path)
@@ -206,7 +208,7 @@ def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]
                 cfg.engine.dtype,
                 api_key=os.environ.get(API_KEY_ENV),
                 threads=rm.threads,
-                log_path=run_dir / f"reward_engine{i}.log",
+                log_path=log_dir(run_dir) / f"reward_engine{i}.log",
                 startup_timeout_s=cfg.engine.startup_timeout_s,
             )  # fmt: skip
         )
@@ -216,18 +218,16 @@ def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]
 def run_rank(cfg: Any, run_dir: str) -> None:
     """One trainer rank (its process group is up): rank 0 prepares the checkpoint and
     engines and tells the others where they are."""
-    import logging
-
     import torch.distributed as dist
 
-    # Hydra configures INFO logging in the job process (torchrun ranks): keep the HTTP
-    # client's per-request lines out of the console
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    from moerl.loop import RunContext, run_training
+    from moerl.telemetry.logs import setup_rank_logging
 
     root = Path(run_dir)
+    # every rank's full log in the run dir (before megatron's imports log), the console
+    # keeps warnings and moerl's lines
+    setup_rank_logging(root, dist.get_rank(), cfg.telemetry.console_level)
+    from moerl.loop import RunContext, run_training
+
     procs: list[Any] = []  # every engine process this rank owns (closed at the end)
     engines: list[Any] = []  # the policy's (the supervisor restarts them)
     try:
@@ -304,7 +304,10 @@ def report_dry_run(cfg: DictConfig, typed: MoerlConfig) -> None:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from moerl.telemetry.logs import hold_console
+
     typed = checked(cfg)
+    hold_console(typed.telemetry.console_level)
     run_dir = HydraConfig.get().runtime.output_dir
     world = typed.launcher.world_size()
     if typed.launcher.dry_run:  # set by a recipe rather than on the command line

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CONSOLE_LEVELS = ("debug", "info", "warning", "error")
+
 
 @dataclass
 class TelemetryConfig:
     """Run telemetry; files go to the run directory (Hydra's hydra.run.dir)."""
 
+    console_level: str = "warning"
+    """The least severe log records printed on the console: debug, info, warning or
+    error. Every record at INFO and above (megatron-core's included) goes to
+    run_dir/logs/rankN.log whatever this is; moerl's own lines and the progress line are
+    always printed."""
     progress_interval_s: float = 10.0
     """Seconds between progress lines when stdout is not a terminal (CI, SLURM logs)."""
     flip_every: int = 5
@@ -30,6 +37,11 @@ class TelemetryConfig:
     """W&B project name; None = 'moerl'."""
 
     def validate(self, key: str = "telemetry") -> None:
+        if self.console_level not in CONSOLE_LEVELS:
+            raise ValueError(
+                f"{key}.console_level={self.console_level!r} is not a log level; choose "
+                f"one of {', '.join(CONSOLE_LEVELS)}"
+            )
         if self.flip_every < 0 or self.flip_sample < 1 or self.decompose_every < 0:
             raise ValueError(
                 f"{key}.flip_every={self.flip_every} must be >= 0 and "

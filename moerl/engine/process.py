@@ -44,6 +44,7 @@ class EngineProcess:
             os.close(fd)
             log_path = name
         self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         self._argv = [*args, *extra]
         self._env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
