@@ -77,12 +77,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens (48)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write result.json here")
-    parser.add_argument("--geometries", nargs="*", default=[],
-                        help="also at these router geometries (names or 'all')")
-    parser.add_argument("--engine-dtypes", nargs="+", default=["bfloat16", "float32"],
-                        choices=("float32", "bfloat16"), help="engine dtypes per geometry")
-    parser.add_argument("--router-std", type=float, default=1.5,
-                        help="router logit std over experts the geometries are scaled to")
+    parser.add_argument(
+        "--geometries",
+        nargs="*",
+        default=[],
+        help="also at these router geometries (names or 'all')",
+    )
+    parser.add_argument(
+        "--engine-dtypes",
+        nargs="+",
+        default=["bfloat16", "float32"],
+        choices=("float32", "bfloat16"),
+        help="engine dtypes per geometry",
+    )
+    parser.add_argument(
+        "--router-std",
+        type=float,
+        default=1.5,
+        help="router logit std over experts the geometries are scaled to",
+    )
     args = parser.parse_args(argv)
     prompts = args.prompts or (6 if args.quick else 32)
     new_tokens = args.new_tokens or (12 if args.quick else 48)
