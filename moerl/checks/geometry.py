@@ -12,9 +12,10 @@ router's, so numerics alone would flip many decisions. `scale_routers` rescales 
 layer's gate, in layer order (a scaled layer changes the hidden states of the next),
 until the std of the router logits over experts, averaged over tokens, is
 ``router_std`` (default 1.5). That is our stated assumption about a trained router,
-not a measurement of one: a softmax router over 128 experts with logit std ~1.5–2
-puts ~0.1–0.2 of the probability on its top expert, the order reported for trained
-fine-grained MoE routers. `margins` then reports what the bench prints: per MoE layer,
+not a measurement of one (no trained router's weights are read here): Gaussian logits
+over 128 experts with std 1.5 put ~0.1 of the softmax probability on the top expert and
+leave a median logit gap of ~0.07 between the 8th and 9th, which we take to be a trained
+fine-grained router's order of magnitude; ``--router-std`` in the bench changes it. `margins` then reports what the bench prints: per MoE layer,
 the gap between the k-th and (k+1)-th selection score (softmax: router logit, the
 order softmax keeps; sigmoid: sigmoid(logit) + expert bias, what DeepSeek-V3 ranks by,
 before group limiting) as percentiles over tokens.
