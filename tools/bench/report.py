@@ -201,6 +201,14 @@ def _mismatch(r: dict[str, Any]) -> list[Row]:
         Row("mismatch", "router flip rate with replay (without)",
             "n/a" if _num(flips) is None else f"{flips:.4f} ({_num(off) or 0:.4f})", "0",
             _status(flips, _num(flips) is not None and flips == 0)),
+    ] + [
+        Row("mismatch", f"{name}, {engine} engine: flip rate with replay (without); k3 "
+            "reduction; routing share of k3",
+            f"{g['flip_rate_on']:.4f} ({g['flip_rate_off']:.4f}); {_x(g.get('reduction'))}; "
+            f"{g.get('routing_share') or float('nan'):.2f}", "0",
+            _status(g["flip_rate_on"], g["flip_rate_on"] == 0))
+        for name, by_engine in (r.get("geometries") or {}).items()
+        for engine, g in by_engine.items() if isinstance(g, dict) and "flip_rate_on" in g
     ]  # fmt: skip
 
 
@@ -342,7 +350,12 @@ def _ours(results: dict[str, Any]) -> dict[str, str]:
         f"{on.get('flip_rate', float('nan')):.4f} (tiny model, bf16 engine, fp32 trainer)"
         if off and on
         else "n/a"
-    )
+    ) + "".join(
+        f"; {name} ({engine} engine): flip rate {g['flip_rate_off']:.4f} → "
+        f"{g['flip_rate_on']:.4f}, k3 {g['k3_off']:.2e} → {g['k3_on']:.2e}"
+        for name, by_engine in (m.get("geometries") or {}).items()
+        for engine, g in by_engine.items() if isinstance(g, dict) and "flip_rate_on" in g
+    )  # fmt: skip
     r = _result(results, "replay_overhead") or {}
     out["replay_overhead"] = (
         f"{100 * r['overhead']:+.1f}% step time" if _num(r.get("overhead")) is not None else "n/a"

@@ -63,10 +63,13 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
                                "smoke": ["--quick", "--prompts", "4", "--new-tokens", "8",
                                          "--reps", "1"]},
                         {"full": 1800, "quick": 240, "smoke": 180}),
-    # quick: check_replay's default set (16 x 32 tokens); fewer tokens rarely flip a route
-    "mismatch": (True, {"full": [], "quick": ["--quick", "--prompts", "16", "--new-tokens", "32"],
+    # quick: check_replay's default set (16 x 32 tokens); fewer tokens rarely flip a route;
+    # then both real router geometries with bf16 and fp32 engines (~4 min on 2 cores)
+    "mismatch": (True, {"full": ["--geometries", "all"],
+                        "quick": ["--quick", "--prompts", "16", "--new-tokens", "32",
+                                  "--geometries", "all"],
                         "smoke": ["--quick", "--prompts", "4", "--new-tokens", "8"]},
-                 {"full": 1800, "quick": 300, "smoke": 180}),
+                 {"full": 3600, "quick": 600, "smoke": 180}),
     # quick: the mid shapes too (the targets are for them), one repeat each
     "lora_sync": (True, {"full": [], "quick": ["--quick", "--configs", "tiny", "mid", "mid_ds"],
                          "smoke": ["--quick", "--rank", "8", "--transports", "tensors"]},
