@@ -26,6 +26,7 @@ def test_geometries_keep_the_real_routers():
         geometry_config("mixtral")
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; keeps the default suite under its 20 minutes
 def test_scaled_routers_reach_the_stated_spread_and_margins_grow():
     model = geometry_config("qwen3_30b_router")
     hf_model = build_hf_model(model, seed=0)
