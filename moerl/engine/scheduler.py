@@ -4,7 +4,8 @@ One background thread owns the model. Each iteration it first runs control actio
 (weight updates, pause/continue, aborts) — so a weight swap happens between decode
 steps and running requests keep going on the new weights — then prefills newly
 arrived requests one by one (each reusing the KV and routes of the longest prefix the
-``PrefixCache`` holds, so only the rest is prefilled), then decodes one token for every
+``PrefixCache`` holds, so only the rest is prefilled; a prompt is cached as soon as it is
+prefilled, so the n samples of a group prefill it once), then decodes one token for every
 running request in a single batched forward. HTTP handlers talk to it through
 thread-safe queues and get results back on their asyncio loop.
 
@@ -416,6 +417,11 @@ class Scheduler:
                 logits_from=None if start is None else start - reused,
             )
             self._record(req, routes)
+            if (start is None or start >= len(tokens) - 1) and reused < len(tokens) - 1:
+                # the prompt's KV and routes, cached now: the other samples of its group
+                # (and any request sharing the prompt) admitted after it prefill only
+                # their last token. Its finished sequence replaces this entry later.
+                self._keep(req)
             if start is not None:
                 self._input_logprobs(req, tokens, logits)
                 logits = logits[-1]

@@ -189,3 +189,21 @@ def test_weight_update_flushes(tiny_checkpoints, engine_factory, tmp_path_factor
     got = generate(engine, next_turn(first))
     assert got["meta_info"]["cached_tokens"] == 0
     same(engine, got, fresh, generate(fresh, next_turn(first)))
+
+
+def test_a_group_prefills_its_prompt_once_and_answers_as_without_cache(pair, cached):
+    """Four samples of one prompt in one batch (a GRPO group): the first prefills the
+    prompt, the others reuse all of it but its last token, and every answer equals the
+    cache-off engine's."""
+    on, off = pair
+    body = {
+        "input_ids": [PROMPT] * 4,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "return_routed_experts": True,
+    }
+    got, want = cached.post("/generate", body).json(), off.post("/generate", body).json()
+    cached_tokens = sorted(g["meta_info"]["cached_tokens"] for g in got)
+    assert cached_tokens == [0] + [len(PROMPT) - 1] * 3
+    for g, w in zip(got, want):
+        same(on, g, off, w)
