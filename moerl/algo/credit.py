@@ -41,7 +41,7 @@ class Credit:
 
 def action_rewards(t: Trajectory) -> list[float]:
     """Rewards of the trajectory's actions (policy segments) in order; a missing one is 0."""
-    return [float(s.reward or 0.0) for s in t.segments if s.source == "policy"]
+    return [float(s.reward or 0.0) for s in t.actions]
 
 
 def discounted_returns(rewards: list[float], discount: float) -> list[float]:
@@ -101,6 +101,6 @@ def assign_credit(
             continue
         if not isinstance(advantages[i], np.ndarray):
             advantages[i] = np.zeros(trajs[i].response_len, dtype=np.float32)
-        seg = [s for s in trajs[i].segments if s.source == "policy"][k]
+        seg = trajs[i].actions[k]
         advantages[i][seg.start : seg.end] = a  # type: ignore[index]
     return Credit(advantages=advantages, metrics=dict(out.metrics))

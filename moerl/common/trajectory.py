@@ -149,6 +149,11 @@ class Trajectory:
         return self.loss_mask.astype(bool)
 
     @property
+    def actions(self) -> list[Segment]:
+        """An episode's actions: its 'policy' segments, in order ([] for a completion)."""
+        return [s for s in self.segments if s.source == "policy"]
+
+    @property
     def num_trained(self) -> int:
         return self.response_len if self.loss_mask is None else int(self.loss_mask.sum())
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from moerl.common.trajectory import Trajectory
+from moerl.engine.prefix_cache import shared_prefix
 from moerl.rollout.decode import response_from_openai_choice, trajectory_from_response
 from moerl.rollout.episode import RoleStream
 
@@ -156,7 +157,7 @@ class AgentRecorder:
             turn = self._trajectory(k)
             prompt = turn.prompt_ids.tolist()
             if prompt[: len(stream.ids)] != stream.ids:
-                at = first_difference(prompt, stream.ids)
+                at = shared_prefix(np.asarray(prompt), np.asarray(stream.ids))
                 raise ValueError(
                     f"chat call {k} does not extend the previous calls' tokens (they differ "
                     f"from token {at} on): the conversation was rendered again and "
@@ -171,10 +172,3 @@ class AgentRecorder:
 
     async def aclose(self) -> None:
         await self.client.close()
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The first index where ``a`` and ``b`` differ (the shorter length if one is a
-    prefix of the other)."""
-    diff = np.flatnonzero(np.asarray(a[: len(b)]) != np.asarray(b[: len(a)]))
-    return int(diff[0]) if diff.size else min(len(a), len(b))

@@ -82,7 +82,7 @@ def turn_staleness(trajs: list[Trajectory], current_version: int) -> dict[str, f
     without episodes."""
     gaps: dict[str, list[float]] = {}
     for t in trajs:
-        actions = [s for s in t.segments if s.source == "policy"]
+        actions = t.actions
         for k, seg in enumerate(actions):
             gap = float(current_version - np.mean(t.versions[seg.start : seg.end]))
             if k < 4:

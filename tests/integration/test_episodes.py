@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_orchestrator import RecordingClient
 
 from moerl.config.buffer import BufferConfig, StalenessConfig
 from moerl.config.rollout import RolloutConfig
@@ -27,19 +28,6 @@ L, K = 4, 4  # the tiny DeepSeek model: 4 hidden layers, top-4 routing
 LONG = 96  # tokens of a turn that is still running when the test intervenes
 
 
-class Recording(EngineClient):
-    """An EngineClient that keeps every /generate request and response."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.responses: list[dict] = []
-
-    async def generate(self, input_ids, sampling_params, **kwargs):  # type: ignore[no-untyped-def]
-        out = await super().generate(input_ids, sampling_params, **kwargs)
-        self.responses.append({"input_ids": [int(i) for i in input_ids], **out})
-        return out
-
-
 def bpe_tokenizer():  # type: ignore[no-untyped-def]
     """A byte-pair tokenizer (merges such as '12' and 'ab') under the tiny model's 128 ids:
     decoding sampled ids and encoding the text again does not give the ids back."""
@@ -47,7 +35,6 @@ def bpe_tokenizer():  # type: ignore[no-untyped-def]
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(
@@ -121,7 +108,7 @@ def test_turns_are_token_in_token_out(ds_engine):
     tok = bpe_tokenizer()
 
     async def go():  # type: ignore[no-untyped-def]
-        async with Recording([ds_engine.url]) as client:
+        async with RecordingClient([ds_engine.url]) as client:
             runner = EpisodeRunner(client, Countdown, Renderer(tok), settings())
             (traj,), stats = await runner.run(Prompt(0, np.array([1])), group_id=0, index=0)
             return traj, stats, client.responses
@@ -151,7 +138,7 @@ def test_two_agents_each_get_their_stream_mask_and_reward(ds_engine):
     tok = build_tiny_tokenizer()
 
     async def go():  # type: ignore[no-untyped-def]
-        async with Recording([ds_engine.url]) as client:
+        async with RecordingClient([ds_engine.url]) as client:
             runner = EpisodeRunner(client, ProposerSolver, Renderer(tok), settings())
             trajs, _ = await runner.run(Prompt(3, np.array([1])), group_id=3, index=1)
             return trajs, client.responses
@@ -204,7 +191,7 @@ async def _mid_episode_update(url: str, mode: str):  # type: ignore[no-untyped-d
     )  # fmt: skip
     Countdown.steps, Countdown.barrier, Countdown.arrived = 0, 2, None
     episodes = EpisodeEnv(Countdown, Renderer(build_tiny_tokenizer()), max_turns=8, max_tokens=512)
-    async with Recording([url]) as client:
+    async with RecordingClient([url]) as client:
         old = int((await client.model_info())[url]["weight_version"])
         buffer = RolloutBuffer(BufferConfig(max_groups=4), StalenessConfig(throttle=False))
         orch = Orchestrator(client, Task1(), buffer, cfg, num_layers=L, topk=K, episodes=episodes)  # type: ignore[arg-type]

@@ -9,9 +9,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from moerl.engine.prefix_cache import shared_prefix
 from moerl.models.tokenizer import build_tiny_tokenizer
 from moerl.rollout import EngineClient
-from moerl.rollout.openai_agent import AgentRecorder, first_difference
+from moerl.rollout.openai_agent import AgentRecorder
 
 pytest.importorskip("openai")
 L, K = 4, 4  # the tiny DeepSeek model
@@ -95,7 +96,7 @@ def test_a_re_rendering_agent_is_named_and_still_gives_trajectories(ds_engine):
     assert all(t.routed_experts is not None and t.has_sampling_mask for t in trajs)
 
 
-def test_first_difference():
-    assert first_difference([1, 2, 3], [1, 2, 4]) == 2
-    assert first_difference([1, 2], [1, 2, 3]) == 2
-    assert first_difference([5], [6]) == 0
+def test_shared_prefix_names_where_a_call_diverges():
+    assert shared_prefix(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2
+    assert shared_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert shared_prefix(np.array([5]), np.array([6])) == 0
