@@ -1,7 +1,8 @@
 """``python -m moerl.engine --model-path DIR --port P``: the embedded inference engine.
 
 Flags are named as SGLang's (``--model-path``, ``--port``, ``--host``,
-``--max-running-requests``, ``--max-queued-requests``, ``--enable-return-routed-experts``,
+``--max-running-requests``, ``--max-queued-requests``, ``--max-prefill-tokens``,
+``--chunked-prefill-size``, ``--enable-return-routed-experts``,
 ``--enable-lora``, ``--disable-radix-cache``, ``--api-key``), so scripts move between the two by changing the module.
 The API key can come from the ``MOERL_API_KEY`` environment variable instead, which keeps
 it out of the process list. SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
@@ -35,6 +36,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="tokens per streamed chunk unless a request sets sampling_params.stream_interval",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=16384,
+        help="input tokens prefilled together in one scheduler step (at least one request)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="tokens per prefill forward: a longer input runs in chunks of this size "
+        "(-1: no chunking)",
     )
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument(

@@ -42,6 +42,8 @@ def build_state(args: argparse.Namespace) -> Any:
         runner,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests or None,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
         eos_token_ids=eos_token_ids(args.model_path, runner.config, tokenizer),
         tokenizer=tokenizer,
         weight_version=args.weight_version,

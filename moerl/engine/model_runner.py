@@ -2,60 +2,29 @@
 
 An inference implementation independent of the megatron-core trainer, as SGLang is.
 Forward hooks on each MoE router record the top-k expert ids the forward actually
-used, so Keep Routing replays exactly what produced each token. Requests keep their
-own KV caches; a decode step stacks them left-padded into one batch, runs one
-forward, and appends each row's new key/value back to its request.
+used, so Keep Routing replays exactly what produced each token. Keys and values live
+in a ``KVPool`` (``moerl.engine.kv_pool``), one slot per request: a forward writes its
+new tokens into the rows' slots and attention reads them in place. ``extend`` runs the
+new tokens of several requests in one forward (batched prefill, rows left-padded),
+``decode`` one token for each running request.
 """
 
-# B batch, S tokens, H kv heads, D head dim, L layers, K top-k, V vocab
+# B batch, S tokens, H hidden, L layers, K top-k, V vocab
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from transformers import DynamicCache
+from moerl.engine.kv_pool import KVPool, Plan, SlotCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class KVCache:
-    """One request's keys and values per layer, grown in place (amortised doubling)."""
-
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [H, cap, Dk]
-    values: list[torch.Tensor] = field(default_factory=list)  # per layer [H, cap, Dv]
-    length: int = 0
-
-    def append(self, new_keys: list[torch.Tensor], new_values: list[torch.Tensor]) -> None:
-        """Append [H, n, D] per layer."""
-        n = new_keys[0].shape[1]
-        if not self.keys:
-            cap = max(16, 2 * n)
-            for k, v in zip(new_keys, new_values):
-                self.keys.append(k.new_empty(k.shape[0], cap, k.shape[2]))
-                self.values.append(v.new_empty(v.shape[0], cap, v.shape[2]))
-        if self.length + n > self.keys[0].shape[1]:
-            cap = max(2 * self.keys[0].shape[1], self.length + n)
-            for i in range(len(self.keys)):
-                k, v = self.keys[i], self.values[i]
-                self.keys[i] = torch.cat(
-                    [k, k.new_empty(k.shape[0], cap - k.shape[1], k.shape[2])], 1
-                )
-                self.values[i] = torch.cat(
-                    [v, v.new_empty(v.shape[0], cap - v.shape[1], v.shape[2])], 1
-                )
-        for i, (k, v) in enumerate(zip(new_keys, new_values)):
-            self.keys[i][:, self.length : self.length + n] = k
-            self.values[i][:, self.length : self.length + n] = v
-        self.length += n
 
 
 def _router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -66,18 +35,6 @@ def _router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
         if match and "router" in type(module).__name__.lower():
             routers[int(match.group(1))] = module
     return routers
-
-
-def _layer_kv(kv: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) [B, H, S, D] of every layer of a DynamicCache a forward filled."""
-    from transformers.cache_utils import CacheLayerMixin
-
-    out = []
-    for layer in kv.layers:
-        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
-            raise RuntimeError(f"KV cache layer {type(layer).__name__} holds no keys/values")
-        out.append((layer.keys, layer.values))
-    return out
 
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -105,6 +62,10 @@ class ModelRunner:
         self.num_layers = self.config.num_hidden_layers
         self.vocab_size = self.config.vocab_size
         self.context_len = self.config.max_position_embeddings
+        self.sdpa = getattr(self.config, "_attn_implementation", "sdpa") == "sdpa"
+        # transformers 5.x renames past_key_values to cache
+        forward = inspect.signature(self.model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self.routers = _router_modules(self.model)
         self.topk = int(getattr(self.config, "num_experts_per_tok", 0) or 0) if self.routers else 0
         self._captured: dict[int, torch.Tensor] = {}
@@ -135,77 +96,85 @@ class ModelRunner:
         return out if self.topk else out[..., :0]
 
     # -- forward -----------------------------------------------------------------------
-    @torch.no_grad()
-    def prefill(
+    def new_pool(self, max_slots: int) -> KVPool:
+        """A KV pool for up to ``max_slots`` requests of up to the model's context."""
+        return KVPool(self.num_layers, self.dtype, max_slots, self.context_len)
+
+    def _forward(
         self,
-        input_ids: list[int],
-        cache: KVCache,
-        adapter: str | None = None,
-        logits_from: int | None = None,
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """Run the prompt (or a continuation) of one request; returns the last logits [V]
-        (or, with ``logits_from``, those of positions ``logits_from..S-1`` [S', V]) and the
-        routes of its tokens [S, L, K]."""
-        from transformers import DynamicCache
-
-        start = cache.length
-        kv = DynamicCache()
-        if start:
-            for i in range(self.num_layers):
-                kv.update(cache.keys[i][None, :, :start], cache.values[i][None, :, :start], i)
-        ids = torch.tensor([input_ids], dtype=torch.long)
-        positions = torch.arange(start, start + len(input_ids)).unsqueeze(0)
-        self._set_adapters([adapter])
-        try:
-            out = self.model(
-                input_ids=ids, position_ids=positions, past_key_values=kv, use_cache=True
-            )
-        finally:
-            self._set_adapters(None)
-        layer_kv = _layer_kv(kv)
-        cache.append([k[0, :, start:] for k, _ in layer_kv], [v[0, :, start:] for _, v in layer_kv])
-        logits = out.logits[0, -1] if logits_from is None else out.logits[0, logits_from:]
-        return logits.float(), self._routes(1, len(input_ids))[0]
-
-    @torch.no_grad()
-    def decode(
-        self, tokens: list[int], caches: list[KVCache], adapters: list[str | None] | None = None
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """One token for each of B requests in one forward; returns logits [B, V] and
-        routes [B, L, K]."""
-        from transformers import DynamicCache
-
-        batch = len(tokens)
-        longest = max(c.length for c in caches)
-        kv = DynamicCache()
-        mask = torch.zeros(batch, longest + 1, dtype=torch.long)
-        for i in range(self.num_layers):
-            k0, v0 = caches[0].keys[i], caches[0].values[i]
-            keys = k0.new_zeros(batch, k0.shape[0], longest, k0.shape[2])
-            values = v0.new_zeros(batch, v0.shape[0], longest, v0.shape[2])
-            for b, c in enumerate(caches):  # right-align: left padding
-                keys[b, :, longest - c.length :] = c.keys[i][:, : c.length]
-                values[b, :, longest - c.length :] = c.values[i][:, : c.length]
-            kv.update(keys, values, i)
-        for b, c in enumerate(caches):
-            mask[b, longest - c.length :] = 1
-        ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
-        positions = torch.tensor([c.length for c in caches]).unsqueeze(1)
+        pool: KVPool,
+        plan: Plan,
+        rows: list[list[int]],
+        adapters: list[str | None] | None,
+        all_logits: bool,
+    ) -> torch.Tensor:
+        """Logits [B, 1, V] (the last column), or [B, S, V] with ``all_logits``, of one
+        forward over pool slots (transformers' own model and head, hooks included)."""
+        ids = torch.zeros(len(rows), plan.width, dtype=torch.long)
+        for b, tokens in enumerate(rows):
+            ids[b, plan.width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+        pool.reserve(pool.used, plan.keys_read)
+        mask = plan.attention_mask(self.dtype, boolean=self.sdpa)
         self._set_adapters(adapters)
         try:
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
-                position_ids=positions,
-                past_key_values=kv,
+                position_ids=plan.positions(),
                 use_cache=True,
+                logits_to_keep=0 if all_logits else 1,
+                **{self.cache_kwarg: SlotCache(pool, plan)},
             )
         finally:
             self._set_adapters(None)
-        layer_kv = _layer_kv(kv)
-        for b, c in enumerate(caches):
-            c.append([k[b, :, -1:] for k, _ in layer_kv], [v[b, :, -1:] for _, v in layer_kv])
-        return out.logits[:, -1].float(), self._routes(batch, 1)[:, 0]
+        return out.logits
+
+    @torch.no_grad()
+    def extend(
+        self,
+        pool: KVPool,
+        slots: list[int],
+        rows: list[list[int]],
+        adapters: list[str | None] | None = None,
+        logits_from: list[int | None] | None = None,
+    ) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+        """Run each row's new tokens after those its slot holds, all rows in one forward.
+        Per row: the logits [V] of its last token (with ``logits_from[b]``, those of its
+        positions logits_from.. [S', V]) and the routes of its tokens [S, L, K]. The
+        slots' lengths grow only if the forward succeeds."""
+        starts = [pool.length(s) for s in slots]
+        counts = [len(r) for r in rows]
+        plan = Plan(slots, starts, counts)
+        froms = logits_from or [None] * len(rows)
+        logits = self._forward(pool, plan, rows, adapters, any(f is not None for f in froms))
+        routes = self._routes(len(rows), plan.width)
+        width, out = plan.width, []
+        for b, first in enumerate(froms):
+            if first is None:
+                out.append(logits[b, -1].float())
+            else:
+                out.append(logits[b, width - counts[b] + first :].float())
+        for slot, start, count in zip(slots, starts, counts):
+            pool.set_length(slot, start + count)
+        return out, [routes[b, width - count :] for b, count in enumerate(counts)]
+
+    @torch.no_grad()
+    def decode(
+        self,
+        pool: KVPool,
+        slots: list[int],
+        tokens: list[int],
+        adapters: list[str | None] | None = None,
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """One token for each of B requests in one forward; returns logits [B, V] and
+        routes [B, L, K]. The slots' lengths grow only if the forward succeeds."""
+        starts = [pool.length(s) for s in slots]
+        plan = Plan(slots, starts, [1] * len(slots))
+        logits = self._forward(pool, plan, [[t] for t in tokens], adapters, False)
+        routes = self._routes(len(tokens), 1)[:, 0]
+        for slot, start in zip(slots, starts):
+            pool.set_length(slot, start + 1)
+        return logits[:, -1].float(), routes
 
     # -- weights -----------------------------------------------------------------------
     def _target(self, name: str) -> tuple[torch.Tensor, tuple[Any, ...]]:

@@ -9,9 +9,11 @@ another model's). A new request reuses the longest cached prefix of its input, a
 routes of those tokens are the cached ones: what the engine chose when it first ran them,
 so Keep Routing replays one routing across turns.
 
-A bounded LRU of whole sequences rather than a token tree: a sequence that extends a
+A bounded LRU of whole sequences, found through a token trie: a sequence that extends a
 cached one replaces it, and sequences sharing only a prompt (n > 1 samples) are kept
-side by side. ``max_tokens`` bounds the tokens held; the least recently used sequences
+side by side. The trie (one node per distinct prefix, each knowing the sequences through
+it) makes a lookup or an insert cost the length of its tokens, whatever the number of
+sequences held. ``max_tokens`` bounds the tokens held; the least recently used sequences
 go first. Every flush (new weights, ``/flush_cache``; an adapter loaded or unloaded
 flushes that adapter's sequences) starts a new epoch, and a request admitted in an older
 epoch is not cached when it ends: its KV mixes two sets of weights.
@@ -56,6 +58,17 @@ def shared_prefix(a_T: np.ndarray, b_T: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+class _Node:
+    """A trie node: one token prefix, the sequences through it and those ending at it."""
+
+    __slots__ = ("children", "through", "ends")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.through: set[int] = set()  # keys of the sequences holding this prefix
+        self.ends: set[int] = set()  # keys of the sequences that are exactly this prefix
+
+
 class PrefixCache:
     """See the module docstring. Used by the scheduler thread only (no locking)."""
 
@@ -70,6 +83,7 @@ class PrefixCache:
         self._adapter_epochs: dict[str, int] = {}  # moves when that adapter is replaced
         self.tokens = 0  # tokens held, over every sequence
         self._entries: OrderedDict[int, tuple[str | None, Sequence]] = OrderedDict()
+        self._roots: dict[str | None, _Node] = {}  # one trie per adapter
         self._next_key = 0
 
     def __len__(self) -> int:
@@ -79,23 +93,31 @@ class PrefixCache:
         """What a request under ``adapter`` admitted now records, for ``insert``."""
         return self._epoch, self._adapter_epochs.get(adapter, 0) if adapter else 0
 
+    def _walk(self, adapter: str | None, tokens: list[int], limit: int) -> list[_Node]:
+        """The trie nodes of ``tokens``' prefixes of length 1..n held, n <= limit."""
+        node, path = self._roots.get(adapter), list[_Node]()
+        if node is None:
+            return path
+        for token in tokens[:limit]:
+            node = node.children.get(token)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def match(self, adapter: str | None, tokens: list[int], limit: int) -> Match | None:
         """The cached sequence under ``adapter`` sharing the longest prefix with
         ``tokens``, that prefix capped at ``limit``; None when nothing is shared."""
         if limit < 1:
             return None
-        tokens_T = np.asarray(tokens, dtype=np.int64)
-        best: tuple[int, int] | None = None  # (length, key)
-        for key, (name, seq) in self._entries.items():
-            if name != adapter:
-                continue
-            length = min(shared_prefix(seq.tokens_T, tokens_T), limit)
-            if length and (best is None or length > best[0]):
-                best = (length, key)
-        if best is None:
+        path = self._walk(adapter, [int(t) for t in tokens], limit)
+        if not path:
             return None
-        self._entries.move_to_end(best[1])  # used: the most recent
-        return Match(self._entries[best[1]][1], best[0])
+        # every sequence through the deepest node shares exactly that prefix (capped);
+        # the newest of them is taken
+        key = max(path[-1].through)
+        self._entries.move_to_end(key)  # used: the most recent
+        return Match(self._entries[key][1], len(path))
 
     def insert(self, adapter: str | None, seq: Sequence, epoch: tuple[int, int]) -> bool:
         """Keep ``seq`` (a request admitted in ``epoch``), evicting the least recently
@@ -105,19 +127,23 @@ class PrefixCache:
         already)."""
         if epoch != self.epoch(adapter) or not len(seq) or len(seq) > self.max_tokens:
             return False
-        for key, (name, held) in list(self._entries.items()):
-            if name != adapter:
-                continue
-            shared = shared_prefix(held.tokens_T, seq.tokens_T)
-            if shared == len(seq):  # held already, whole
-                self._entries.move_to_end(key)
-                return False
-            if shared == len(held):  # seq extends it
-                self._drop(key)
+        tokens = seq.tokens_T.tolist()
+        path = self._walk(adapter, tokens, len(tokens))
+        if len(path) == len(tokens):  # held already, whole
+            self._entries.move_to_end(max(path[-1].through))
+            return False
+        for key in [k for node in path for k in node.ends]:  # seq extends them
+            self._drop(key)
         while self.tokens + len(seq) > self.max_tokens:
             self._drop(next(iter(self._entries)))
-        self._entries[self._next_key] = (adapter, seq)
+        key = self._next_key
         self._next_key += 1
+        self._entries[key] = (adapter, seq)
+        node = self._roots.setdefault(adapter, _Node())
+        for token in tokens:
+            node = node.children.setdefault(token, _Node())
+            node.through.add(key)
+        node.ends.add(key)
         self.tokens += len(seq)
         return True
 
@@ -126,6 +152,7 @@ class PrefixCache:
         when they end."""
         self._epoch += 1
         self._entries.clear()
+        self._roots.clear()
         self.tokens = 0
 
     def flush_adapter(self, adapter: str) -> None:
@@ -136,5 +163,15 @@ class PrefixCache:
                 self._drop(key)
 
     def _drop(self, key: int) -> None:
-        _, seq = self._entries.pop(key)
+        adapter, seq = self._entries.pop(key)
         self.tokens -= len(seq)
+        node = self._roots[adapter]
+        for token in seq.tokens_T.tolist():
+            child = node.children[token]
+            child.through.discard(key)
+            if not child.through:  # no sequence left below: prune the branch
+                del node.children[token]
+                break
+            node = child
+        else:
+            node.ends.discard(key)

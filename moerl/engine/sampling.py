@@ -339,6 +339,24 @@ class Sampler:
         self.accept(s.token)
         return s
 
+    def batchable(
+        self, top_logprobs_num: int = 0, token_ids_logprob: list[int] | None = None
+    ) -> bool:
+        """Whether this step's token can be drawn by ``sample_batch``: nothing transforms
+        the logits (no penalty, grammar, logit_bias or pending min_new_tokens), the
+        engine's generator is used and no top/chosen logprobs are asked for."""
+        p = self.params
+        return (
+            self.counts is None
+            and not p.penalised
+            and self.matcher is None
+            and self.bias is None
+            and p.sampling_seed is None
+            and not (self.generated < p.min_new_tokens and self.stop_ids)
+            and top_logprobs_num <= 0
+            and not token_ids_logprob
+        )
+
     def accept(self, token: int) -> None:
         self.generated += 1
         if self.params.penalised:
@@ -386,3 +404,57 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
         sampling_logprob=float(kept_logprobs[choice]),
         support_logprobs=kept_logprobs.tolist(),
     )
+
+
+def sample_batch(
+    logits_BV: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    details: list[bool],
+) -> list[Sampled]:
+    """``sample`` for B rows sharing ``params`` in batched tensor ops: the same
+    distribution, logprob, kept set and renormalised logprob per row (the random draws
+    differ from B calls of ``sample``). Rows whose ``details`` is false skip the kept
+    set's id list and support logprobs (``mask`` and ``support_logprobs`` left empty)."""
+    logits_BV = logits_BV.float()
+    logprobs_BV = torch.log_softmax(logits_BV / max(_temperature(params), GREEDY_EPS), dim=-1)
+    if params.greedy:
+        keep_BV = torch.zeros_like(logits_BV, dtype=torch.bool)
+        keep_BV.scatter_(1, torch.argmax(logits_BV, dim=-1, keepdim=True), True)
+    else:
+        probs_BV = torch.softmax(logits_BV / params.temperature, dim=-1)
+        keep_BV = torch.isfinite(logits_BV)
+        if 0 < params.top_k < probs_BV.shape[-1]:
+            kth = torch.topk(probs_BV, params.top_k, dim=-1).values[:, -1:]
+            keep_BV &= probs_BV >= kth
+        if params.top_p < 1.0:
+            sorted_p, order = torch.sort(probs_BV, dim=-1, descending=True)
+            before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+            keep_sorted = before < params.top_p
+            keep_sorted[:, 0] = True
+            keep_BV &= torch.zeros_like(keep_BV).scatter_(1, order, keep_sorted)
+        if params.min_p > 0.0:
+            keep_BV &= probs_BV >= params.min_p * probs_BV.max(dim=-1, keepdim=True).values
+    kept_BV = torch.log_softmax(logprobs_BV.masked_fill(~keep_BV, -math.inf), dim=-1)
+    if params.greedy:
+        tokens_B = torch.argmax(keep_BV.float(), dim=-1)
+    else:
+        tokens_B = torch.multinomial(kept_BV.exp(), 1, generator=generator)[:, 0]
+    token_list = tokens_B.tolist()
+    logprob_list = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
+    kept_list = kept_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
+    out = [
+        Sampled(token=t, logprob=lp, mask=[], sampling_logprob=0.0 if params.greedy else k,
+                support_logprobs=[])
+        for t, lp, k in zip(token_list, logprob_list, kept_list)
+    ]  # fmt: skip
+    rows = [b for b, want in enumerate(details) if want]
+    if rows:  # kept ids by logprob, highest first (stable), as ``sample``
+        index = torch.tensor(rows)
+        order = torch.argsort(logprobs_BV[index], dim=-1, descending=True, stable=True)
+        kept_sorted = keep_BV[index].gather(1, order)
+        support = kept_BV[index].gather(1, order)
+        for i, b in enumerate(rows):
+            out[b].mask = order[i][kept_sorted[i]].tolist()
+            out[b].support_logprobs = support[i][kept_sorted[i]].tolist()
+    return out

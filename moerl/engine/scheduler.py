@@ -3,11 +3,15 @@
 One background thread owns the model. Each iteration it first runs control actions
 (weight updates, pause/continue, aborts) — so a weight swap happens between decode
 steps and running requests keep going on the new weights — then prefills newly
-arrived requests one by one (each reusing the KV and routes of the longest prefix the
-``PrefixCache`` holds, so only the rest is prefilled; a prompt is cached as soon as it is
-prefilled, so the n samples of a group prefill it once), then decodes one token for every
-running request in a single batched forward. HTTP handlers talk to it through
-thread-safe queues and get results back on their asyncio loop.
+arrived requests together in one forward (``--max-prefill-tokens`` tokens at most per
+step, a longer input in forwards of ``--chunked-prefill-size`` tokens), then decodes one
+token for every running request in a single batched forward. Each request's keys and
+values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
+a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
+only the rest is prefilled; requests admitted together with the same input (the n
+samples of a GRPO group) run it once and copy it, and a prompt is cached as soon as it
+is prefilled, so samples admitted later reuse it too. HTTP handlers talk to the thread
+through thread-safe queues and get results back on their asyncio loop.
 
 The thread survives its requests: an exception while prefilling, decoding or sampling
 fails only the requests that step touched (a batched forward that raises is retried one
@@ -34,9 +38,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from moerl.engine.model_runner import KVCache, ModelRunner
+from moerl.engine.model_runner import ModelRunner
 from moerl.engine.prefix_cache import PrefixCache, Sequence
-from moerl.engine.sampling import Matcher, Sampler, SamplingParams, prompt_logprobs
+from moerl.engine.sampling import (
+    Matcher,
+    Sampled,
+    Sampler,
+    SamplingParams,
+    prompt_logprobs,
+    sample_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +91,7 @@ class Request:
     versions: list[str] = field(default_factory=list)  # weight version of each output token
     # [T, L, K] chunks, one per forward (the prefix cache's rows first), from token 0
     routes: list[np.ndarray] = field(default_factory=list)
-    cache: KVCache = field(default_factory=KVCache)
+    slot: int | None = None  # its slot in the scheduler's KV pool, while it holds KV
     cached_tokens: int = 0  # leading input tokens whose KV and routes the prefix cache gave
     cache_epoch: tuple[int, int] | None = None  # the prefix cache's, at admission
     sampler: Sampler | None = None  # made at admission
@@ -102,7 +113,9 @@ class Scheduler:
         *,
         max_running_requests: int = 64,
         max_queued_requests: int | None = None,
-        max_prefill_per_step: int = 8,
+        max_prefill_per_step: int = 64,
+        max_prefill_tokens: int = 16384,
+        chunked_prefill_size: int = 8192,
         eos_token_ids: list[int] | None = None,
         tokenizer: Any = None,
         weight_version: str = "0",
@@ -118,6 +131,12 @@ class Scheduler:
         self.max_running = max_running_requests
         self.max_queued = max_queued_requests
         self.max_prefill = max_prefill_per_step
+        if max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens {max_prefill_tokens} must be >= 1")
+        self.max_prefill_tokens = max_prefill_tokens
+        # SGLang's -1: no chunking
+        self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.pool = runner.new_pool(max_running_requests)
         self.eos = set(eos_token_ids or [])
         self.tokenizer = tokenizer  # decodes output tails for stop strings and stop_regex
         self.weight_version = weight_version
@@ -202,9 +221,10 @@ class Scheduler:
         if request.done:
             return
         request.finish_reason = reason
-        if not reason.get("status_code"):  # finished or aborted, not failed
+        failed = bool(reason.get("status_code"))
+        if not failed:  # finished or aborted
             self._keep(request)
-        request.cache = KVCache()  # free its KV now, not when the server drops it
+        self.pool.free(request, wipe=failed)  # its KV now, not when the server drops it
         if request.on_done is not None:
             try:
                 request.on_done(request)
@@ -268,7 +288,7 @@ class Scheduler:
             self.abort(abort_all=True, message="aborted by pause_generation")
         elif mode == "retract":
             for req in self.running:
-                req.cache = KVCache()
+                self.pool.free(req)
             self.retracted.extend(self.running)
             self.running = []
 
@@ -355,16 +375,27 @@ class Scheduler:
                 done(result, None)
 
     def _admit(self) -> None:
-        admitted = 0
-        while self.retracted and len(self.running) < self.max_running:
+        """Take resumed and waiting requests while slots, the per-step count and the
+        token budget allow (at least one), and prefill them together."""
+        batch: list[tuple[Request, bool]] = []
+        tokens = 0
+
+        def room() -> bool:
+            return (
+                len(self.running) + len(batch) < self.max_running
+                and len(batch) < self.max_prefill
+                and (not batch or tokens < self.max_prefill_tokens)
+            )
+
+        while self.retracted and room():
             req = self.retracted.pop(0)
-            self._guarded_prefill(req, resumed=True)
-            admitted += 1
-        while admitted < self.max_prefill and len(self.running) < self.max_running:
+            batch.append((req, True))
+            tokens += len(req.input_ids) + len(req.output_ids)
+        while room():
             try:
                 req = self.waiting.get_nowait()
             except queue.Empty:
-                return
+                break
             if req.done:
                 continue
             lora = getattr(self.runner, "lora", None)
@@ -372,68 +403,196 @@ class Scheduler:
                 # unloaded between the server's check and this admission
                 self.finish(req, _abort(f"LoRA adapter {req.lora!r} was unloaded"))
                 continue
-            self._guarded_prefill(req, resumed=False)
-            admitted += 1
-
-    def _guarded_prefill(self, req: Request, resumed: bool) -> None:
-        tokens = req.input_ids + req.output_ids if resumed else req.input_ids
-        try:
-            self._prefill(req, tokens, resumed)
-        except Exception as err:
-            log.exception("prefill of request %s failed", req.rid)
-            self.fail(req, f"prefill failed: {_words(err)}")
-
-    def _prefill(self, req: Request, tokens: list[int], resumed: bool) -> None:
-        if req.sampler is None:
-            req.sampler = Sampler(
-                req.params,
-                self.runner.vocab_size,
-                self.runner.generator,
-                stop_ids=set(req.params.stop_token_ids or ()) | self.eos,
-                matcher=req.matcher,
-            )
-            if req.params.stop_strs and not req.params.stop_regexes:
-                req.stop_tail = 1 + max(
-                    len(self.tokenizer.encode(s, add_special_tokens=False))
-                    for s in req.params.stop_strs
-                )
-        if resumed:
-            # Re-prefill prompt + all but the last output token; rows for those tokens
-            # were recorded already, so the new forward's routes are not appended twice.
-            logits, _ = self.runner.prefill(tokens[:-1], req.cache, req.lora)
-            logits, routes = self.runner.decode([tokens[-1]], [req.cache], [req.lora])
-            self._record(req, routes)
-            self._emit(req, logits[0])
-        else:
             if req.params.max_new_tokens == 0 and not req.return_logprob:
                 self.finish(req, {"type": "length", "length": 0})
-                return
-            start = req.logprob_start_len if req.return_logprob else None
-            reused = self._reuse(req, tokens, start)
-            logits, routes = self.runner.prefill(
-                tokens[reused:],
-                req.cache,
-                req.lora,
-                logits_from=None if start is None else start - reused,
+                continue
+            batch.append((req, False))
+            tokens += len(req.input_ids)
+        if batch:
+            self._prefill(batch)
+
+    def _prefill(self, batch: list[tuple[Request, bool]]) -> None:
+        """Prefill admitted requests: a resumed one its prompt and output but the last
+        token (its next token comes from this step's decode), a new one its input after
+        the cached prefix; then sample each new request's first token."""
+        rows: list[_Row] = []
+        leaders: dict[tuple[Any, ...], _Row] = {}
+        followers: list[tuple[Request, _Row]] = []
+        for req, resumed in batch:
+            try:
+                self._start(req)
+                self.pool.alloc(req)
+                tokens = req.input_ids + req.output_ids if resumed else req.input_ids
+                if resumed:
+                    rows.append(_Row(req, tokens[:-1], 0, None, resumed=True))
+                    continue
+                start = req.logprob_start_len if req.return_logprob else None
+                key = (req.lora, start, tuple(tokens))
+                if self.prefix_cache is not None and key in leaders:
+                    followers.append((req, leaders[key]))  # the same input: run once
+                    continue
+                reused = self._reuse(req, tokens, start)
+                row = _Row(req, tokens, reused, None if start is None else start - reused)
+                leaders[key] = row
+                rows.append(row)
+            except Exception as err:
+                log.exception("prefill of request %s failed", req.rid)
+                self.fail(req, f"prefill failed: {_words(err)}")
+        self._run_rows([r for r in rows if not r.req.done])
+        for row in rows:
+            if row.req.done or row.logits is None:
+                continue
+            if row.resumed:
+                self.running.append(row.req)
+                continue
+            self._first_token(row)
+        for req, leader in followers:
+            if req.done:
+                continue
+            try:
+                if leader.last is None:
+                    raise RuntimeError("the request it shares its input with failed")
+                self._follow(req, leader)
+            except Exception as err:
+                log.exception("prefill of request %s failed", req.rid)
+                self.fail(req, f"prefill failed: {_words(err)}")
+
+    def _start(self, req: Request) -> None:
+        """The request's sampler and stop-string tail length (once)."""
+        if req.sampler is not None:
+            return
+        req.sampler = Sampler(
+            req.params,
+            self.runner.vocab_size,
+            self.runner.generator,
+            stop_ids=set(req.params.stop_token_ids or ()) | self.eos,
+            matcher=req.matcher,
+        )
+        if req.params.stop_strs and not req.params.stop_regexes:
+            req.stop_tail = 1 + max(
+                len(self.tokenizer.encode(s, add_special_tokens=False))
+                for s in req.params.stop_strs
             )
-            self._record(req, routes)
-            if (start is None or start >= len(tokens) - 1) and reused < len(tokens) - 1:
+
+    def _run_rows(self, rows: list[_Row]) -> None:
+        """Forward the rows' new tokens, in forwards of at most ``--chunked-prefill-size``
+        tokens; a batch that raises is run again one row at a time to find the failing
+        requests. Sets each row's logits and routes (routes: none for a resumed row,
+        whose tokens' rows were recorded when they were first processed)."""
+        if not rows:
+            return
+        lengths = [self.pool.length(r.slot) for r in rows]
+        try:
+            self._forward_rows(rows)
+        except Exception as err:
+            for row, length in zip(rows, lengths):  # drop what the failed forward wrote
+                self.pool.set_length(row.slot, length)
+                row.logits, row.routes = None, []
+            if len(rows) == 1:
+                log.exception("prefill of request %s failed", rows[0].req.rid)
+                self.fail(rows[0].req, f"prefill failed: {_words(err)}")
+                return
+            log.warning("batched prefill failed (%s); prefilling one by one", _words(err))
+            for row in rows:
+                self._run_rows([row])
+
+    def _forward_rows(self, rows: list[_Row]) -> None:
+        done = [0] * len(rows)  # tokens of each row already run
+        pieces: list[list[torch.Tensor]] = [[] for _ in rows]
+        while True:
+            budget = self.chunk or sum(len(r.tokens) for r in rows)
+            take = []
+            for i, row in enumerate(rows):
+                left = len(row.tokens) - row.reused - done[i]
+                if left > 0 and budget > 0:
+                    take.append((i, min(left, budget)))
+                    budget -= min(left, budget)
+            if not take:
+                break
+            # logits wanted: the row's last token, or its positions logits_from..
+            froms = [_relative(rows[i].logits_from, done[i]) for i, _ in take]
+            logits, routes = self.runner.extend(
+                self.pool,
+                [rows[i].slot for i, _ in take],
+                [
+                    rows[i].tokens[rows[i].reused + done[i] : rows[i].reused + done[i] + n]
+                    for i, n in take
+                ],
+                [rows[i].req.lora for i, _ in take],
+                [None if f is None or f >= n else f for f, (_, n) in zip(froms, take)],
+            )
+            for (i, n), got, rows_TLK, first in zip(take, logits, routes, froms):
+                done[i] += n
+                if not rows[i].resumed:
+                    rows[i].routes.append(rows_TLK)
+                if first is not None and first < n:
+                    pieces[i].append(got)
+                elif done[i] + rows[i].reused == len(rows[i].tokens):
+                    pieces[i].append(got[None])
+        for i, row in enumerate(rows):
+            if row.logits_from is None:
+                row.logits = pieces[i][-1][-1]
+            else:
+                row.logits = torch.cat(pieces[i]) if pieces[i] else None
+
+    def _first_token(self, row: _Row) -> None:
+        """After a new request's prefill: its routes, input logprobs and first token."""
+        req, tokens = row.req, row.tokens
+        try:
+            for rows_TLK in row.routes:
+                self._record(req, rows_TLK)
+            start = req.logprob_start_len if req.return_logprob else None
+            if (start is None or start >= len(tokens) - 1) and row.reused < len(tokens) - 1:
                 # the prompt's KV and routes, cached now: the other samples of its group
                 # (and any request sharing the prompt) admitted after it prefill only
                 # their last token. Its finished sequence replaces this entry later.
                 self._keep(req)
+            logits = row.logits
+            assert logits is not None
             if start is not None:
                 self._input_logprobs(req, tokens, logits)
                 logits = logits[-1]
+            row.last = logits
             if req.params.max_new_tokens == 0:
                 self.finish(req, {"type": "length", "length": 0})
                 return
             self._emit(req, logits)
+        except Exception as err:
+            log.exception("prefill of request %s failed", req.rid)
+            self.fail(req, f"prefill failed: {_words(err)}")
+            return
+        if not req.done:
+            self.running.append(req)
+
+    def _follow(self, req: Request, leader: _Row) -> None:
+        """A request with the same input as ``leader``, admitted with it: copy its KV,
+        routes and input logprobs (the prefix cache's role within one step)."""
+        n = len(leader.tokens)
+        if leader.req.slot is not None:
+            self.pool.copy_slot(leader.req.slot, req.slot, n)  # type: ignore[arg-type]
+        else:  # the leader finished at its first token: its KV went to the prefix cache
+            hit = self.prefix_cache.match(req.lora, req.input_ids, n) if self.prefix_cache else None
+            if hit is None or hit.length < n:
+                raise RuntimeError("the KV of the request it shares its input with is gone")
+            self.pool.load(req.slot, [k[:, :n] for k in hit.sequence.keys],  # type: ignore[arg-type]
+                           [v[:, :n] for v in hit.sequence.values])  # fmt: skip
+        req.cache_epoch = leader.req.cache_epoch
+        req.cached_tokens = n
+        for rows_TLK in leader.req.routes:
+            self._record(req, rows_TLK)
+        req.input_logprobs = list(leader.req.input_logprobs)
+        req.input_top_logprobs = list(leader.req.input_top_logprobs)
+        req.input_ids_logprobs = list(leader.req.input_ids_logprobs)
+        if req.params.max_new_tokens == 0:
+            self.finish(req, {"type": "length", "length": 0})
+            return
+        assert leader.last is not None
+        self._emit(req, leader.last)
         if not req.done:
             self.running.append(req)
 
     def _reuse(self, req: Request, tokens: list[int], logits_from: int | None) -> int:
-        """Seed ``req``'s KV cache and routes with the longest cached prefix of ``tokens``
+        """Seed ``req``'s slot and routes with the longest cached prefix of ``tokens``
         and return its length: at most all but the last token (its logits are needed),
         and no further than ``logits_from`` (input logprobs are computed from there on,
         as SGLang caps the match at logprob_start_len)."""
@@ -446,7 +605,8 @@ class Scheduler:
         if hit is None:
             return 0
         seq, n = hit.sequence, hit.length
-        req.cache.append([k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
+        assert req.slot is not None
+        self.pool.load(req.slot, [k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
         self._record(req, seq.routes_TLK[:n])
         req.cached_tokens = n
         return n
@@ -454,18 +614,22 @@ class Scheduler:
     def _keep(self, req: Request) -> None:
         """Hand a finished request's processed tokens (all but the last sampled one), their
         KV and routes to the prefix cache."""
-        cache, n = self.prefix_cache, req.cache.length
-        if cache is None or req.cache_epoch is None or not n:
+        cache = self.prefix_cache
+        if cache is None or req.cache_epoch is None or req.slot is None:
+            return
+        n = self.pool.length(req.slot)
+        if not n:
             return
         tokens = (req.input_ids + req.output_ids)[:n]
         routes_TLK = np.concatenate(req.routes, axis=0) if req.routes else None
         if routes_TLK is None or len(routes_TLK) != n or len(tokens) != n:
             log.warning("request %s: KV and routes disagree; not cached", req.rid)
             return
+        keys, values = self.pool.export(req.slot, n)
         seq = Sequence(
             tokens_T=np.asarray(tokens, dtype=np.int64),
-            keys=[k[:, :n].clone() for k in req.cache.keys],
-            values=[v[:, :n].clone() for v in req.cache.values],
+            keys=keys,
+            values=values,
             routes_TLK=routes_TLK,
         )
         cache.insert(req.lora, seq, req.cache_epoch)
@@ -486,7 +650,8 @@ class Scheduler:
             req.input_ids_logprobs = [None, *logprobs[:, req.token_ids_logprob].tolist()]
 
     def _decode(self) -> None:
-        batch = self.running
+        # slot order: the running requests hold slots 0..B-1, read as one view
+        batch = sorted(self.running, key=lambda r: r.slot if r.slot is not None else -1)
         try:
             self._decode_batch(batch)
         except Exception as err:
@@ -504,21 +669,41 @@ class Scheduler:
         self.running = [r for r in batch if not r.done]
 
     def _decode_batch(self, batch: list[Request]) -> None:
-        lengths = [r.cache.length for r in batch]
-        try:
-            logits, routes = self.runner.decode(
-                [r.output_ids[-1] for r in batch],
-                [r.cache for r in batch],
-                [r.lora for r in batch],
-            )
-        except Exception:
-            for req, length in zip(batch, lengths):  # drop a half-appended step
-                req.cache.length = length
-            raise
+        slots = [r.slot for r in batch]
+        if None in slots:
+            raise RuntimeError("a running request holds no KV slot")
+        logits, routes = self.runner.decode(
+            self.pool,
+            slots,  # type: ignore[arg-type]
+            [r.output_ids[-1] for r in batch],
+            [r.lora for r in batch],
+        )  # a forward that raises leaves the slots' lengths as they were
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        drawn: dict[int, Sampled] = {}
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, req in enumerate(batch):
+            assert req.sampler is not None
+            if finite[i] and req.sampler.batchable(req.top_logprobs_num, req.token_ids_logprob):
+                p = req.params
+                groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), []).append(
+                    i
+                )
+        for rows in groups.values():  # one batched draw per set of sampling parameters
+            try:
+                got = sample_batch(
+                    logits[rows],
+                    batch[rows[0]].params,
+                    self.runner.generator,
+                    [batch[i].return_sampling_mask for i in rows],
+                )
+            except Exception:  # each alone then, where a failure is the request's own
+                log.exception("batched sampling failed; sampling one by one")
+                continue
+            drawn.update(zip(rows, got))
         for i, req in enumerate(batch):
             try:
                 self._record(req, routes[i : i + 1])
-                self._emit(req, logits[i])
+                self._emit(req, logits[i], drawn.get(i))
             except Exception as err:  # sampling or the stream callback: this request only
                 log.exception("sampling of request %s failed", req.rid)
                 self.fail(req, f"sampling failed: {_words(err)}")
@@ -527,8 +712,14 @@ class Scheduler:
         if req.return_routed_experts or self.prefix_cache is not None:
             req.routes.append(routes)
 
-    def _emit(self, req: Request, logits: Any) -> None:
-        """Sample the next token of ``req`` and finish it if a stop condition holds."""
+    def _emit(self, req: Request, logits: Any, drawn: Sampled | None = None) -> None:
+        """Sample the next token of ``req`` (or take the one ``sample_batch`` drew from
+        these logits) and finish it if a stop condition holds."""
+        assert req.sampler is not None
+        if drawn is not None:
+            req.sampler.accept(drawn.token)
+            self._append(req, drawn)
+            return
         if not bool(torch.isfinite(logits).all()):
             adapter = f" with LoRA adapter {req.lora!r}" if req.lora else ""
             self.fail(
@@ -537,12 +728,15 @@ class Scheduler:
                 f"(NaN or inf){adapter}: the weights produce NaN; request aborted",
             )
             return
-        assert req.sampler is not None
         try:
             s = req.sampler.sample(logits, req.top_logprobs_num, req.token_ids_logprob)
         except ValueError as err:  # nothing possible: the request's own constraints
             self.fail(req, f"output token {len(req.output_ids)}: {err}", 400)
             return
+        self._append(req, s)
+
+    def _append(self, req: Request, s: Sampled) -> None:
+        """Record a sampled token and finish the request if a stop condition holds."""
         req.output_ids.append(s.token)
         req.logprobs.append(s.logprob)
         req.versions.append(self.weight_version)
@@ -591,6 +785,32 @@ class Scheduler:
         ``tail_str``); stop_regex patterns see the whole output."""
         ids = req.output_ids[-req.stop_tail :] if req.stop_tail else req.output_ids
         return str(self.tokenizer.decode(ids))
+
+
+@dataclass
+class _Row:
+    """One request in a prefill: the tokens its slot ends with after the prefill (the
+    first ``reused`` from the prefix cache), where its input logprobs start (relative to
+    the new tokens), and what the forwards gave back."""
+
+    req: Request
+    tokens: list[int]
+    reused: int
+    logits_from: int | None
+    resumed: bool = False
+    routes: list[np.ndarray] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [V], or [S', V] from logits_from
+    last: torch.Tensor | None = None  # the logits the first token is sampled from
+
+    @property
+    def slot(self) -> int:
+        assert self.req.slot is not None
+        return self.req.slot
+
+
+def _relative(first: int | None, done: int) -> int | None:
+    """A row's logits_from counted from its next chunk, ``done`` tokens in."""
+    return None if first is None else max(0, first - done)
 
 
 def _abort(message: str, status_code: int | None = None) -> dict[str, Any]:

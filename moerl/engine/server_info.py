@@ -85,8 +85,8 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "scheduler_error": sched.dead,
         "failed_requests": sched.failed_requests,
         "running_requests": len(sched.running),
-        # tokens of KV cache held by running and retracted requests
-        "kv_cache_tokens": sum(r.cache.length for r in sched.running + sched.retracted),
+        # tokens of KV cache held by running requests (a retracted one holds none)
+        "kv_cache_tokens": sched.pool.tokens,
         "waiting_requests": sched.waiting.qsize(),
         # tokens and sequences the prefix cache holds
         "prefix_cache_tokens": 0 if sched.prefix_cache is None else sched.prefix_cache.tokens,

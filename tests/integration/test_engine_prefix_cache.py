@@ -193,8 +193,8 @@ def test_weight_update_flushes(tiny_checkpoints, engine_factory, tmp_path_factor
 
 def test_a_group_prefills_its_prompt_once_and_answers_as_without_cache(pair, cached):
     """Four samples of one prompt in one batch (a GRPO group): the first prefills the
-    prompt, the others reuse all of it but its last token, and every answer equals the
-    cache-off engine's."""
+    prompt, the others, admitted with it, copy all of it (KV, routes and the logits of
+    its last token), and every answer equals the cache-off engine's."""
     on, off = pair
     body = {
         "input_ids": [PROMPT] * 4,
@@ -204,6 +204,7 @@ def test_a_group_prefills_its_prompt_once_and_answers_as_without_cache(pair, cac
     }
     got, want = cached.post("/generate", body).json(), off.post("/generate", body).json()
     cached_tokens = sorted(g["meta_info"]["cached_tokens"] for g in got)
-    assert cached_tokens == [0] + [len(PROMPT) - 1] * 3
+    assert cached_tokens == [0] + [len(PROMPT)] * 3
+    assert [w["meta_info"]["cached_tokens"] for w in want] == [0] * 4  # each its own prefill
     for g, w in zip(got, want):
         same(on, g, off, w)
