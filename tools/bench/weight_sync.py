@@ -47,8 +47,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -120,25 +121,26 @@ def _receive_reference(port: int, nbytes: int, count: int) -> None:
     from moerl.engine.group import broadcast, init_custom_process_group
 
     torch.set_num_threads(1)
-    group = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2)
+    group = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, timeout_s=60)
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(count):
         broadcast(group, buffer)
 
 
 class Reference:
-    """One broadcast of one contiguous tensor of ``nbytes`` to a receiver process."""
+    """One broadcast of one contiguous tensor of ``nbytes`` to a receiver process (this
+    script, run with ``--reference-receiver``)."""
 
     def __init__(self, nbytes: int, count: int) -> None:
         from moerl.engine.group import init_custom_process_group
         from moerl.parallel.spawn import free_port
 
         port = free_port()
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=_receive_reference, args=(port, nbytes, count + 1), daemon=True
+        role = f"{port}:{nbytes}:{count + 1}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-W", "ignore", __file__, "--reference-receiver", role]
         )
-        self.process.start()
-        self.group = init_custom_process_group(BACKEND, "127.0.0.1", port, 0, 2)
+        self.group = init_custom_process_group(BACKEND, "127.0.0.1", port, 0, 2, timeout_s=60)
         self.tensor = torch.ones(nbytes, dtype=torch.uint8)
         self.time()  # untimed warm-up: both buffers touched once
 
@@ -150,7 +152,7 @@ class Reference:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        self.process.join(timeout=60)
+        self.process.wait(timeout=60)
 
 
 def bench(name: str, model_dir: Path, buckets_mb: list[float], reps: int) -> dict[str, Any]:
@@ -234,7 +236,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--buckets-mb", type=float, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--reps", type=int, default=None, help="syncs per setting (median; 3)")
     parser.add_argument("--out", type=Path, default=None, help="write result.json here")
+    parser.add_argument("--reference-receiver", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.reference_receiver is not None:  # PORT:NBYTES:COUNT, started by Reference
+        port, nbytes, count = (int(x) for x in args.reference_receiver.split(":"))
+        _receive_reference(port, nbytes, count)
+        return {}
     names = args.configs or (["tiny"] if args.quick else list(DEFAULT_CONFIGS))
     if args.mid and "mid" not in names:
         names.append("mid")
