@@ -73,7 +73,7 @@ def _checkpoint(root: Path, name: str) -> Path:
     return save_tiny_checkpoint(dataclasses.replace(tiny_config("qwen3_moe"), **shape), root / name)
 
 
-SHAPES = {  # Qwen3-MoE shapes with random weights
+SHAPES: dict[str, dict[str, Any]] = {  # Qwen3-MoE shapes, random weights
     "mid": dict(  # ~45M parameters, ~180 MB fp32
         num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=4,
         kv_channels=64, ffn_hidden_size=1024, vocab_size=8192, num_experts=16,
