@@ -33,8 +33,8 @@ and then
 ``result.json`` (with ``--out``) keeps every bucket's latency (``by_bucket_mb``, for a
 latency-vs-bucket-size plot) and its fraction of the reference (``frac_of_ref``).
 Configs: ``tiny`` (conf/model/deepseek_moe_tiny.yaml, ~1 MB), ``mid`` (a Qwen3-MoE shape
-of ~45M parameters with random weights, ~180 MB fp32) and ``large`` (~256M parameters,
-~1 GB fp32; only when named: it takes minutes to write and load). ``--quick``: tiny
+of ~45M parameters with random weights, ~180 MB fp32) and ``large`` (~237M parameters,
+~0.9 GiB fp32; only when named: it takes minutes to write and load). ``--quick``: tiny
 only, one repeat. ``--mid`` (kept from earlier versions) adds mid to ``--quick``.
 
 The group is gloo on every machine: the embedded engine receives into CPU tensors, so a
@@ -79,7 +79,7 @@ SHAPES: dict[str, dict[str, Any]] = {  # Qwen3-MoE shapes, random weights
         kv_channels=64, ffn_hidden_size=1024, vocab_size=8192, num_experts=16,
         moe_ffn_hidden_size=256,
     ),
-    "large": dict(  # ~256M parameters, ~1 GB fp32
+    "large": dict(  # ~237M parameters, ~0.9 GiB fp32
         num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
         kv_channels=64, ffn_hidden_size=2048, vocab_size=16384, num_experts=16,
         moe_ffn_hidden_size=512,
