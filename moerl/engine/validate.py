@@ -322,6 +322,15 @@ def check_peft_config(config: Mapping[str, Any], path: str = "adapter_config") -
 def nonfinite_tensor(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first floating-point tensor holding NaN or ±inf, else None."""
     for name, tensor in named:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
             return name
     return None
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # min and max in one pass, without isfinite's mask: NaN spreads to both, ±inf is one
+    try:
+        low, high = torch.aminmax(tensor)
+    except RuntimeError:  # a dtype without aminmax (float8)
+        return bool(torch.isfinite(tensor).all())
+    return math.isfinite(low.item()) and math.isfinite(high.item())

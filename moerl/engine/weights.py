@@ -17,15 +17,46 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
-from moerl.engine.bucket import dtype_of, empty_bucket, nbytes, unflatten
+from moerl.engine.bucket import dtype_of, nbytes, unflatten
 from moerl.engine.group import broadcast, init_custom_process_group
 from moerl.engine.validate import nonfinite_tensor
+
+
+class ReceiveBuffers:
+    """Byte buffers that flattened buckets are received into, taken and given back in
+    turn (two: one receiving while the model copies from the other)."""
+
+    def __init__(self, count: int = 2) -> None:
+        self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
+        for _ in range(count):
+            self._free.put_nowait(torch.empty(0, dtype=torch.uint8))
+
+    async def take(self, size: int) -> torch.Tensor:
+        """A free buffer of at least ``size`` bytes (whole; waits for one to be given back)."""
+        buffer = await self._free.get()
+        if buffer.numel() < size:  # grown once to the largest bucket, then reused
+            del buffer
+            buffer = torch.empty(size, dtype=torch.uint8)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.put_nowait(buffer)
+
+
+@dataclass
+class WeightGroup:
+    """A joined weight-update group and what its requests share."""
+
+    group: Any
+    receiving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one receive at a time
+    buffers: ReceiveBuffers = field(default_factory=ReceiveBuffers)
 
 
 def _receive(
@@ -33,18 +64,18 @@ def _receive(
     names: list[str],
     dtypes: list[str],
     shapes: list[list[int]],
-    load_format: str | None,
-) -> list[torch.Tensor]:
-    if load_format == "flattened_bucket":
-        buffer = empty_bucket(dtypes, shapes)
+    buffer: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], str | None]:
+    """The broadcast tensors (views of ``buffer`` for a flattened bucket, else new ones,
+    one broadcast each), and the name of the first one holding NaN or inf, if any."""
+    if buffer is not None:
         broadcast(group, buffer)
-        return unflatten(buffer, dtypes, shapes)
-    if load_format not in (None, "direct"):
-        raise ValueError(f"load_format={load_format!r}: choose null or 'flattened_bucket'")
-    tensors = [torch.empty(tuple(s), dtype=dtype_of(d)) for d, s in zip(dtypes, shapes)]
-    for t in tensors:
-        broadcast(group, t)
-    return tensors
+        tensors = unflatten(buffer, dtypes, shapes)
+    else:
+        tensors = [torch.empty(tuple(s), dtype=dtype_of(d)) for d, s in zip(dtypes, shapes)]
+        for t in tensors:
+            broadcast(group, t)
+    return tensors, nonfinite_tensor(zip(names, tensors))
 
 
 def register_weight_routes(
@@ -78,7 +109,7 @@ def register_weight_routes(
             )
         except Exception as err:  # a wrong address or a trainer that never joined
             return fail(f"could not join the weight-update group: {err}")
-        state.groups[name] = group
+        state.groups[name] = WeightGroup(group)
         return ok(f"joined {name!r} as rank {rank} of {body['world_size']} ({backend})")
 
     @app.post("/destroy_weights_update_group")
@@ -103,30 +134,44 @@ def register_weight_routes(
         stated = sum(nbytes(dtype_of(d), s) for d, s in zip(dtypes, shapes))
         if stated > 8 * sum(t.numel() for t in runner.params.values()):
             return fail(f"the push states {stated} bytes, more than this model could hold")
-        tensors = await asyncio.to_thread(
-            _receive, state.groups[name], names, dtypes, shapes, body.get("load_format")
-        )
-        try:
-            runner.check_weights(names, shapes)
-        except ValueError as err:
-            return fail(f"weights not applied (model unchanged): {err}")
-        bad = await asyncio.to_thread(nonfinite_tensor, zip(names, tensors))
-        if bad is not None:
-            return fail(f"weights not applied (model unchanged): {bad} holds NaN or inf")
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            return fail(f"load_format={load_format!r}: choose null or 'flattened_bucket'")
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
+        group: WeightGroup = state.groups[name]
+        buffer = None
+        try:
+            async with group.receiving:  # in arrival order, which is the broadcasts' order
+                if load_format == "flattened_bucket":
+                    buffer = await group.buffers.take(stated)
+                tensors, bad = await asyncio.to_thread(
+                    _receive, group.group, names, dtypes, shapes,
+                    None if buffer is None else buffer[:stated],
+                )  # fmt: skip
+            try:
+                runner.check_weights(names, shapes)
+            except ValueError as err:
+                return fail(f"weights not applied (model unchanged): {err}")
+            if bad is not None:
+                return fail(f"weights not applied (model unchanged): {bad} holds NaN or inf")
 
-        def apply() -> tuple[int, float]:
-            start = time.perf_counter()
-            if abort_all:
-                sched.abort(abort_all=True, message="aborted by update_weights_from_distributed")
-            count = runner.load_weights(zip(names, tensors))
-            # always, whatever the body's flush_cache: cached KV is the old weights'
-            sched.flush_cache()
-            if version is not None:
-                sched.weight_version = str(version)
-            return count, time.perf_counter() - start
+            def apply() -> tuple[int, float]:
+                start = time.perf_counter()
+                if abort_all:
+                    sched.abort(
+                        abort_all=True, message="aborted by update_weights_from_distributed"
+                    )
+                count = runner.load_weights(zip(names, tensors))
+                # always, whatever the body's flush_cache: cached KV is the old weights'
+                sched.flush_cache()
+                if version is not None:
+                    sched.weight_version = str(version)
+                return count, time.perf_counter() - start
 
-        count, apply_s = await on_scheduler(state, apply)
+            count, apply_s = await on_scheduler(state, apply)
+        finally:  # the model copied the bucket out of the buffer (or never will)
+            if buffer is not None:
+                group.buffers.give(buffer)
         # apply_s: how long decoding was blocked (the swap between two decode steps)
         return ok(f"updated {count} tensors", weight_version=sched.weight_version, apply_s=apply_s)

@@ -5,7 +5,13 @@ Every rank of a stage iterates ``export_hf`` in lockstep; the stage's lowest glo
 rank (its *lead*) packs the tensors into buckets and, unless it is rank 0, sends them
 to rank 0 point-to-point over the default group, one bucket at a time: a header
 (int64 length), the JSON metadata (``names``, ``dtypes``, ``shapes``, ``last``) as
-bytes, then the flat bucket. Memory stays bounded by one bucket on either side.
+bytes, then the flat bucket.
+
+Tensors are copied (and cast) straight into one of two reused byte buffers
+(:class:`Staging`), so a bucket costs one copy and no allocation; the buffers take turns,
+so the next bucket is gathered into one while the other is on the wire. A bucket's bytes
+stay valid until the bucket after next is gathered: its sender must be done with them by
+then. Memory stays bounded by two buckets on either side.
 """
 
 from __future__ import annotations
@@ -15,55 +21,110 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from moerl.engine.bucket import dtype_name, empty_bucket, flatten
+from moerl.engine.bucket import dtype_name, dtype_of
+
+
+class Staging:
+    """Two byte buffers of ``limit_bytes`` each on ``device``, handed out in turn and
+    allocated on first use (then reused for every bucket of every push)."""
+
+    def __init__(self, limit_bytes: int, device: torch.device | str = "cpu") -> None:
+        self.limit_bytes, self.device = limit_bytes, torch.device(device)
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 1
+
+    def next(self) -> torch.Tensor:
+        """The buffer not handed out last time (whole; callers slice it)."""
+        self._turn ^= 1
+        if len(self._buffers) == self._turn:
+            self._buffers.append(
+                torch.empty(self.limit_bytes, dtype=torch.uint8, device=self.device)
+            )
+        return self._buffers[self._turn]
 
 
 @dataclass
 class Bucket:
-    """Tensors bound for one ``flattened_bucket`` broadcast, in order."""
+    """Tensors bound for one ``flattened_bucket`` broadcast, in order; ``flat`` holds
+    their bytes end to end (a view of a staging buffer, or a lone tensor's own bytes)."""
 
     names: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
-    flat: torch.Tensor | None = None  # set instead of ``tensors`` when received flat
+    flat: torch.Tensor | None = None
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def describe(self, name: str, dtype: torch.dtype, shape: torch.Size) -> int:
+        """Append one tensor's metadata; returns its byte offset in ``flat``."""
+        offset = self.nbytes
         self.names.append(name)
-        self.dtypes.append(dtype_name(tensor.dtype))
-        self.shapes.append(list(tensor.shape))
-        self.tensors.append(tensor.detach())
-        self.nbytes += tensor.numel() * tensor.element_size()
+        self.dtypes.append(dtype_name(dtype))
+        self.shapes.append(list(shape))
+        self.nbytes += shape.numel() * _itemsize(dtype)
+        return offset
 
     def flattened(self) -> torch.Tensor:
-        if self.flat is not None:
-            return self.flat
-        if len(self.tensors) == 1:  # a lone (large) tensor: its bytes, without a copy
-            return self.tensors[0].contiguous().reshape(-1).view(torch.uint8)
-        return flatten(self.tensors)
+        assert self.flat is not None, "an empty bucket has no bytes"
+        return self.flat
 
     def meta(self, last: bool) -> dict[str, Any]:
         return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes, "last": last}
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Write ``tensor`` cast to ``dtype`` at byte ``offset`` of ``buffer``, in one copy."""
+    size = tensor.numel() * _itemsize(dtype)
+    dst = buffer[offset : offset + size]
+    if _on_cpu(dst, tensor) and tensor.dtype == dtype and tensor.is_contiguous():
+        # one thread's memcpy: a torch copy this large splits over the intra-op threads and
+        # waits for the slowest, and with the broadcast's thread and the engines on the
+        # same cores one of them is often descheduled (pushes 3-8x slower on 2 busy cores)
+        np.copyto(dst.numpy(), tensor.reshape(-1).view(torch.uint8).numpy())
+    elif offset % _itemsize(dtype) == 0:
+        dst.view(dtype).view(tensor.shape).copy_(tensor)
+    else:  # an odd offset cannot be viewed as ``dtype``: cast aside, copy the bytes
+        dst.copy_(tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8))
+
+
 def bucketize(
-    stream: Iterable[tuple[str, torch.Tensor]], limit_bytes: int, dtype: torch.dtype | None
+    stream: Iterable[tuple[str, torch.Tensor]],
+    limit_bytes: int,
+    dtype: torch.dtype | None,
+    staging: Staging | None = None,
 ) -> Iterator[tuple[Bucket, bool]]:
-    """``(bucket, is_last)`` of at most ``limit_bytes`` each (a bigger tensor goes alone),
-    cast to ``dtype`` when given. The last bucket may be empty. Holds one bucket."""
-    current = Bucket()
+    """``(bucket, is_last)`` of at most ``limit_bytes`` each (a bigger tensor goes alone,
+    as its own bytes), cast to ``dtype`` when given, gathered into ``staging`` (two
+    buffers of its own when None). The last bucket may be empty."""
+    staging = staging or Staging(limit_bytes)
+    assert staging.limit_bytes >= limit_bytes, "staging buffers smaller than a bucket"
+    current, buffer = Bucket(), None
     for name, tensor in stream:
-        if dtype is not None and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        size = tensor.numel() * tensor.element_size()
+        tensor = tensor.detach()
+        target = dtype or tensor.dtype
+        size = tensor.numel() * _itemsize(target)
         if current.names and current.nbytes + size > limit_bytes:
             yield current, False
-            current = Bucket()
-        current.add(name, tensor)
+            current, buffer = Bucket(), None
+        offset = current.describe(name, target, tensor.shape)
+        if size > limit_bytes:  # alone in its bucket (it was empty): no copy
+            current.flat = tensor.to(target).contiguous().reshape(-1).view(torch.uint8)
+            continue
+        if buffer is None:
+            buffer = staging.next()
+        _copy_into(buffer, offset, tensor, target)
+        current.flat = buffer[: current.nbytes]
     yield current, True
 
 
@@ -101,8 +162,10 @@ def send_bucket(bucket: Bucket, last: bool, dst: int = 0) -> None:
         dist.send(bucket.flattened().to(dev), dst=dst)
 
 
-def receive_buckets(src: int) -> Iterator[tuple[Bucket, bool]]:
-    """``(bucket, is_last)`` sent by ``src`` with ``send_bucket``, up to its last."""
+def receive_buckets(src: int, staging: Staging) -> Iterator[tuple[Bucket, bool]]:
+    """``(bucket, is_last)`` sent by ``src`` with ``send_bucket``, up to its last, each
+    received into the next ``staging`` buffer (a lone tensor bigger than one, into a
+    fresh tensor)."""
     dev = p2p_device()
     while True:
         size = torch.empty(1, dtype=torch.int64, device=dev)
@@ -110,11 +173,15 @@ def receive_buckets(src: int) -> Iterator[tuple[Bucket, bool]]:
         raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
         dist.recv(raw, src=src)
         meta = json.loads(bytes(raw.cpu().numpy()).decode())
-        bucket = Bucket(meta["names"], meta["dtypes"], meta["shapes"])
+        bucket = Bucket()
+        for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
+            bucket.describe(name, dtype_of(dtype), torch.Size(shape))
         if bucket.names:
-            bucket.flat = empty_bucket(bucket.dtypes, bucket.shapes, device=str(dev))
+            if bucket.nbytes > staging.limit_bytes:
+                bucket.flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=dev)
+            else:
+                bucket.flat = staging.next()[: bucket.nbytes]
             dist.recv(bucket.flat, src=src)
-            bucket.nbytes = bucket.flat.numel()
         yield bucket, bool(meta["last"])
         if meta["last"]:
             return

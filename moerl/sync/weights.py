@@ -4,14 +4,15 @@ Every trainer rank calls ``connect()``, ``push(version)`` and ``close()`` togeth
 Global rank 0 alone talks HTTP and owns the custom group (trainer = rank 0, engines
 at rank offsets 1, 2, …; ``moerl.engine.group``). Each pipeline stage's ranks iterate
 ``export_hf`` in lockstep (it gathers TP/EP shards collectively); the stage's lowest
-global rank packs the tensors into buckets of at most ``bucket_mb`` (a larger tensor
-goes alone) and, for stages other than rank 0's, sends them to rank 0 point-to-point
-over the default group, one bucket at a time (``moerl.sync.stream``); other stages
-wait their turn, blocked in that send. Rank 0 forwards each bucket to every
-engine as one ``flattened_bucket`` broadcast, issuing the engines'
-``/update_weights_from_distributed`` concurrently with its own blocking broadcast (the
-HTTP call returns only once the engine has received and loaded the bucket). The last
-bucket carries ``weight_version``, so the version changes with the last swap.
+global rank gathers the tensors straight into two reused buffers, buckets of at most
+``bucket_mb`` (a larger tensor goes alone), and, for stages other than rank 0's, sends
+them to rank 0 point-to-point over the default group, one bucket at a time
+(``moerl.sync.stream``); other stages wait their turn, blocked in that send. Rank 0
+forwards each bucket to every engine as one ``flattened_bucket`` broadcast announced by
+the engines' ``/update_weights_from_distributed`` (which returns once the engine has
+received and loaded the bucket), gathering the next bucket while this one is on the
+wire and sending it before the engines have loaded this one (``moerl.sync.wire``).
+The last bucket carries ``weight_version``, so the version changes with the last swap.
 
 The engines' HTTP calls are coroutines. A synchronous trainer runs them through
 ``run_coro(coro) -> concurrent.futures.Future``; by default a private event-loop
@@ -41,12 +42,16 @@ from moerl.engine.group import init_custom_process_group
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
 from moerl.sync.stream import (
-    Bucket,
+    Staging,
     bucketize,
+    p2p_device,
     receive_buckets,
     send_bucket,
     stage_leads,
 )
+from moerl.sync.wire import WeightSyncError, Wire
+
+__all__ = ["WeightSync", "WeightSyncError"]
 
 RunCoro = Callable[[Coroutine[Any, Any, Any]], "concurrent.futures.Future[Any]"]
 
@@ -54,10 +59,6 @@ _GROUP_FIX = (
     "every engine must reach master_address:master_port of trainer rank 0 (set "
     "master_address to an address of that host the engines can route to, and open the port)"
 )
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync could not start or an engine refused a bucket; says which and why."""
 
 
 def _rank() -> int:
@@ -122,6 +123,7 @@ class WeightSync:
         self._group: Any = None
         self._broken = False
         self._leads: dict[int, int] | None = None
+        self._staging: dict[torch.device, Staging] = {}  # reused by every push
         if self.rank != 0:
             return
         if client is None:
@@ -247,26 +249,13 @@ class WeightSync:
         if self._leads is None:
             self._leads = stage_leads()
         leads = sorted(self._leads.values())
-        stats = {"bytes": 0, "buckets": 0, "tensors": 0, "seconds": 0.0}
+        stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0, "seconds": 0.0}
         stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
         if self.rank == 0:
-            # rank 0's own stage first, then each other stage from its lead rank
-            sent_version = False
-            for lead in leads:
-                if lead == 0:
-                    buckets = bucketize(stream, self.limit_bytes, self.dtype)
-                else:
-                    buckets = receive_buckets(lead)
-                for bucket, last in buckets:
-                    if bucket.names:
-                        tag = version if last and lead == leads[-1] else None
-                        self._to_engines(bucket, tag, stats)
-                        sent_version |= tag is not None
-            if not sent_version:  # the last stage exported nothing: bump the version alone
-                assert self.client is not None and self._run is not None
-                self._run(self.client.update_weight_version(str(version))).result(60)
+            stats.update(self._forward(stream, leads, version))
         elif self.rank in leads:
-            for bucket, last in bucketize(stream, self.limit_bytes, self.dtype):
+            staging = self._staging_on(p2p_device())
+            for bucket, last in bucketize(stream, self.limit_bytes, self.dtype, staging):
                 send_bucket(bucket, last, dst=0)
                 stats["bytes"] += bucket.nbytes
                 stats["buckets"] += 1 if bucket.names else 0
@@ -277,54 +266,39 @@ class WeightSync:
         stats["seconds"] = time.perf_counter() - start
         return stats
 
-    def _to_engines(self, bucket: Bucket, version: int | None, stats: dict[str, float]) -> None:
-        """One flattened_bucket broadcast, with the engines' HTTP call running beside it."""
+    def _staging_on(self, where: torch.device) -> Staging:
+        if where not in self._staging:
+            self._staging[where] = Staging(self.limit_bytes, where)
+        return self._staging[where]
+
+    def _forward(self, stream: Any, leads: list[int], version: int) -> dict[str, int]:
+        """Rank 0: its own stage's buckets, then each other stage's from its lead, to the
+        engines; the last bucket of the last stage carries ``version``."""
         assert self.client is not None and self._run is not None
         comm = torch.device("cpu") if self.backend == "gloo" else device.device()
-        flat = bucket.flattened().to(comm)
-        http = self._run(
-            self.client.update_weights_from_distributed(
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=self.group_name,
-                flush_cache=version is not None and self.flush_cache,
-                weight_version=None if version is None else str(version),
-                load_format="flattened_bucket",
-            )
-        )
-        work = self._group.broadcast(flat, 0)
-        deadline = time.monotonic() + self.timeout_s
-        what = (
-            f"bucket {int(stats['buckets'])} ({len(bucket.names)} tensors from {bucket.names[0]})"
-        )
-        while not work.is_completed():
-            if http.done() and http.exception() is not None:
-                # the engine answered without receiving: the group is out of step for good
-                self._broken = True
-                raise WeightSyncError(
-                    f"engines refused {what} before receiving it: {http.exception()}; "
-                    "close() and connect() again"
-                ) from http.exception()
-            if time.monotonic() > deadline:
-                self._broken = True
-                raise WeightSyncError(f"broadcast of {what} took over {self.timeout_s:.0f}s")
-            time.sleep(0.0005)
+        wire = Wire(
+            self._group, self.client, self._run, group_name=self.group_name, comm=comm,
+            timeout_s=self.timeout_s, flush_cache=self.flush_cache,
+        )  # fmt: skip
+        sent_version = False
         try:
-            work.wait()
-        except Exception as err:  # an engine left the group: its answer says why
-            self._broken = True
-            try:
-                reason = f"engine said: {http.result(timeout=10)}"
-            except Exception as answer:
-                reason = f"engine said: {answer}"
-            raise WeightSyncError(
-                f"broadcast of {what} failed ({err}); {reason}; close() and connect() again"
-            ) from err
-        try:
-            http.result(timeout=self.timeout_s)
-        except Exception as err:
-            raise WeightSyncError(f"engines rejected {what}: {err}") from err
-        stats["bytes"] += bucket.nbytes
-        stats["buckets"] += 1
-        stats["tensors"] += len(bucket.names)
+            for lead in leads:
+                if lead == 0:
+                    staging = self._staging_on(comm)
+                    buckets = bucketize(stream, self.limit_bytes, self.dtype, staging)
+                else:
+                    buckets = receive_buckets(lead, self._staging_on(p2p_device()))
+                for bucket, last in buckets:  # gathered while the previous one is sent
+                    if bucket.names:
+                        tag = version if last and lead == leads[-1] else None
+                        wire.send(bucket, tag)
+                        sent_version |= tag is not None
+            stats = wire.finish()
+        except Exception:
+            self._broken = wire.broken
+            if not wire.broken:
+                wire.abandon()
+            raise
+        if not sent_version:  # the last stage exported nothing: bump the version alone
+            self._run(self.client.update_weight_version(str(version))).result(60)
+        return stats

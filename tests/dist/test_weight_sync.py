@@ -188,6 +188,43 @@ def test_bucketize_bounds_and_casts():
     assert [(b.names, last) for b, last in bucketize([], 100, None)] == [([], True)]
 
 
+def test_bucketize_gathers_the_flattened_bucket_bytes_into_two_buffers_in_turn():
+    """Each bucket's bytes are SGLang's flattened_bucket (the cast tensors end to end, an
+    odd offset included), gathered into the staging buffer not used by the bucket before."""
+    from moerl.engine.bucket import flatten
+    from moerl.sync.stream import Staging, bucketize
+
+    gen = torch.Generator().manual_seed(0)
+    named = [
+        ("a", torch.randn(3, generator=gen).bfloat16()),  # 6 bytes: the next starts at 6
+        ("b", torch.randn(4, 2, generator=gen).t()),  # not contiguous
+        ("c", torch.randn(40, generator=gen)),  # alone: bigger than a bucket
+        ("d", torch.randn(5, generator=gen)),
+        ("e", torch.arange(6, dtype=torch.int64)),
+    ]
+    staging = Staging(64)
+    seen = []
+    for bucket, _ in bucketize(named, 64, None, staging):
+        want = flatten([t for n, t in named if n in bucket.names])
+        assert torch.equal(bucket.flattened(), want), bucket.names
+        seen.append((bucket.names, bucket.flattened().data_ptr()))
+    assert [names for names, _ in seen] == [["a", "b"], ["c"], ["d"], ["e"]]
+    buffers = [b.data_ptr() for b in staging._buffers]
+    assert [ptr for _, ptr in seen] == [buffers[0], named[2][1].data_ptr(), buffers[1], buffers[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_tensor_finds_nan_and_either_infinity(dtype):
+    from moerl.engine.validate import nonfinite_tensor
+
+    fine = [("ok", torch.randn(100).to(dtype)), ("empty", torch.zeros(0, dtype=dtype))]
+    assert nonfinite_tensor(fine + [("ints", torch.arange(3))]) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(100).to(dtype)
+        t[37] = bad
+        assert nonfinite_tensor([*fine, ("bad", t)]) == "bad", bad
+
+
 def test_unreachable_engine_fails_fast_and_names_it():
     from moerl.parallel.spawn import free_port
     from moerl.sync.weights import WeightSync, WeightSyncError

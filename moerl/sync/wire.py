@@ -1,0 +1,174 @@
+"""Trainer rank 0's side of the weight broadcast: buckets on the wire, two requests deep.
+
+Each bucket is one ``flattened_bucket`` broadcast over the custom group, announced by
+one ``/update_weights_from_distributed`` per engine (SGLang's protocol: one request, one
+broadcast). :meth:`Wire.send` puts a bucket on the wire as soon as the previous one is off
+it, without waiting for the engines to load that one: the engines receive bucket k+1
+while they copy bucket k into the model, and the caller gathers bucket k+2 meanwhile.
+
+Requests reach an engine in broadcast order: a broadcast finishes at the root only once
+every engine has entered it (gloo and NCCL both meet the receivers), so the request
+for bucket k+1, sent after bucket k's broadcast finished, arrives while the engine is
+inside bucket k's receive, and the engine receives in arrival order
+(``moerl.engine.weights``). At most two requests are in flight: bucket k+1 goes out only
+once the engines answered bucket k-1, so an engine needs two receive buffers.
+
+Waits are on futures (the broadcast's and the HTTP call's, whichever ends first), never
+polls: an engine that refuses a bucket before receiving it surfaces at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moerl.rollout.client import EngineClient
+from moerl.sync.stream import Bucket
+
+RunCoro = Callable[[Coroutine[Any, Any, Any]], "concurrent.futures.Future[Any]"]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync could not start or an engine refused a bucket; says which and why."""
+
+
+@dataclass
+class _InFlight:
+    what: str  # the bucket, in words for errors
+    bucket: Bucket
+    wire: concurrent.futures.Future[None]  # the broadcast, done at the root
+    http: concurrent.futures.Future[Any]  # the engines' answer
+
+
+def _future_of(work: Any) -> concurrent.futures.Future[None]:
+    """A ``concurrent.futures.Future`` settled when a c10d ``work`` finishes."""
+    out: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def settle(done: torch.futures.Future[Any]) -> None:
+        try:
+            done.wait()
+        except Exception as err:  # an engine left the group
+            out.set_exception(err)
+        else:
+            out.set_result(None)
+
+    work.get_future().add_done_callback(settle)
+    return out
+
+
+class Wire:
+    """Broadcasts buckets to the engines of ``group``; one per push.
+
+    ``send`` each bucket in order, then ``finish``; after an error the group is out of
+    step (``broken``) or still usable (the engines refused a bucket after receiving it).
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        client: EngineClient,
+        run_coro: RunCoro,
+        *,
+        group_name: str,
+        comm: torch.device,
+        timeout_s: float,
+        flush_cache: bool,
+    ) -> None:
+        self.group, self.client, self._run = group, client, run_coro
+        self.group_name, self.comm, self.timeout_s = group_name, comm, timeout_s
+        self.flush_cache = flush_cache
+        self.broken = False
+        self.stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+        self._sent = 0
+        self._sending: _InFlight | None = None  # on the wire
+        self._landed: _InFlight | None = None  # received, the engines' answer pending
+
+    def send(self, bucket: Bucket, version: int | None) -> None:
+        """Broadcast ``bucket`` once the previous one is off the wire; ``version`` tags
+        the last bucket of a push. The bucket's bytes are free again at the next
+        ``send`` (or ``finish``)."""
+        if self._sending is not None:
+            self._off_wire(self._sending)
+            landed, self._landed, self._sending = self._landed, self._sending, None
+            if landed is not None:
+                self._answered(landed)
+        flat = bucket.flattened().to(self.comm)
+        self._sent += 1
+        what = f"bucket {self._sent} ({len(bucket.names)} tensors from {bucket.names[0]})"
+        http = self._run(
+            self.client.update_weights_from_distributed(
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
+                group_name=self.group_name,
+                flush_cache=version is not None and self.flush_cache,
+                weight_version=None if version is None else str(version),
+                load_format="flattened_bucket",
+            )
+        )
+        self._sending = _InFlight(what, bucket, _future_of(self.group.broadcast(flat, 0)), http)
+
+    def finish(self) -> dict[str, int]:
+        """Wait for every bucket sent to be loaded; returns the totals."""
+        sending, landed = self._sending, self._landed
+        self._sending = self._landed = None
+        if sending is not None:
+            self._off_wire(sending)
+        if landed is not None:
+            self._answered(landed)
+        if sending is not None:
+            self._answered(sending)
+        return self.stats
+
+    def abandon(self) -> None:
+        """After an error: let what is still in flight end, so the group stays in step."""
+        for left in (self._sending, self._landed):
+            if left is not None:
+                concurrent.futures.wait([left.wire, left.http], timeout=self.timeout_s)
+        self._sending = self._landed = None
+
+    def _off_wire(self, flight: _InFlight) -> None:
+        """Wait for ``flight``'s broadcast; raise at once if the engines refused it first."""
+        deadline = time.monotonic() + self.timeout_s
+        while not flight.wire.done():
+            if flight.http.done() and flight.http.exception() is not None:
+                # the engine answered without receiving: the group is out of step for good
+                self.broken = True
+                raise WeightSyncError(
+                    f"engines refused {flight.what} before receiving it: "
+                    f"{flight.http.exception()}; close() and connect() again"
+                ) from flight.http.exception()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.broken = True
+                raise WeightSyncError(f"broadcast of {flight.what} took over {self.timeout_s:.0f}s")
+            # an answer can come before the broadcast is marked done here: then wait on
+            waits = [flight.wire] if flight.http.done() else [flight.wire, flight.http]
+            concurrent.futures.wait(
+                waits, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+        error = flight.wire.exception()
+        if error is not None:  # an engine left the group: its answer says why
+            self.broken = True
+            try:
+                reason = f"engine said: {flight.http.result(timeout=10)}"
+            except Exception as answer:
+                reason = f"engine said: {answer}"
+            raise WeightSyncError(
+                f"broadcast of {flight.what} failed ({error}); {reason}; close() and connect() again"
+            ) from error
+
+    def _answered(self, flight: _InFlight) -> None:
+        """Wait for the engines to load ``flight`` (already off the wire)."""
+        try:
+            flight.http.result(timeout=self.timeout_s)
+        except Exception as err:
+            raise WeightSyncError(f"engines rejected {flight.what}: {err}") from err
+        self.stats["bytes"] += flight.bucket.nbytes
+        self.stats["buckets"] += 1
+        self.stats["tensors"] += len(flight.bucket.names)
