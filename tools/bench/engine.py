@@ -11,6 +11,20 @@ cost of one multi-turn episode turn (~16 observation tokens appended to a contex
 few hundred, ~16 tokens generated) with the prefix cache reusing the previous turn and
 with --disable-radix-cache, two engines alternating turn by turn:
 ``turn_prefix_reuse_speedup`` = median turn time without reuse / with reuse.
+
+Then the engine against transformers' own ``model.generate`` on the same weights, the
+same prompts and the same sampling (temperature 1, EOS ignored), alternating
+repetitions in one run (the engine in its process, ``generate`` in this one, never at
+once, each with ``--threads`` threads): ``lengths=fixed`` gives every request the same
+number of new tokens; ``lengths=longtail`` draws each request's length from a lognormal
+(p90 about 6x the median), as RL rollouts have them: the engine finishes each request at
+its own length, while ``generate``'s static batch runs until its longest row and only the
+rows' own tokens count. Each prints
+
+    engine lengths=fixed|longtail engine_tok_s=… hf_tok_s=… ratio=…
+
+(medians over the repetitions) and, for a GRPO group of 8 samples of one prompt, how
+many prompt tokens the engine prefilled (``group_prefill_tokens``, the prompt once).
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
 import threading
@@ -199,6 +214,125 @@ def _turn_reuse(
     }
 
 
+def _longtail_lengths(rng, n: int, median: int, cap: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Output lengths as RL rollouts have them: lognormal (sigma 1.4: p90 ~ 6x median)."""
+    raw = rng.lognormal(mean=math.log(median), sigma=1.4, size=n)
+    return [int(min(cap, max(1, round(x)))) for x in raw]
+
+
+# ~40M parameters: a decode step of 32 rows is dominated by its matmuls, as on a real
+# model, rather than by per-step Python (the tiny model's forward costs about the same
+# for 1 row as for 32, which hides what batching saves)
+MID_SHAPE = {
+    "num_layers": 6, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+    "kv_channels": 64, "ffn_hidden_size": 1024, "vocab_size": 8192, "num_experts": 16,
+    "moe_ffn_hidden_size": 256, "q_lora_rank": 128, "kv_lora_rank": 64, "qk_head_dim": 64,
+    "qk_pos_emb_head_dim": 32, "v_head_dim": 64,
+}  # fmt: skip
+
+
+def _vs_generate(
+    family: str, tmp: Path, threads: int, prompts: int, new_tokens: int, reps: int, shape: str
+) -> dict:
+    """Engine vs ``model.generate`` tokens/s at fixed and long-tailed lengths (medians of
+    ``reps`` alternating repetitions), and the prompt tokens a group of 8 prefills."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moerl.engine.process import EngineProcess
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    rng = np.random.default_rng(0)
+    cap = 8 * new_tokens
+    cfg = dataclasses.replace(tiny_config(family), max_position_embeddings=64 + cap)
+    if shape == "mid":  # big enough that a decode step's cost grows with its batch
+        cfg = dataclasses.replace(cfg, **MID_SHAPE)
+    model_dir = save_tiny_checkpoint(cfg, tmp / "hf-generate")
+    batch = [
+        rng.integers(3, cfg.vocab_size, int(rng.integers(16, 48))).tolist() for _ in range(prompts)
+    ]
+    lengths = {
+        "fixed": [new_tokens] * prompts,
+        "longtail": _longtail_lengths(rng, prompts, max(2, new_tokens // 4), cap),
+    }
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
+    pad = hf.generation_config.pad_token_id or 0
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+
+    def run_hf(lens: list[int]) -> float:
+        longest = max(lens)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=longest, min_new_tokens=longest,
+            )  # fmt: skip
+        wall = time.perf_counter() - start
+        assert out.shape[1] == width + longest, out.shape
+        return sum(lens) / wall  # a row's tokens after its own length are waste
+
+    async def run_engine(url: str, lens: list[int]) -> float:
+        async with httpx.AsyncClient(timeout=600) as client:
+            start = time.perf_counter()
+            outs = await asyncio.gather(*[
+                client.post(f"{url}/generate", json={
+                    "input_ids": p,
+                    "sampling_params": {"max_new_tokens": n, "temperature": 1.0,
+                                        "ignore_eos": True},
+                })
+                for p, n in zip(batch, lens)
+            ])  # fmt: skip
+            wall = time.perf_counter() - start
+        got = [o.json()["meta_info"]["completion_tokens"] for o in outs]
+        assert got == lens, (got, lens)
+        return sum(lens) / wall
+
+    results: dict = {}
+    with EngineProcess(
+        model_dir, "--max-running-requests", str(max(64, prompts)), threads=threads
+    ) as engine:
+        asyncio.run(run_engine(engine.url, [4] * prompts))  # warm-up, both sides
+        run_hf([4] * prompts)
+        for kind, lens in lengths.items():
+            eng, ref = [], []
+            for _ in range(reps):
+                eng.append(asyncio.run(run_engine(engine.url, lens)))
+                ref.append(run_hf(lens))
+            e, h = statistics.median(eng), statistics.median(ref)
+            results[f"{kind}_engine_tok_s"], results[f"{kind}_hf_tok_s"] = e, h
+            results[f"{kind}_ratio"] = e / h
+            results[f"{kind}_tokens"] = sum(lens)
+            print(
+                f"engine lengths={kind} engine_tok_s={e:.1f} hf_tok_s={h:.1f} "
+                f"ratio={e / h:.2f} (prompts={prompts} tokens={sum(lens)} "
+                f"longest={max(lens)} reps={reps}; target >= "
+                f"{'1' if kind == 'fixed' else '2'}x)",
+                flush=True,
+            )
+        # a GRPO group: one prompt, n=8 samples, on a flushed prefix cache
+        httpx.post(f"{engine.url}/flush_cache", timeout=60)
+        prompt = rng.integers(3, cfg.vocab_size, 48).tolist()
+        outs = httpx.post(f"{engine.url}/generate", json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 8},
+        }, timeout=600).json()  # fmt: skip
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        prefilled = sum(len(prompt) - c for c in cached)
+        results["group_prefill_tokens"] = prefilled
+        results["group_prompt_tokens"] = len(prompt)
+        print(
+            f"engine group n=8 prompt_tokens={len(prompt)} group_prefill_tokens={prefilled} "
+            f"(target: the prompt once, {len(prompt)})",
+            flush=True,
+        )
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="deepseek_moe")
@@ -206,6 +340,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in the engine")
     parser.add_argument("--quick", action="store_true", help="fewer tokens (for tests)")
     parser.add_argument("--turn-context", type=int, default=384, help="episode prompt tokens")
+    parser.add_argument("--prompts", type=int, default=32, help="requests vs model.generate")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions vs model.generate")
+    parser.add_argument(
+        "--only-generate", action="store_true", help="only the comparison with model.generate"
+    )
+    parser.add_argument(
+        "--generate-shape",
+        choices=("tiny", "mid"),
+        default=None,
+        help="model vs model.generate (default: mid, tiny with --quick)",
+    )
     args = parser.parse_args(argv)
     new_tokens = 16 if args.quick else args.new_tokens
 
@@ -214,12 +359,24 @@ def main(argv: list[str] | None = None) -> dict:
     from moerl.models.tiny import tiny_config
 
     with tempfile.TemporaryDirectory() as tmp:
+        results = _vs_generate(
+            args.family,
+            Path(tmp),
+            args.threads,
+            8 if args.quick else args.prompts,
+            new_tokens,
+            1 if args.quick else args.reps,
+            args.generate_shape or ("tiny" if args.quick else "mid"),
+        )
+        if args.only_generate:
+            print(json.dumps(results))
+            return results
         model_dir = save_tiny_checkpoint(tiny_config(args.family), Path(tmp) / "hf")
         engine = EngineProcess(model_dir, "--max-running-requests", "64", threads=args.threads)
         try:
             # one warm-up so lazy initialisation is not timed
             asyncio.run(_concurrent(engine.url, 2, 4))
-            results: dict = {"family": args.family, "new_tokens": new_tokens}
+            results.update(family=args.family, new_tokens=new_tokens)
             for n in (1, 8, 32):
                 results[f"tokens_per_s_c{n}"] = asyncio.run(_concurrent(engine.url, n, new_tokens))
                 print(

@@ -155,6 +155,18 @@ def _engine(r: dict[str, Any]) -> list[Row]:
             _status(s, _num(s) is not None and s < 2)),
         Row("engine", "episode turn: prefix cache vs full prefill", _x(t), "> 1×",
             _status(t, _num(t) is not None and t > 1)),
+        *[
+            Row("engine", f"tokens/s vs transformers' model.generate, {kind} lengths",
+                _x(r.get(f"{kind}_ratio")), target,
+                _status(r.get(f"{kind}_ratio"),
+                        _num(r.get(f"{kind}_ratio")) is not None and r[f"{kind}_ratio"] >= need))
+            for kind, target, need in (("fixed", "≥ 1×", 1.0), ("longtail", "≥ 2×", 2.0))
+            if f"{kind}_ratio" in r
+        ],
+        *([Row("engine", "prompt tokens prefilled by a group of 8 samples",
+               f"{r['group_prefill_tokens']} of {r['group_prompt_tokens']}", "the prompt once",
+               "met" if r["group_prefill_tokens"] == r["group_prompt_tokens"] else "not met")]
+          if "group_prefill_tokens" in r else []),
     ]  # fmt: skip
 
 
