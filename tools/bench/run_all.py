@@ -88,9 +88,9 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
                         "smoke": ["--quick", "--steps", "3", "--turn-episodes", "1"]},
                  {"full": 1800, "quick": 420, "smoke": 300}),
     # cost curves: trainer, sync and engine costs vs hidden size, experts, sequence, top-k
-    # (full ~15 min); smoke: two tiny points of two sweeps
+    # (full ~15 min); smoke: two tiny models of the hidden sweep, every metric
     "scaling": (True, {"full": [], "quick": ["--quick"],
-                       "smoke": ["--smoke", "--sweeps", "hidden", "seq"]},
+                       "smoke": ["--smoke", "--sweeps", "hidden"]},
                 {"full": 2400, "quick": 600, "smoke": 180}),
 }  # fmt: skip
 NOISE = ("UserWarning", "warnings.warn(", "Writing model shards")
