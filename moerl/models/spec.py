@@ -48,15 +48,18 @@ def replace_norms(node: Any, norm: Any = SequenceParallelTorchNorm) -> Any:
     return map_spec(node, lambda n: norm if _is_megatron_norm(n) else n)
 
 
-def use_local_mla_attention(node: Any) -> Any:
-    """Give every ``MLASelfAttention`` in a local spec tree ``LocalMLACoreAttention``."""
+def use_local_attention(node: Any) -> Any:
+    """Give every ``SelfAttention`` and ``MLASelfAttention`` in a local spec tree
+    ``LocalCoreAttention`` (fused SDPA instead of megatron-core's unfused
+    ``DotProductAttention``)."""
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from moerl.models.mla_attention import LocalMLACoreAttention
+    from moerl.models.local_attention import LocalCoreAttention
 
     def swap(n: Any) -> Any:
-        if isinstance(n, ModuleSpec) and n.module is MLASelfAttention:
-            sub = dataclasses.replace(n.submodules, core_attention=LocalMLACoreAttention)
+        if isinstance(n, ModuleSpec) and n.module in (SelfAttention, MLASelfAttention):
+            sub = dataclasses.replace(n.submodules, core_attention=LocalCoreAttention)
             return dataclasses.replace(n, submodules=sub)
         return n
 
@@ -87,4 +90,4 @@ def decoder_block_spec(
     if use_te:
         return spec
     spec = replace_norms(spec)
-    return use_local_mla_attention(spec) if config.multi_latent_attention else spec
+    return use_local_attention(spec)

@@ -108,7 +108,8 @@ def test_report_from_saved_results_covers_every_bench(tmp_path):
     assert not [r for r in rows if r.status.startswith(("error", "failed", "not run"))]
     written = report.write_plots(results, tmp_path / "plots")
     # the timeline PNG is copied from the async bench's output dir, absent here
-    assert set(written) == {"reward", "staleness", "mismatch", "weight_sync", "offpolicy"}
+    scaling = {f"scaling_{s}" for s in ("hidden", "experts", "seq", "topk")}
+    assert set(written) == {"reward", "staleness", "mismatch", "weight_sync", "offpolicy"} | scaling
     for file in written.values():
         assert _is_png(tmp_path / "plots" / file), file
     results["plots"] = written
@@ -118,6 +119,7 @@ def test_report_from_saved_results_covers_every_bench(tmp_path):
     assert section.startswith("## Results\n") and "### Published anchors" in section
     assert "Not yet run on a GPU" in section
     assert "(bench/plots/mismatch.png)" in section
+    assert "## Cost curves (log-log exponents)" in page and "![scaling_seq](plots/" in page
     readme = "intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n"
     replaced = report.replace_section(readme, section)
     assert replaced is not None and "old" not in replaced and replaced.endswith("rest\n")

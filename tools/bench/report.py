@@ -16,8 +16,11 @@ ours are ratios on a 2-core CPU with tiny models, never comparable in absolute t
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ BENCHES = (
     "kernels",
     "offpolicy",
     "episodes",
+    "scaling",
 )
 PLOTS = {
     "timeline": "timeline_async.png",
@@ -312,6 +316,17 @@ def _episodes(r: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
 
 
+def _scaling(r: dict[str, Any]) -> list[Row]:
+    curves = r.get("curves") or []
+    above = [f"{c['sweep']}/{c['metric']}" for c in curves if c.get("verdict") == "above"]
+    ours = f"{len(curves) - len(above)} of {len(curves)}" + (
+        f" (above: {', '.join(above)})" if above else ""
+    )
+    return [Row("scaling", "cost curves at or below their arithmetic exponent (+"
+                f"{r.get('tolerance', 0.15):g})", ours, "all, or a written reason",
+                _status(len(curves), not above) if curves else "—")]  # fmt: skip
+
+
 HEADLINES = {
     "engine": _engine,
     "async_vs_sync": _async,
@@ -322,6 +337,7 @@ HEADLINES = {
     "lora_sync": _lora,
     "kernels": _kernels,
     "episodes": _episodes,
+    "scaling": _scaling,
 }
 
 
@@ -495,6 +511,28 @@ def plot_offpolicy(r: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+@functools.cache
+def _scaling_model():  # type: ignore[no-untyped-def]
+    """scaling_model.py beside this file (benches are scripts, not a package)."""
+    path = Path(__file__).resolve().parent / "scaling_model.py"
+    spec = importlib.util.spec_from_file_location("moerl_bench_scaling_model", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def plot_scaling(r: dict[str, Any], out: Path) -> dict[str, str]:
+    """One log-log figure per sweep of the scaling bench; {kind: file name}."""
+    written = {}
+    for name, sweep in (r.get("sweeps") or {}).items():
+        if sweep.get("curves"):
+            file = f"scaling_{name}.png"
+            _scaling_model().plot_curves(name, sweep["x"], sweep["curves"], out / file)
+            written[f"scaling_{name}"] = file
+    return written
+
+
 def write_plots(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
     """The plots the results allow, under ``out_dir``; {kind: file name}."""
     out = Path(out_dir)
@@ -517,6 +555,7 @@ def write_plots(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
     for kind, job in jobs.items():
         if job(out / PLOTS[kind]) is not None:
             written[kind] = PLOTS[kind]
+    written.update(plot_scaling(_result(results, "scaling") or {}, out))
     return written
 
 
@@ -529,6 +568,10 @@ PLOT_TITLES = {
     "mismatch": "Mismatch decomposition (replay × mask)",
     "weight_sync": "Weight sync latency vs bucket size",
     "offpolicy": "Reward vs step: bypass, recompute + TIS, the former composition",
+    "scaling_hidden": "Cost curves: hidden size",
+    "scaling_experts": "Cost curves: number of experts",
+    "scaling_seq": "Cost curves: sequence length",
+    "scaling_topk": "Cost curves: top-k",
 }
 
 
@@ -609,6 +652,28 @@ def _bucket_table(w: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _scaling_table(r: dict[str, Any]) -> list[str]:
+    """Every cost curve's fitted exponent beside its arithmetic one, and why."""
+    curves = r.get("curves") or []
+    if not curves:
+        return []
+    reasons = _scaling_model().REASONS
+    lines = ["", "## Cost curves (log-log exponents)", "",
+             f"Slopes of log cost on log x over each sweep's points (`tools/bench/scaling.py`, "
+             f"mode {r.get('mode', '?')}); the arithmetic exponent is the slope of the roofline "
+             "time (FLOPs / GEMM rate + bytes / copy rate, both measured on this machine) or of "
+             "the byte count, at the same points. `above`: more than "
+             f"{r.get('tolerance', 0.15):g} over the arithmetic.", "",
+             "| sweep | x | metric | exponent | arithmetic | verdict | why |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in curves:
+        xs = f"{c['x'][0]:g}–{c['x'][-1]:g}"
+        why = reasons.get(f"{c['sweep']}/{c['metric']}", "")
+        lines.append(f"| {c['sweep']} | {c['x_name']} {xs} | {c['metric']} | "
+                     f"{c['exponent']:.2f} | {c['arithmetic']:.2f} | {c['verdict']} | {why} |")  # fmt: skip
+    return lines
+
+
 def readme_section(results: dict[str, Any], link_root: str = "bench/plots") -> str:
     """A markdown "Results" section: headline table, anchors, GPU subsection, plot links
     (``link_root``: where the PNGs are, relative to the page that embeds the section)."""
@@ -645,6 +710,7 @@ def report_markdown(results: dict[str, Any], plots_dir: str = "plots") -> str:
         argv = " ".join(b.get("argv", []))
         lines.append(f"| {name} | {b.get('status')} | {b.get('wall_s', 0):.0f} | `{argv}` |")
     lines += _bucket_table(_result(results, "weight_sync") or {})
+    lines += _scaling_table(_result(results, "scaling") or {})
     lines += ["", "## Plots", ""]
     for kind, file in plots.items():
         lines += [f"### {PLOT_TITLES[kind]}", "", f"![{kind}]({plots_dir}/{file})", ""]

@@ -4,8 +4,8 @@
                                   [--timeout-s S] [--readme README.md]
 
 Benches (each ``tools/bench/<name>.py``, called as ``main([...])``): engine,
-async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes, rewards. Each
-runs in
+async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes, rewards,
+scaling. Each runs in
 a fresh child process (several make their own process a one-rank gloo world, which must
 not leak into the next), in its own session so a timeout (``--timeout-s``, else a
 per-bench default) kills it with everything it started. A bench that fails or times out
@@ -87,6 +87,11 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
     "episodes": (True, {"full": [], "quick": ["--quick"],
                         "smoke": ["--quick", "--steps", "3", "--turn-episodes", "1"]},
                  {"full": 1800, "quick": 420, "smoke": 300}),
+    # cost curves: trainer, sync and engine costs vs hidden size, experts, sequence, top-k
+    # (full ~15 min); smoke: two tiny models of the hidden sweep, every metric
+    "scaling": (True, {"full": [], "quick": ["--quick"],
+                       "smoke": ["--smoke", "--sweeps", "hidden"]},
+                {"full": 2400, "quick": 600, "smoke": 180}),
 }  # fmt: skip
 NOISE = ("UserWarning", "warnings.warn(", "Writing model shards")
 
