@@ -438,8 +438,12 @@ def sample_batch(
     kept_BV = torch.log_softmax(logprobs_BV.masked_fill(~keep_BV, -math.inf), dim=-1)
     if params.greedy:
         tokens_B = torch.argmax(keep_BV.float(), dim=-1)
-    else:
-        tokens_B = torch.multinomial(kept_BV.exp(), 1, generator=generator)[:, 0]
+    else:  # inverse CDF: one cumsum (torch.multinomial over [B, V] is ~10x slower on CPU)
+        cdf_BV = torch.cumsum(kept_BV.exp(), dim=-1)
+        u_B1 = torch.rand(len(cdf_BV), 1, generator=generator, dtype=cdf_BV.dtype)
+        # the first token whose CDF exceeds u x total: never one of probability 0
+        tokens_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]
+        tokens_B = torch.minimum(tokens_B, keep_BV.shape[-1] - 1 - keep_BV.flip(-1).int().argmax(-1))
     token_list = tokens_B.tolist()
     logprob_list = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
     kept_list = kept_BV.gather(1, tokens_B[:, None])[:, 0].tolist()

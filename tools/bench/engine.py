@@ -226,7 +226,7 @@ def _longtail_lengths(rng, n: int, median: int, cap: int) -> list[int]:  # type:
 MID_SHAPE = {
     "num_layers": 6, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
     "kv_channels": 64, "ffn_hidden_size": 1024, "vocab_size": 8192, "num_experts": 16,
-    "moe_ffn_hidden_size": 256, "q_lora_rank": 128, "kv_lora_rank": 64, "qk_head_dim": 64,
+    "moe_ffn_hidden_size": 256, "moe_shared_expert_intermediate_size": 256, "q_lora_rank": 128, "kv_lora_rank": 64, "qk_head_dim": 64,
     "qk_pos_emb_head_dim": 32, "v_head_dim": 64,
 }  # fmt: skip
 
