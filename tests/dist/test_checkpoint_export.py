@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from moerl.parallel import spawn
@@ -30,6 +31,7 @@ def _save_trainer_checkpoint(hf_dir: str, root: str) -> None:
     trainer.save(cursor=0)
 
 
+@pytest.mark.slow  # ~110 s of spawned ranks (the default suite stays under 20 minutes)
 def test_trainer_checkpoint_exports_to_hf(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

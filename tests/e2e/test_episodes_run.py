@@ -9,6 +9,7 @@ from test_run import _launch
 from moerl.telemetry.metrics import read_metrics
 
 
+@pytest.mark.slow  # ~30 s; the guess_number run keeps a recipe's episodes in the default set
 def test_two_agent_recipe_trains_both_roles(tmp_path):
     """Two steps of the proposer/solver recipe: each group's episodes give one trajectory
     per role, both roles' rewards are reported, and the step trains on them."""
