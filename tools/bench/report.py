@@ -197,6 +197,15 @@ def _weight_sync(r: dict[str, Any]) -> list[Row]:
             "per-tensor", f"{c.get('best_bucket_mb', '?'):g} MB, {_x(c.get('speedup'))}"
             if _num(c.get("best_bucket_mb")) is not None else "n/a", "—", "—",
         ))  # fmt: skip
+        best, frac = c.get("best_bucket_mb"), c.get("frac_of_ref") or {}
+        fraction = frac.get(f"{best:g}") if _num(best) is not None else None
+        if _num(fraction) is not None and _num(c.get("model_mb")) is not None:
+            big = c["model_mb"] >= 170  # the target is for ~180 MB and up
+            rows.append(Row(
+                "weight_sync", f"{name}: sync throughput, fraction of one broadcast of the "
+                f"model's bytes (best bucket)", f"{fraction:.2f}", "≥ 0.80 (≥ 180 MB)",
+                _status(fraction, fraction >= 0.8) if big else "n/a (target is for ≥ 180 MB)",
+            ))  # fmt: skip
     return rows
 
 
