@@ -443,7 +443,9 @@ def sample_batch(
         u_B1 = torch.rand(len(cdf_BV), 1, generator=generator, dtype=cdf_BV.dtype)
         # the first token whose CDF exceeds u x total: never one of probability 0
         tokens_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]
-        tokens_B = torch.minimum(tokens_B, keep_BV.shape[-1] - 1 - keep_BV.flip(-1).int().argmax(-1))
+        tokens_B = torch.minimum(
+            tokens_B, keep_BV.shape[-1] - 1 - keep_BV.flip(-1).int().argmax(-1)
+        )
     token_list = tokens_B.tolist()
     logprob_list = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
     kept_list = kept_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
