@@ -157,3 +157,19 @@ def test_render_only_rewrites_the_readme_section(tmp_path):
     assert "(bench/plots/weight_sync_buckets.png)" in text and text.endswith("more\n")
     assert (tmp_path / "bench" / "REPORT.md").is_file()
     assert _is_png(tmp_path / "bench" / "plots" / "reward_vs_time.png")
+
+
+def test_merge_replaces_only_the_benches_run(tmp_path):
+    """--merge keeps the other benches' records and says which one is newer, and when."""
+    (tmp_path / "results.json").write_text(SAVED.read_text())
+    before = json.loads(SAVED.read_text())
+    _run(tmp_path, "--only", "kernels", "--merge", "--timeout-s", "1", timeout=120)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["benches"]["kernels"]["status"] == "timeout after 1s"
+    assert results["benches"]["kernels"]["measured"]["mode"] == "smoke"
+    for name, record in before["benches"].items():
+        if name != "kernels":
+            assert results["benches"][name] == record, name
+    assert results["machine"] == before["machine"]
+    line = (tmp_path / "REPORT.md").read_text().split("Machine: ")[1].splitlines()[0]
+    assert "; kernels re-measured at commit " in line and "mode smoke" in line

@@ -602,6 +602,11 @@ def _machine_line(results: dict[str, Any]) -> str:
         f"{' (dirty)' if m.get('git_dirty') else ''}; {m.get('date', '?')}; "
         f"mode {results.get('mode', '?')}; load average {m.get('loadavg_before', '?')} before, "
         f"{m.get('loadavg_after', '?')} after"
+    ) + "".join(
+        f"; {name} re-measured at commit {str(st.get('git_commit', '?'))[:10]}"
+        f"{' (dirty)' if st.get('git_dirty') else ''}, {st.get('date', '?')}, mode {st.get('mode', '?')}"
+        for name, b in (results.get("benches") or {}).items()
+        if isinstance(b, dict) and isinstance(st := b.get("measured"), dict)
     )
 
 

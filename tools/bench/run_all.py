@@ -1,7 +1,7 @@
 """Run every benchmark, then write the results page.
 
     python tools/bench/run_all.py [--quick | --smoke] [--only a,b] [--out bench/]
-                                  [--timeout-s S] [--readme README.md]
+                                  [--timeout-s S] [--readme README.md] [--merge]
 
 Benches (each ``tools/bench/<name>.py``, called as ``main([...])``): engine,
 async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes, rewards,
@@ -19,7 +19,9 @@ versions, device, date, git commit, load average; the per-bench records), the pl
 published anchors, GPU section; ``report.py``). ``--readme FILE`` also replaces the text
 between ``<!-- results:start -->`` and ``<!-- results:end -->`` in FILE with
 ``report.readme_section``. ``--render-only`` re-renders the page from an existing
-``OUT/results.json`` without running anything.
+``OUT/results.json`` without running anything; ``--merge`` runs only the named benches
+and replaces their records in it, each stamped with its own commit, date and mode (the
+page lists them under its machine line).
 
 Modes: full (each bench's defaults; tens of minutes to hours on a CPU box), ``--quick``
 (each bench's ``--quick``, with more repeats or configs where one run of the quick
@@ -259,6 +261,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--readme", type=Path, default=None, help="replace its results section")
     parser.add_argument("--render-only", action="store_true",
                         help="re-render OUT/results.json; run nothing")  # fmt: skip
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep OUT/results.json's other benches: the benches run replace their records, "
+        "each marked with its own commit, date and mode",
+    )
     args = parser.parse_args(argv)
     if args.render_only:
         results = json.loads((args.out / "results.json").read_text())
@@ -271,12 +279,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"mode": mode, "machine": machine_info(), "benches": {}}
+    earlier = args.out / "results.json"
+    if args.merge and earlier.is_file():  # the page keeps its machine line, says what is newer
+        results = json.loads(earlier.read_text())
+        machine = machine_info()
+        stamp = {"git_commit": machine["git_commit"], "git_dirty": machine["git_dirty"],
+                 "date": machine["date"], "mode": mode}  # fmt: skip
     print(f"mode={mode} out={args.out} benches={','.join(names)} "
           f"device={results['machine']['device']}", flush=True)  # fmt: skip
     start = time.perf_counter()
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name}: start", flush=True)
         record = run_bench(name, mode, args.out, args.timeout_s)
+        if args.merge:
+            record["measured"] = stamp
         results["benches"][name] = record
         done = f"[{i}/{len(names)}] {name}: {record['status']} in {record['wall_s']:.0f}s"
         if record["status"] == "ok":
@@ -286,11 +302,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(done, flush=True)
         # written after every bench, so an interrupted suite keeps what it measured
         (args.out / "results.json").write_text(json.dumps(_clean(results), indent=1) + "\n")
-    results["wall_s"] = time.perf_counter() - start
-    results["machine"]["loadavg_after"] = round(os.getloadavg()[0], 2)
+    if not args.merge:
+        results["wall_s"] = time.perf_counter() - start
+        results["machine"]["loadavg_after"] = round(os.getloadavg()[0], 2)
     render(results, args.out, args.readme)
     report = _load("report")
-    print(f"suite wall_s={results['wall_s']:.0f}", flush=True)
+    print(f"suite wall_s={time.perf_counter() - start:.0f}", flush=True)
     for row in report.headlines(results):
         if row.bench in names:
             print(f"{row.bench}: {row.metric}: {row.ours} (target {row.target}; {row.status})",
