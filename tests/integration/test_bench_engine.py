@@ -18,7 +18,11 @@ def test_engine_benchmark_quick():
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    results = bench.main(["--quick", "--threads", "1"])
+    results = bench.main(["--quick", "--threads", "1", "--generate-shape", "tiny"])
     keys = ("tokens_per_s_c1", "tokens_per_s_c32", "batching_speedup", "stall_decode_steps")
     for key in (*keys, "turn_prefix_reuse_speedup", "turn_cached_tokens_median"):
         assert results[key] > 0
+    for key in ("fixed_ratio", "longtail_ratio", "fixed_hf_tok_s", "longtail_engine_tok_s"):
+        assert results[key] > 0
+    # a group of 8 samples of one prompt prefills it once
+    assert results["group_prefill_tokens"] == results["group_prompt_tokens"]

@@ -51,7 +51,8 @@ ROOT = HERE.parents[1]
 
 # name -> (passes --out, {mode: argv}, {mode: timeout_s})
 SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
-    "engine": (False, {"full": [], "quick": ["--quick"], "smoke": ["--quick"]},
+    "engine": (False, {"full": [], "quick": ["--quick"],
+                       "smoke": ["--quick", "--generate-shape", "tiny"]},
                {"full": 1800, "quick": 300, "smoke": 300}),
     # quick: three sync/async pairs (medians): one pair of ~10 s loops is mostly noise
     "async_vs_sync": (True, {"full": [], "quick": ["--quick", "--repeats", "3"],
