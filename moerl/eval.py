@@ -27,7 +27,7 @@ import hydra
 from omegaconf import DictConfig
 
 from moerl.config.schema import MoerlConfig
-from moerl.launch import prefix_cache_flags, preflight
+from moerl.launch import engine_flags, preflight
 from moerl.validate import check_eval_sets
 
 
@@ -39,8 +39,7 @@ def evaluate_checkpoint(cfg: MoerlConfig, log_dir: Path) -> dict[str, float]:
     if cfg.engine.kind == "sglang":
         return _evaluate(cfg, path, list(cfg.engine.urls), api_key=None)
     flags = ["--dtype", cfg.engine.dtype]
-    flags += ["--max-running-requests", str(cfg.engine.max_running_requests)]
-    flags += prefix_cache_flags(cfg.engine)
+    flags += engine_flags(cfg.engine)
     print(f"moerl: starting an embedded engine on {path}", file=sys.stderr, flush=True)
     with EngineProcess(
         path, *flags, threads=cfg.engine.threads, log_path=log_dir / "engine0.log",

@@ -132,11 +132,15 @@ def check_resume(cfg: MoerlConfig, world: int) -> None:
         print(f"moerl: resuming from {path}", flush=True)
 
 
-def prefix_cache_flags(engine: Any) -> list[str]:
-    """An embedded engine's prefix-cache flags for ``engine.prefix_cache*``."""
+def engine_flags(engine: Any) -> list[str]:
+    """An embedded engine's batching and prefix-cache flags for ``engine.max_running_requests``,
+    ``engine.max_prefill_tokens``, ``engine.chunked_prefill_size`` and ``engine.prefix_cache*``."""
+    flags = ["--max-running-requests", str(engine.max_running_requests)]
+    flags += ["--max-prefill-tokens", str(engine.max_prefill_tokens)]
+    flags += ["--chunked-prefill-size", str(engine.chunked_prefill_size)]
     if not engine.prefix_cache:
-        return ["--disable-radix-cache"]
-    return ["--prefix-cache-max-tokens", str(engine.prefix_cache_max_tokens)]
+        return [*flags, "--disable-radix-cache"]
+    return [*flags, "--prefix-cache-max-tokens", str(engine.prefix_cache_max_tokens)]
 
 
 def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], list[Any]]:
@@ -152,8 +156,7 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
     # A key per run, unless the user set one: rank 0's clients read it from the environment.
     os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(32))
     flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
-    flags += ["--max-running-requests", str(cfg.engine.max_running_requests)]
-    flags += prefix_cache_flags(cfg.engine)
+    flags += engine_flags(cfg.engine)
     if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
         from moerl.lora import resolve_targets
 

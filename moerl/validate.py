@@ -246,10 +246,17 @@ def _check_engine_numbers(e: EngineConfig) -> None:
     for key in (
         "threads",
         "max_running_requests",
+        "max_prefill_tokens",
         "max_health_failures",
         "prefix_cache_max_tokens",
     ):
         positive_int(f"engine.{key}", getattr(e, key))
+    chunk = e.chunked_prefill_size
+    if chunk != -1 and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(
+            f"engine.chunked_prefill_size={chunk!r} must be a positive integer, or -1 for no "
+            "chunking"
+        )
     non_negative_int("engine.max_restarts", e.max_restarts)
     for key in ("startup_timeout_s", "health_interval_s"):
         positive_seconds(f"engine.{key}", getattr(e, key))

@@ -28,6 +28,13 @@ class EngineConfig:
     """CPU threads of each embedded engine process."""
     max_running_requests: int = 64
     """Requests an embedded engine decodes together (continuous batching)."""
+    max_prefill_tokens: int = 16384
+    """Input tokens an embedded engine prefills together in one scheduler step (at least
+    one request), as SGLang's --max-prefill-tokens."""
+    chunked_prefill_size: int = 8192
+    """Tokens per prefill forward of an embedded engine: a longer input runs in chunks of
+    this size, which bounds the attention scores' memory (-1: no chunking; SGLang's
+    --chunked-prefill-size)."""
     prefix_cache: bool = True
     """Keep finished sequences' KV and routes so a request extending one (the next turn of
     an episode) prefills only its new tokens, with the cached tokens' routes (SGLang's radix

@@ -156,6 +156,8 @@ def test_package_header() -> None:
         ),
         (["engine.kind=sglang"], 1, ["engine.urls"]),
         (["engine.prefix_cache_max_tokens=0"], 1, ["engine.prefix_cache_max_tokens=0"]),
+        (["engine.chunked_prefill_size=0"], 1, ["engine.chunked_prefill_size=0", "-1 for no"]),
+        (["engine.max_prefill_tokens=0"], 1, ["engine.max_prefill_tokens=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
     ],
@@ -178,14 +180,17 @@ def test_validate_names_key_value_and_fix(
         (["engine.prefix_cache=false"], ["--disable-radix-cache"]),
     ],
 )
-def test_prefix_cache_config_becomes_engine_flags(overrides: list[str], flags: list[str]) -> None:
+def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[str]) -> None:
     from moerl.engine.__main__ import parse_args
-    from moerl.launch import prefix_cache_flags
+    from moerl.launch import engine_flags
 
-    cfg = _compose(*overrides)
-    assert prefix_cache_flags(cfg.engine) == flags
-    args = parse_args(["--model-path", "m", *flags])  # the embedded engine reads them
+    cfg = _compose(*overrides, "engine.max_prefill_tokens=999", "engine.chunked_prefill_size=-1")
+    got = engine_flags(cfg.engine)
+    assert got[-len(flags) :] == flags
+    args = parse_args(["--model-path", "m", *got])  # the embedded engine reads them all
     assert args.disable_radix_cache == (flags == ["--disable-radix-cache"])
+    assert args.max_running_requests == cfg.engine.max_running_requests
+    assert (args.max_prefill_tokens, args.chunked_prefill_size) == (999, -1)
 
 
 def test_validate_accepts_dataclass() -> None:
