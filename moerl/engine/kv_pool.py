@@ -176,13 +176,10 @@ class KVPool:
         self.slots, self.capacity = new_slots, new_capacity
         self.reallocations += 1
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
     # -- one forward ---------------------------------------------------------------------
     def write(self, layer: int, plan: Plan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the forward's new keys/values [B, H, S, D] of the rows' valid tokens."""
-        if not self.keys or len(self.keys) <= layer:
+        if len(self.keys) <= layer:
             self._init_layer(layer, keys, values)
         if plan.width == 1:  # decode: one token per row
             self.keys[layer][plan.index, :, plan.pos_idx] = keys[:, :, 0]
