@@ -158,6 +158,7 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
     positive_int("trainer.train_iters", t.train_iters)
     positive_int("trainer.minibatches", t.minibatches)
+    t.check_microbatching(p.micro_batch_size)
     _check_optimizer(t)
     positive_int("trainer.global_batch_size", t.global_batch_size)
     per_step = p.micro_batch_size * p.dp(world_size)
@@ -243,8 +244,9 @@ def _check_engine(e: EngineConfig) -> None:
 
 def _check_engine_numbers(e: EngineConfig) -> None:
     one_of("engine.dtype", e.dtype, ENGINE_DTYPES)
+    if e.threads is not None:
+        positive_int("engine.threads", e.threads)
     for key in (
-        "threads",
         "max_running_requests",
         "max_prefill_tokens",
         "max_health_failures",

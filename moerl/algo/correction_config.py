@@ -40,6 +40,17 @@ class CorrectionConfig:
             return False
         return option().reweights
 
+    @property
+    def batch_statistic(self) -> bool:
+        """True if a token's weight depends on sequences other than its own (a statistic
+        over the whole batch, such as batch_normalize): the trainer then computes π_old in
+        a separate forward over the batch before the update instead of taking it from the
+        training forward, micro-batch by micro-batch (trainer.old_policy_pass)."""
+        option = CORRECTION_OPTIONS.get(self.name)
+        if option is None or isinstance(self, option):
+            return bool(getattr(self, "batch_normalize", False))
+        return option().batch_statistic
+
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
 
@@ -200,6 +211,11 @@ class CustomCorrectionConfig(CorrectionConfig):
     """Declare whether the function's weights can differ from 1 on kept tokens (an IS
     weight); false if it only masks. moerl cannot see inside the function, and the
     trainer's start-up check reads this (`correction.reweights=false`)."""
+    batch_statistic: bool = True
+    """Declare whether a token's weight depends on other sequences of the batch (a batch
+    mean, a quantile); false lets the trainer take π_old from the training forward, one
+    micro-batch at a time, and skip the separate old-policy forward
+    (`correction.batch_statistic=false`)."""
 
 
 CORRECTION_OPTIONS: dict[str, type[CorrectionConfig]] = {

@@ -7,6 +7,7 @@ from typing import Any
 
 DTYPES = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+OLD_POLICY_PASSES = ("auto", "separate")
 
 
 @dataclass
@@ -78,6 +79,20 @@ class TrainerConfig:
     'packed' (first-fit several per row, block-diagonal attention; less padding)."""
     pack_length: int = 0
     """With packing='packed': tokens per row; 0 = the step's longest sequence."""
+    max_tokens_per_microbatch: int = 8192
+    """Padded tokens per micro-batch on each data-parallel rank (verl's
+    ppo_max_token_len_per_gpu, slime's --max-tokens-per-gpu): sequences are grouped
+    longest first into as few micro-batches as fit (each padded to its own longest; with
+    pipeline parallelism, to the step's longest with one row count for all), every DP rank
+    running the same number. A sequence longer than this runs alone. 0 = batch by
+    sequences instead, parallel.micro_batch_size per micro-batch."""
+    old_policy_pass: str = "auto"
+    """Where π_old (algo.old_policy=recompute, or a correction's trainer logprobs) comes
+    from. 'auto': from the training forward itself, detached, when the batch takes one
+    optimizer step (trainer.minibatches=1) and the correction needs no statistic over the
+    whole batch (batch_normalize; a custom correction unless
+    correction.batch_statistic=false), else 'separate'. 'separate': one extra forward over
+    the batch (no grad) before the update. Both give the same loss and gradients."""
     recompute: str = "none"
     """Activation recompute: 'none', 'full' (every layer) or 'moe' (MoE layers only).
     Keep Routing replays the same routes in the recomputed forward."""
@@ -91,3 +106,24 @@ class TrainerConfig:
     'auto' = Triton kernels on CUDA tensors when Triton is installed, their torch twins
     otherwise; 'triton' forces the kernels (an error where they cannot run); 'torch'
     forces the twins (debugging)."""
+
+    def check_microbatching(self, micro_batch_size: int) -> None:
+        """Refuse a micro-batching setup that cannot mean what it says."""
+        n = self.max_tokens_per_microbatch
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(
+                f"trainer.max_tokens_per_microbatch={n!r} must be a non-negative integer "
+                "(0 = batch by sequences)"
+            )
+        if self.old_policy_pass not in OLD_POLICY_PASSES:
+            raise ValueError(
+                f"trainer.old_policy_pass={self.old_policy_pass!r}; choose one of "
+                f"{', '.join(OLD_POLICY_PASSES)}"
+            )
+        if n and micro_batch_size != 1:
+            raise ValueError(
+                f"parallel.micro_batch_size={micro_batch_size} has no effect while "
+                f"trainer.max_tokens_per_microbatch={n} sizes micro-batches by tokens: set "
+                "trainer.max_tokens_per_microbatch=0 to batch by sequences, or drop "
+                "parallel.micro_batch_size"
+            )

@@ -270,6 +270,46 @@ def split_for_rank(num: int, dp_size: int, dp_rank: int, micro_batch_size: int) 
     return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
 
 
+def token_groups(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
+    """Positions of ``lengths`` (sequence lengths in tokens) grouped into micro-batches
+    whose padded size, rows × the group's longest sequence (rounded up to ``multiple``),
+    stays within ``max_tokens``: longest first, so sequences of like length share a
+    micro-batch and little is padding. A sequence longer than the budget goes alone.
+    Positions within a group keep their order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    longest = 0
+    for i in order:
+        n = -(-lengths[i] // multiple) * multiple
+        if groups and max(longest, n) * (len(groups[-1]) + 1) <= max_tokens:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return [sorted(g) for g in groups]
+
+
+def split_groups(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` split (the largest first, in halves) until there are ``count`` of them,
+    so every data-parallel rank runs the same number of micro-batches."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        k = max(range(len(groups)), key=lambda j: len(groups[j]))
+        if len(groups[k]) < 2:
+            raise ValueError(f"cannot split {len(groups)} micro-batches into {count}")
+        g = groups.pop(k)
+        half = (len(g) + 1) // 2
+        groups[k:k] = [g[:half], g[half:]]
+    return groups
+
+
+def rows_within(budget_rows: int, per_rank: int) -> int:
+    """The largest divisor of ``per_rank`` that is at most ``budget_rows`` (at least 1):
+    rows per micro-batch when the pipeline needs one micro-batch shape for the step."""
+    return max(d for d in range(1, max(1, min(budget_rows, per_rank)) + 1) if per_rank % d == 0)
+
+
 def _packed_groups(
     trajs: list[Trajectory], row_len: int, micro_batch_size: int
 ) -> list[tuple[list[int], list[list[int]]]]:
@@ -306,6 +346,37 @@ def _packed_groups(
     return groups
 
 
+def _by_tokens(
+    trajs: list[Trajectory], max_tokens: int, multiple: int, seq_len: int
+) -> list[tuple[list[int], int]]:
+    """This DP rank's trajectories in micro-batches of at most ``max_tokens`` padded
+    tokens, each with its row length. Without pipeline parallelism each micro-batch is
+    padded to its own longest sequence (like lengths grouped together); with it the
+    schedule needs one shape, so rows are ``seq_len`` long and every micro-batch has the
+    same number of them. Every DP rank gets the same number of micro-batches (expert
+    parallelism's collectives pair them up)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    mine = [i for g in split_for_rank(len(trajs), dp, parallel_state.get_data_parallel_rank(), 1)
+            for i in g]  # fmt: skip
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        rows = rows_within(max_tokens // seq_len, len(mine))
+        return [(mine[k : k + rows], seq_len) for k in range(0, len(mine), rows)]
+    lengths = [input_len(trajs[i]) for i in mine]
+    groups = token_groups(lengths, max_tokens, multiple)
+    count = torch.tensor([len(groups)])
+    if dp > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    groups = split_groups(groups, int(count))
+    out = []
+    for g in groups:
+        longest = max(lengths[j] for j in g)
+        out.append(([mine[j] for j in g], -(-longest // multiple) * multiple))
+    return out
+
+
 def step_microbatches(
     config: object,
     trajs: list[Trajectory],
@@ -322,26 +393,34 @@ def step_microbatches(
     is_weights: list[np.ndarray] | None = None,
     packing: str = "padded",
     pack_length: int = 0,
+    max_tokens: int = 0,
 ) -> tuple[list[MicroBatch], int]:
-    """This DP rank's micro-batches of a step and their row length (a multiple of TP when
-    sequence parallelism splits the sequence). ``padded``: one sequence per row, rows as
-    long as the step's longest sequence. ``packed``: sequences first-fit into rows of
-    ``pack_length`` tokens (at least the longest sequence); ``micro_batch_size`` then
-    counts rows. ``ref_logprobs``, ``old_logprobs`` and ``is_weights`` hold one [R] array
-    per trajectory. ``use_routes`` None: the routes when every trajectory this rank
-    builds has them (other ranks' may arrive without: ``moerl.trainer.shard``)."""
+    """This DP rank's micro-batches of a step and their longest row length (a multiple of
+    TP when sequence parallelism splits the sequence). ``padded``: one sequence per row.
+    ``packed``: sequences first-fit into rows of ``pack_length`` tokens (at least the
+    longest sequence); ``micro_batch_size`` then counts rows. ``max_tokens`` > 0 sizes
+    micro-batches by padded tokens instead of ``micro_batch_size`` (verl's
+    ``ppo_max_token_len_per_gpu``, slime's ``--max-tokens-per-gpu``; see ``_by_tokens``;
+    packed: as many rows as fit). ``ref_logprobs``, ``old_logprobs`` and ``is_weights``
+    hold one [R] array per trajectory. ``use_routes`` None: the routes when every
+    trajectory this rank builds has them (other ranks' may arrive without:
+    ``moerl.trainer.shard``)."""
     from megatron.core import parallel_state
 
     one_of("trainer.packing", packing, PACKING)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     multiple = tp if getattr(config, "sequence_parallel", False) else 1
     seq_len = padded_length(trajs, multiple, at_least=pack_length if packing == "packed" else 0)
-    groups: Sequence[tuple[list[int], list[list[int]] | None]]  # (trajectories, packed rows)
+    # (trajectories, packed rows or None, row length)
+    groups: Sequence[tuple[list[int], list[list[int]] | None, int]]
     if packing == "packed":
-        groups = _packed_groups(trajs, seq_len, micro_batch_size)
+        rows = max(1, max_tokens // seq_len) if max_tokens > 0 else micro_batch_size
+        groups = [(g, r, seq_len) for g, r in _packed_groups(trajs, seq_len, rows)]
+    elif max_tokens > 0:
+        groups = [(g, None, n) for g, n in _by_tokens(trajs, max_tokens, multiple, seq_len)]
     else:
         groups = [
-            (g, None)
+            (g, None, seq_len)
             for g in split_for_rank(
                 len(trajs),
                 parallel_state.get_data_parallel_world_size(),
@@ -350,10 +429,10 @@ def step_microbatches(
             )
         ]
     if use_routes is None:
-        use_routes = all(trajs[i].routed_experts is not None for g, _ in groups for i in g)
+        use_routes = all(trajs[i].routed_experts is not None for g, _, _ in groups for i in g)
     mbs = [
         build_microbatch(
-            [trajs[i] for i in g], g, seq_len, topk=topk, num_layers=num_layers,
+            [trajs[i] for i in g], g, length, topk=topk, num_layers=num_layers,
             num_experts=num_experts, use_routes=use_routes, use_mask=use_mask,
             advantages=None if advantages is None else [advantages[i] for i in g],
             ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in g],
@@ -361,6 +440,14 @@ def step_microbatches(
             is_weights=None if is_weights is None else [is_weights[i] for i in g],
             rows=rows,
         )
-        for g, rows in groups
+        for g, rows, length in groups
     ]  # fmt: skip
     return mbs, seq_len
+
+
+def schedule_shape(mbs: list[MicroBatch]) -> tuple[int, int]:
+    """(rows, row length) the pipeline schedule is told: the micro-batches' largest (with
+    pipeline parallelism they are all one shape; without it the schedule ignores both)."""
+    if not mbs:
+        return 1, 1
+    return max(mb.tokens.shape[0] for mb in mbs), max(mb.tokens.shape[1] for mb in mbs)

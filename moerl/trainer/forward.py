@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
-from moerl.trainer.batch import MicroBatch, step_microbatches
+from moerl.trainer.batch import MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
 from moerl.trainer.step import run_microbatches
@@ -63,6 +63,7 @@ def trainer_logprobs(
     recent_window: int = 0,
     packing: str = "padded",
     pack_length: int = 0,
+    max_tokens: int = 0,
     logprobs_from: str = "logits",
 ) -> LogprobResult:
     """Forward every trajectory once; rank 0 returns the logprobs of all response tokens
@@ -75,8 +76,9 @@ def trainer_logprobs(
     mbs, seq_len = step_microbatches(
         config, trajs, micro_batch_size=micro_batch_size, use_routes=None if is_none(replay) else True,
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
-        packing=packing, pack_length=pack_length,
+        packing=packing, pack_length=pack_length, max_tokens=max_tokens,
     )  # fmt: skip
+    rows, seq_len = schedule_shape(mbs)
     replayer = RoutingReplay(chunks, policy=replay, recent_window=recent_window)
     flips = np.zeros(num_layers, dtype=np.int64)
     counts = np.zeros(num_layers, dtype=np.int64)
@@ -121,7 +123,7 @@ def trainer_logprobs(
         chunk.eval()
     with torch.no_grad():
         run_microbatches(
-            chunks, forward_step, mbs, seq_length=seq_len, micro_batch_size=micro_batch_size,
+            chunks, forward_step, mbs, seq_length=seq_len, micro_batch_size=rows,
             forward_only=True, head=head,
         )  # fmt: skip
     replayer.finish()  # with replay='none' nothing was targeted; it just clears RECORD state

@@ -98,6 +98,15 @@ def finite_metrics(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, flo
     return {k: v for k, v in out.items() if v != -float("inf")}
 
 
+def check_weights(weights_T: torch.Tensor) -> None:
+    """Refuse a correction's non-finite weights before they reach a gradient."""
+    if not bool(torch.isfinite(weights_T).all()):
+        raise ValueError(
+            "the IS correction returned non-finite weights: check the rollout logprobs "
+            "and the trainer's logprobs for NaN/inf"
+        )
+
+
 def prepare(
     trajs: list[Trajectory],
     advantages: list[Advantage],
@@ -141,11 +150,7 @@ def prepare(
                 advantages_T=torch.from_numpy(adv_A).double()[trained_A],
             )
         )  # fmt: skip
-        if not bool(torch.isfinite(corr.weights_T).all()):
-            raise ValueError(
-                "the IS correction returned non-finite weights: check the rollout logprobs "
-                "and the trainer's logprobs for NaN/inf"
-            )
+        check_weights(corr.weights_T)
         weights_A = torch.ones(len(trained_A), dtype=torch.float32)
         weights_A[trained_A] = corr.weights_T.detach().to(torch.float32)
         result.is_weights = list(np.split(weights_A.numpy(), np.cumsum(lengths)[:-1]))

@@ -20,14 +20,20 @@ import torch
 import torch.distributed as dist
 
 from moerl.algo.config import KLConfig
+from moerl.algo.correction import CorrectionInput, CorrectionOutput
 from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
-from moerl.trainer.batch import Advantage, MicroBatch, step_microbatches
+from moerl.trainer.batch import Advantage, MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
-from moerl.trainer.offpolicy import OffPolicyBatch, finite_metrics, mismatch_metrics
+from moerl.trainer.offpolicy import (
+    OffPolicyBatch,
+    check_weights,
+    finite_metrics,
+    mismatch_metrics,
+)
 from moerl.trainer.replay import RoutingReplay
 from moerl.trainer.step import run_microbatches
 
@@ -51,6 +57,8 @@ def _micro_loss(
     current_version: int,
     kl: KLConfig | None = None,
     fused: bool = False,
+    old_from_forward: bool = False,
+    correction_fn: Callable[[CorrectionInput], CorrectionOutput] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     m = mb.loss_mask
     if not bool(m.any()):  # only padding rows (packed ranks with fewer sequences)
@@ -58,17 +66,22 @@ def _micro_loss(
     lp_T = logprobs_of(mb, logits_BSV, use_mask, fused)[m]
     behaviour_T = mb.sampling_logprobs[m]  # μ: over the kept set when the mask is replayed
     old_T = None if mb.old_logprobs is None else mb.old_logprobs[m]
+    weights_T = None if mb.is_weights is None else mb.is_weights[m]
     seq_T = mb.seq_ids[m]
     n = len(mb.seq_index)
     counted_T = torch.ones_like(lp_T, dtype=torch.bool)
+    extra: dict[str, Any] = {}
+    if old_from_forward:  # π_old is this forward's π_θ, detached (one update per batch)
+        old_T = lp_T.detach()
+        if correction_fn is not None:
+            weights_T, extra = _correct(correction_fn, mb, old_T, behaviour_T, current_version)
     inp = loss_input(
         old_policy=old_policy, decoupled=decoupled, logprobs_T=lp_T,
-        behaviour_logprobs_T=behaviour_T, old_logprobs_T=old_T,
-        weights_T=None if mb.is_weights is None else mb.is_weights[m],
+        behaviour_logprobs_T=behaviour_T, old_logprobs_T=old_T, weights_T=weights_T,
         advantages_T=mb.advantages[m], loss_mask_T=counted_T, seq_ids_T=seq_T, num_seqs=n,
     )  # fmt: skip
     out = loss_fn(inp)
-    loss, extra = out.loss, {}
+    loss = out.loss
     if kl is not None and kl.coef > 0:
         if mb.ref_logprobs is None:
             raise ValueError("algo.kl.coef > 0 but the step has no reference logprobs")
@@ -77,17 +90,41 @@ def _micro_loss(
                     seq_ids_T=seq_T, num_seqs=n, behaviour_logprobs_T=behaviour_T),
             kl,
         )  # fmt: skip
-        loss, extra = loss + term.loss, term.metrics
+        loss, extra = loss + term.loss, {**extra, **term.metrics}
     units = int(m.sum()) if agg == "token_mean" else n
     metrics = {k: torch.tensor(float(v)) for k, v in {**out.metrics, **extra}.items()}
     metrics["loss"] = loss.detach()
-    if old_T is None:  # no old-policy forward: the mismatch is measured here (π_θ = π_old
-        # on the first minibatch's forward)
+    if mb.old_logprobs is None:  # no separate old-policy forward: the mismatch is
+        # measured here (π_θ = π_old on the first minibatch's forward)
         metrics.update(
             mismatch_metrics(lp_T, behaviour_T, mb.versions[m], seq_T, n, current_version)
         )
     metrics["units"] = torch.tensor(float(units))
     return loss * units, torch.tensor(units, dtype=torch.int), metrics
+
+
+def _correct(
+    correction_fn: Callable[[CorrectionInput], CorrectionOutput],
+    mb: MicroBatch,
+    old_T: torch.Tensor,
+    behaviour_T: torch.Tensor,
+    current_version: int,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The correction's weights of the micro-batch's trained tokens from π_old taken in
+    this forward, computed as ``moerl.trainer.offpolicy.prepare`` computes them over the
+    batch (float64 in, float32 weights out): its sequences are whole here, so a token-
+    or sequence-level correction gives the same weights."""
+    m = mb.loss_mask
+    corr = correction_fn(
+        CorrectionInput(
+            trainer_logprobs_T=old_T.double(), rollout_logprobs_T=behaviour_T.double(),
+            loss_mask_T=torch.ones(len(old_T), dtype=torch.bool), seq_ids_T=mb.seq_ids[m],
+            num_seqs=len(mb.seq_index), versions_T=mb.versions[m],
+            current_version=current_version, advantages_T=mb.advantages[m].double(),
+        )
+    )  # fmt: skip
+    check_weights(corr.weights_T)
+    return corr.weights_T.detach().to(torch.float32), dict(corr.metrics)
 
 
 def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], group: Any) -> dict[str, float]:
@@ -152,6 +189,9 @@ def rl_train_step(
     kl: KLConfig | None = None,
     ref_logprobs: list[Any] | None = None,
     logprobs_from: str = "logits",
+    max_tokens: int = 0,
+    old_from_forward: bool = False,
+    correction_fn: Callable[[CorrectionInput], CorrectionOutput] | None = None,
 ) -> RLStepResult:
     """Forward/backward over every trajectory of ``trajs``, then one optimizer step.
 
@@ -161,7 +201,11 @@ def rl_train_step(
     (moerl.algo.offpolicy). Every rank returns the last pipeline stage's metrics.
     With ``kl`` (coef > 0), ``ref_logprobs`` holds each trajectory's reference-policy
     logprobs of its response tokens ([R] each) and ``kl``'s term joins the loss.
-    ``logprobs_from='hidden'``: the output layer returns logprobs (``FusedHead``)."""
+    ``logprobs_from='hidden'``: the output layer returns logprobs (``FusedHead``).
+    ``old_from_forward``: π_old is this step's own forward, detached (valid when the batch
+    takes one optimizer step), and ``correction_fn`` (if any) weights each micro-batch's
+    tokens from it, so no separate old-policy forward runs; ``offpolicy`` is then None.
+    ``max_tokens`` > 0 sizes micro-batches by padded tokens (``step_microbatches``)."""
     from megatron.core import parallel_state
 
     modules = [getattr(c, "module", c) for c in chunks]
@@ -176,14 +220,16 @@ def rl_train_step(
         use_mask=use_mask, topk=topk, num_layers=num_layers, num_experts=num_experts,
         advantages=advantages, ref_logprobs=ref_logprobs, packing=packing,
         pack_length=pack_length, old_logprobs=offpolicy.old_logprobs if offpolicy else None,
-        is_weights=offpolicy.is_weights if offpolicy else None,
+        is_weights=offpolicy.is_weights if offpolicy else None, max_tokens=max_tokens,
     )  # fmt: skip
+    rows, seq_len = schedule_shape(mbs)
     replayer = RoutingReplay(modules, policy=replay, recent_window=recent_window)
     chunk_of = {id(c): i for i, c in enumerate(chunks)}
     head = FusedHead(modules, use_mask) if logprobs_from == "hidden" else None
     loss_func = partial(
         _micro_loss, loss_fn=loss_fn, old_policy=old_policy, decoupled=decoupled, agg=agg,
         use_mask=use_mask, current_version=current_version, kl=kl, fused=head is not None,
+        old_from_forward=old_from_forward, correction_fn=correction_fn,
     )  # fmt: skip
 
     def forward_step(data: Any, model: Any) -> tuple[Any, Any]:
@@ -201,7 +247,7 @@ def rl_train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_microbatches(
-        chunks, forward_step, mbs, seq_length=seq_len, micro_batch_size=micro_batch_size,
+        chunks, forward_step, mbs, seq_length=seq_len, micro_batch_size=rows,
         forward_only=False, head=head,
     )  # fmt: skip
     replayer.finish()

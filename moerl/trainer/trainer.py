@@ -49,6 +49,7 @@ class Trainer:
         from moerl.trainer.wrap import OptimConfig, attach_schedule_hooks, build_optimizer, wrap_ddp
 
         check_replay_spec(trainer.replay, trainer.recent_window)
+        trainer.check_microbatching(parallel.micro_batch_size)
         if trainer.packing == "packed" and have_transformer_engine():
             raise ValueError(
                 "trainer.packing=packed relies on a block-diagonal attention mask, which "
@@ -162,9 +163,10 @@ class Trainer:
             trajs, self.advantage_fn, credit=self.credit, discount=self.turn_discount
         )
         advantages = adv.advantages
-        old = None
+        old, fuse = None, False
         if needs_old_policy(self.old_policy, self.correction_cfg):
-            old = self.policy_logprobs(trajs)
+            fuse = self.old_from_forward()
+            old = None if fuse else self.policy_logprobs(trajs)
         probes: dict[str, float] = {}
         if decompose_sample:  # also measures the router flip rates
             probes.update(self.mismatch_decomposition(trajs, decompose_sample, old=old))
@@ -177,7 +179,7 @@ class Trainer:
         )  # fmt: skip
         ref = self.reference_logprobs(trajs) if self.reference is not None else None
         results = [
-            self._minibatch_step(trajs, advantages, offpolicy, ref, indices)
+            self._minibatch_step(trajs, advantages, offpolicy, ref, indices, fuse)
             for indices in self._minibatches(len(trajs))
         ]
         self.version += 1
@@ -189,6 +191,14 @@ class Trainer:
         if norms:  # before clipping; the mean over the batch's optimizer steps
             metrics["grad_norm"] = sum(norms) / len(norms)
         return {**metrics, **probes}
+
+    def old_from_forward(self) -> bool:
+        """Whether π_old comes from the training forward (trainer.old_policy_pass): with
+        one optimizer step per batch, π_θ before the update is π_old, and a correction
+        without a whole-batch statistic can weight each micro-batch on its own."""
+        if self.cfg.old_policy_pass == "separate" or self.cfg.minibatches != 1:
+            return False
+        return not bool(getattr(self.correction_cfg, "batch_statistic", True))
 
     def _minibatches(self, num: int) -> list[list[int]]:
         """The batch's trajectory indices split in order into trainer.minibatches parts."""
@@ -207,8 +217,10 @@ class Trainer:
         offpolicy: Any,
         ref: list[Any] | None,
         indices: list[int],
+        old_from_forward: bool = False,
     ) -> Any:
-        """One optimizer step on the trajectories at ``indices``."""
+        """One optimizer step on the trajectories at ``indices``; ``old_from_forward``:
+        π_old and the correction come from its own forward."""
         from moerl.trainer.rl_step import rl_train_step
 
         lr = self.current_lr()  # the lr this optimizer step uses
@@ -219,7 +231,8 @@ class Trainer:
             decoupled=self.decoupled, agg=self.agg, replay=self.cfg.replay,
             use_mask=self.cfg.sampling_mask, kl=self.kl,
             ref_logprobs=None if ref is None else [ref[i] for i in indices],
-            **self._batching(),
+            old_from_forward=old_from_forward,
+            correction_fn=self.correction_fn if old_from_forward else None, **self._batching(),
         )  # fmt: skip
         result.metrics["lr"] = lr
         self.scheduler.step(1)
@@ -280,7 +293,7 @@ class Trainer:
             topk=self.model.moe_router_topk, num_experts=self.model.num_experts,
             current_version=self.version, recent_window=self.cfg.recent_window,
             packing=self.cfg.packing, pack_length=self.cfg.pack_length,
-            logprobs_from=self.logprobs_from,
+            max_tokens=self.cfg.max_tokens_per_microbatch, logprobs_from=self.logprobs_from,
         )  # fmt: skip
 
     def _sample(self, trajs: list[Trajectory], sample: int) -> list[int]:

@@ -43,7 +43,10 @@ def _trainer(hf_dir: str, layout: str, micro_batch_size: int, minibatches: int, 
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
     parallel, _ = parse_layout(layout)
     parallel.micro_batch_size = micro_batch_size
-    cfg = TrainerConfig(lr=1e-2, minibatches=minibatches, adam_eps=1e-6)
+    # micro-batches of micro_batch_size sequences (not a token budget), as the test names
+    cfg = TrainerConfig(
+        lr=1e-2, minibatches=minibatches, adam_eps=1e-6, max_tokens_per_microbatch=0
+    )
     algo = AlgoConfig(advantage=GRPOConfig(), old_policy="recompute")
     correction = TISConfig(cap=1.5, batch_normalize=norm)
     return Trainer(model, parallel, cfg, algo, correction, hf_dir=hf_dir)

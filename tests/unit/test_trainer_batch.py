@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from moerl.common.trajectory import Trajectory
-from moerl.trainer.batch import build_microbatch, pack_rows, split_for_rank
+from moerl.trainer.batch import (
+    build_microbatch,
+    pack_rows,
+    rows_within,
+    split_for_rank,
+    split_groups,
+    token_groups,
+)
 
 
 def _traj(
@@ -80,6 +87,36 @@ def test_split_for_rank():
     assert split_for_rank(8, 2, 1, 2) == [[4, 5], [6, 7]]
     with pytest.raises(ValueError, match="do not split evenly"):
         split_for_rank(6, 4, 0, 1)
+
+
+def test_token_groups_fill_the_budget_longest_first():
+    """Rows × the group's padded longest stays within the budget; like lengths share a
+    micro-batch; a sequence over the budget goes alone; every position appears once."""
+    lengths = [5, 30, 6, 29, 7, 100, 31]
+    groups = token_groups(lengths, max_tokens=64, multiple=2)
+    # longest first: 100 alone; 32 + 30 (2 × 32 = 64); 30 + 8 (a third row would make 90);
+    # 6 + 6
+    assert groups == [[5], [1, 6], [3, 4], [0, 2]]
+    for g in groups:
+        padded = max(-(-lengths[i] // 2) * 2 for i in g)
+        assert len(g) == 1 or padded * len(g) <= 64
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert token_groups([4] * 8, max_tokens=1000) == [list(range(8))]  # one micro-batch
+
+
+def test_split_groups_reaches_the_count_and_keeps_members():
+    groups = split_groups([[0, 1, 2, 3], [4], [5, 6]], 5)
+    assert len(groups) == 5
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    assert split_groups([[0, 1]], 1) == [[0, 1]]
+    with pytest.raises(ValueError, match="cannot split"):
+        split_groups([[0], [1]], 3)
+
+
+def test_rows_within_divides_the_rank_share():
+    assert rows_within(5, 12) == 4  # the largest divisor of 12 that is at most 5
+    assert rows_within(0, 12) == 1  # a budget below one row still runs one
+    assert rows_within(100, 7) == 7
 
 
 def test_pack_rows_first_fit():
