@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig
 
 from moerl.config.schema import MoerlConfig
+from moerl.config.threads import usable_cores
 from moerl.launch import engine_flags, preflight
 from moerl.validate import check_eval_sets
 
@@ -42,7 +43,8 @@ def evaluate_checkpoint(cfg: MoerlConfig, log_dir: Path) -> dict[str, float]:
     flags += engine_flags(cfg.engine)
     print(f"moerl: starting an embedded engine on {path}", file=sys.stderr, flush=True)
     with EngineProcess(
-        path, *flags, threads=cfg.engine.threads, log_path=log_dir / "engine0.log",
+        path, *flags, threads=cfg.engine.threads or usable_cores(),
+        log_path=log_dir / "engine0.log",
         startup_timeout_s=cfg.engine.startup_timeout_s,
     ) as engine:  # fmt: skip
         return _evaluate(cfg, path, [engine.url], api_key=engine.api_key)

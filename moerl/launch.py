@@ -297,6 +297,23 @@ def dry_run(overrides: list[str]) -> None:
     report_dry_run(cfg, checked(cfg))
 
 
+def split_threads(cfg: MoerlConfig, world: int) -> None:
+    """Fill ``launcher.threads`` and ``engine.threads`` (where unset) by the core split of
+    moerl/config/threads.py, and say what was chosen."""
+    from moerl import device
+    from moerl.config.threads import resolve_threads
+
+    split = resolve_threads(cfg, world, device.has_cuda())
+    cfg.launcher.threads, cfg.engine.threads = split.trainer, split.engine
+    if split.rule in ("alternating", "overlapped") and cfg.engine.kind == "embedded":
+        print(
+            f"moerl: CPU threads: {split.trainer} per trainer rank, {split.engine} per engine "
+            f"({split.rule}: generation and training "
+            f"{'take turns' if split.rule == 'alternating' else 'overlap'}; "
+            "launcher.threads / engine.threads override)"
+        )
+
+
 def report_dry_run(cfg: DictConfig, typed: MoerlConfig) -> None:
     print(OmegaConf.to_yaml(cfg, resolve=True), end="")
     world = typed.launcher.world_size()
@@ -317,6 +334,7 @@ def main(cfg: DictConfig) -> None:
         report_dry_run(cfg, typed)
         return
     print(f"moerl: run dir {run_dir}, {world} trainer rank(s), engine={typed.engine.kind}")
+    split_threads(typed, world)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun: we are a rank
         from moerl.parallel.spawn import die_with_parent
         from moerl.parallel.state import destroy, init_process_group

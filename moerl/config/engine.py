@@ -24,8 +24,10 @@ class EngineConfig:
 
     dtype: str = "float32"
     """Embedded engines' weight and compute dtype: 'float32', 'bfloat16' or 'float16'."""
-    threads: int = 1
-    """CPU threads of each embedded engine process."""
+    threads: int | None = None
+    """CPU threads of each embedded engine process; None = by the core split of
+    moerl/config/threads.py (all cores when generation and training alternate, half when
+    they overlap)."""
     max_running_requests: int = 64
     """Requests an embedded engine decodes together (continuous batching)."""
     max_prefill_tokens: int = 16384

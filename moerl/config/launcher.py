@@ -15,7 +15,9 @@ class LauncherConfig:
     nproc: int | None = None
     """Trainer processes (the world size); None = WORLD_SIZE from torchrun, else 1."""
     threads: int | None = None
-    """torch CPU threads per locally spawned trainer rank; None = CPU cores / ranks."""
+    """torch CPU threads per locally spawned trainer rank; None = by the core split of
+    moerl/config/threads.py (CPU cores / ranks, less the engines' share when generation
+    overlaps training)."""
     dry_run: bool = False
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None

@@ -1,0 +1,74 @@
+"""How a CPU machine's cores are split between the trainer ranks and the embedded engines.
+
+On a laptop the trainer and the engines share a few cores. Oversubscribed, torch's
+intra-op threads wait on each other and both sides slow down; so each side gets a share
+by a stated rule unless the user sets `launcher.threads` / `engine.threads`:
+
+- **alternating** (generation and training take turns: `staleness.max_staleness=0` with
+  throttling, the synchronous loop): each side has the whole machine while the other
+  waits, so the trainer ranks split all cores and so do the engines;
+- **overlapped** (any other staleness setting, the asynchronous loop): the engines get
+  half the cores (at least one thread each), the trainer ranks the rest (at least one
+  thread each).
+
+With CUDA the engines' and ranks' work is on the GPU and the split does not apply.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a SLURM allocation)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    trainer: int
+    """torch threads of each trainer rank."""
+    engine: int
+    """threads of each embedded engine."""
+    rule: str
+    """Why: 'alternating', 'overlapped', 'trainer' (no embedded engine), 'cuda' or 'set'
+    (both given by the user)."""
+
+
+def split_cores(cores: int, ranks: int, engines: int, overlapped: bool) -> CoreSplit:
+    """Threads per trainer rank and per embedded engine on ``cores`` CPU cores."""
+    ranks, engines, cores = max(1, ranks), max(0, engines), max(1, cores)
+    if engines == 0:  # SGLang servers elsewhere: the machine is the trainer's
+        return CoreSplit(max(1, cores // ranks), 1, "trainer")
+    if not overlapped:
+        return CoreSplit(max(1, cores // ranks), max(1, cores // engines), "alternating")
+    per_engine = max(1, (cores // 2) // engines)
+    trainer = max(1, (cores - per_engine * engines) // ranks)
+    return CoreSplit(trainer, per_engine, "overlapped")
+
+
+def overlapped(staleness: Any) -> bool:
+    """Whether generation runs while the trainer trains under this staleness policy."""
+    sync = bool(getattr(staleness, "throttle", False)) and staleness.max_staleness == 0
+    return not sync
+
+
+def resolve_threads(cfg: Any, world_size: int, has_cuda: bool) -> CoreSplit:
+    """``launcher.threads`` and ``engine.threads`` where set, the rule's split elsewhere."""
+    engines = cfg.engine.count() if cfg.engine.kind == "embedded" else 0
+    if has_cuda:
+        split = CoreSplit(max(1, usable_cores() // world_size), 1, "cuda")
+    else:
+        split = split_cores(usable_cores(), world_size, engines, overlapped(cfg.staleness))
+    trainer, engine = cfg.launcher.threads, cfg.engine.threads
+    rule = "set" if trainer is not None and engine is not None else split.rule
+    return CoreSplit(
+        split.trainer if trainer is None else trainer,
+        split.engine if engine is None else engine,
+        rule,
+    )

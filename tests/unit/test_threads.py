@@ -1,0 +1,48 @@
+"""The core split between trainer ranks and embedded engines (moerl/config/threads.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moerl.config.buffer import StalenessConfig
+from moerl.config.schema import MoerlConfig
+from moerl.config.threads import overlapped, resolve_threads, split_cores, usable_cores
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "engines", "overlap", "trainer", "engine"),
+    [
+        (2, 1, 1, False, 2, 2),  # a laptop, synchronous: each side has both cores in turn
+        (2, 1, 1, True, 1, 1),  # asynchronous: one core each, never three threads on two
+        (8, 2, 1, True, 2, 4),  # half to the engine, the rest split over the ranks
+        (8, 1, 2, True, 4, 2),
+        (16, 4, 2, False, 4, 8),
+        (1, 1, 1, True, 1, 1),  # at least one thread each, even oversubscribed
+        (4, 1, 0, True, 4, 1),  # no embedded engine (SGLang servers): all to the trainer
+    ],
+)
+def test_split_cores(cores, ranks, engines, overlap, trainer, engine):
+    split = split_cores(cores, ranks, engines, overlap)
+    assert (split.trainer, split.engine) == (trainer, engine)
+    if overlap and engines and cores >= ranks + engines:
+        assert split.trainer * ranks + split.engine * engines <= cores
+
+
+def test_overlap_follows_the_staleness_policy():
+    assert not overlapped(StalenessConfig(max_staleness=0))  # staleness=sync
+    assert overlapped(StalenessConfig(max_staleness=1))
+    assert overlapped(StalenessConfig(max_staleness=0, throttle=False))  # drop: runs freely
+
+
+def test_user_settings_win_and_the_rest_follows_the_rule():
+    cfg = MoerlConfig()
+    cfg.staleness.max_staleness = 1
+    split = resolve_threads(cfg, world_size=1, has_cuda=False)
+    expected = split_cores(usable_cores(), 1, 1, True)
+    assert (split.trainer, split.engine) == (expected.trainer, expected.engine)
+    cfg.engine.threads = 3
+    split = resolve_threads(cfg, world_size=1, has_cuda=False)
+    assert split.engine == 3 and split.trainer == expected.trainer
+    cfg.launcher.threads = 5
+    assert resolve_threads(cfg, world_size=1, has_cuda=False).rule == "set"
+    assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 5
