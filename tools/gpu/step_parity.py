@@ -116,8 +116,10 @@ def worker(hf_dir: Path, rollouts: Path, dtype: str, out: Path) -> None:
     grad_norm = float(optimizer.step()[1])
     after = gather_full([c.module for c in ddp], "param")
     assert before is not None and grads is not None and after is not None  # rank 0 of 1
-    update = {k: after.tensors[k] - before.tensors[k] for k in after.tensors}
-    torch.save({"grad": grads.tensors, "update": update}, out / "tensors.pt")
+    # on the CPU, so the comparing process loads both sides onto one device
+    update = {k: (after.tensors[k] - before.tensors[k]).cpu() for k in after.tensors}
+    grad = {k: v.cpu() for k, v in grads.tensors.items()}
+    torch.save({"grad": grad, "update": update}, out / "tensors.pt")
     metrics = {"loss": float(result.loss or 0.0), "grad_norm": grad_norm}
     (out / "metrics.json").write_text(json.dumps(metrics))
 
@@ -130,7 +132,7 @@ def compare(cpu_dir: Path, dev_dir: Path) -> dict[str, float]:
     import torch
 
     ref, got = (json.loads((d / "metrics.json").read_text()) for d in (cpu_dir, dev_dir))
-    a, b = (torch.load(d / "tensors.pt") for d in (cpu_dir, dev_dir))
+    a, b = (torch.load(d / "tensors.pt", map_location="cpu") for d in (cpu_dir, dev_dir))
     out = {"loss_abs": abs(ref["loss"] - got["loss"]),
            "grad_norm_rel": _rel(ref["grad_norm"], got["grad_norm"])}  # fmt: skip
     for kind in ("grad", "update"):
