@@ -1,0 +1,65 @@
+"""tools/gpu/run.py, the GPU path of issue 28, runs its dry run here: every part's driver
+on the CPU at tiny sizes, so the script a GPU machine runs cannot rot unseen."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
+from run import MAPPED, link_package, unlink_package  # noqa: E402
+
+# the GPU image has these (KINDS.md); carrying them would replace its CUDA builds
+NEVER_CARRIED = {"torch", "triton", "transformers", "numpy"}
+
+
+def test_dry_run_runs_every_part(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = [sys.executable, str(REPO / "tools/gpu/run.py"), "--dry-run", "--out", str(out),
+            "--work", str(work)]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    parts = summary["parts"]
+    assert sorted(parts) == ["1", "2", "3", "4", "5", "6"]
+    assert {p["status"] for p in parts.values()} <= {"ok", "skipped"}, parts
+    assert "skipped" in parts["1"]["results"]["pytest"]  # the kernels' GPU tests, collected
+    assert any(k.startswith("fused_logprobs") for k in parts["2"]["results"])
+    assert parts["3"]["results"]["tiny/fp32"]["ok"]
+    assert parts["5"]["results"]["steps"] == 2
+    # what comes back from the device machine: at most 8 files, names it accepts
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in files)
+    assert "=== summary ===" in proc.stdout
+
+
+def test_package_links_give_moerl_its_mapped_folders(tmp_path):
+    """setup.py's package_dir, without an install: moerl.kernels imports from the
+    checkout's kernels/ with only the repo on sys.path, and the links go afterwards."""
+    repo = tmp_path / "repo"
+    for folder in ("moerl", *MAPPED.values()):
+        (repo / folder).mkdir(parents=True)
+        (repo / folder / "__init__.py").write_text(f"WHERE = {folder!r}\n")
+    links = link_package(repo)
+    code = "import moerl.kernels, moerl.conf, moerl.recipes; print(moerl.kernels.WHERE)"
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=repo, capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.stdout.strip() == "kernels", proc.stderr
+    assert link_package(repo) == []  # present already: nothing made
+    unlink_package(links)
+    assert not any((repo / "moerl" / name).exists() for name in MAPPED)
+
+
+def test_wheel_list_is_pinned_and_leaves_the_image_alone():
+    lines = (REPO / "tools/gpu/wheels.txt").read_text().splitlines()
+    reqs = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    names = [r.split("==")[0].lower().replace("_", "-") for r in reqs]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[0-9][A-Za-z0-9.]*", r) for r in reqs), reqs
+    assert len(set(names)) == len(names)
+    assert not NEVER_CARRIED & set(names)
+    mcore = next(r for r in reqs if r.startswith("megatron-core=="))
+    assert mcore.split("==")[1].startswith(("0.16.", "0.17.", "0.18."))  # setup.py's range

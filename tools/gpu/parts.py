@@ -1,0 +1,143 @@
+"""The parts tools/gpu/run.py runs: each one's command, time limit and result parser.
+
+Budgets (seconds of device time, the 8-minute plan of issue 28; a rerun must fit the
+15 minutes too): install 30, part 1 90, part 2 120, part 3 120, part 5 150. Parts 4 and
+6 are skipped with their reason. ``dry_limit_s`` bounds the CPU dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PY = sys.executable
+GPU_TESTS = [
+    "tests/unit/test_kernels_logprob.py",
+    "tests/unit/test_kernels_lora_gmm.py",
+    "tests/unit/test_kernels_replay_gather.py",
+]
+# the main job: the shipped recipe, 20 steps, trainer on the GPU (moerl.device picks it)
+LAUNCH = ["-m", "moerl.launch", "+recipe=deepseek_moe"]
+
+
+@dataclass(frozen=True)
+class Part:
+    number: int
+    name: str
+    argv: Callable[[Path, bool], list[str]]
+    """(work folder, dry run) -> the command."""
+    limit_s: float
+    dry_limit_s: float = 120.0
+    skip: str = ""
+    """Why the part does not run (empty: it runs)."""
+    sample_gpu_memory: bool = False
+
+
+def _pytest(work: Path, dry: bool) -> list[str]:
+    # the kernels' GPU tests skip without CUDA; the dry run checks they collect and import
+    return [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+            "--timeout", "80", *GPU_TESTS]  # fmt: skip
+
+
+def _kernels(work: Path, dry: bool) -> list[str]:
+    device = ["--device", "cpu", "--quick"] if dry else ["--device", "cuda"]
+    return [PY, "tools/bench/kernels.py", *device, "--out", str(work / "kernels")]
+
+
+def _step(work: Path, dry: bool) -> list[str]:
+    if dry:  # both sides on the CPU, fp32 only: the same code, in the test's time
+        extra = ["--device", "cpu", "--dtypes", "fp32", "--prompts", "2"]
+    else:
+        extra = ["--device", "cuda", "--dtypes", "fp32", "bf16", "--shapes", "tiny", "mid"]
+    return [PY, "tools/gpu/step_parity.py", *extra, "--out", str(work / "step")]
+
+
+def _launch(work: Path, dry: bool) -> list[str]:
+    size = ["trainer.train_iters=20", "engine.threads=8"]
+    if dry:  # the smallest run: two steps of one group, no warmup
+        size = ["trainer.train_iters=2", "trainer.lr_warmup_steps=0", "engine.threads=1",
+                "trainer.global_batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=4"]  # fmt: skip
+    return [PY, *LAUNCH, *size, f"hydra.run.dir={work / 'run'}"]
+
+
+def _skipped(work: Path, dry: bool) -> list[str]:
+    return []
+
+
+PARTS = [
+    Part(1, "pytest -m gpu (kernels vs torch twins)", _pytest, 90, dry_limit_s=60),
+    Part(2, "bench kernels on cuda", _kernels, 120, dry_limit_s=60),
+    Part(3, "RL step cuda vs cpu", _step, 120, dry_limit_s=90),
+    Part(
+        4,
+        "engine vs model.generate on cuda",
+        _skipped,
+        90,
+        skip="the embedded engine runs on the CPU only (no device option yet); "
+        "tools/bench/engine.py would compare CPU engines",
+    ),  # fmt: skip
+    Part(
+        5,
+        "main job on one GPU (deepseek_moe, 20 steps)",
+        _launch,
+        150,
+        dry_limit_s=90,
+        sample_gpu_memory=True,
+    ),  # fmt: skip
+    Part(
+        6,
+        "run_all.py GPU section",
+        _skipped,
+        0,
+        skip="tools/bench/run_all.py has no GPU section (its benches are CPU runs)",
+    ),
+]
+
+
+def _pytest_results(work: Path, log: Path) -> dict[str, Any]:
+    text = log.read_text(errors="replace")
+    # -q ends with e.g. "5 passed, 63 deselected in 9.81s" (no ===== frame)
+    tail = re.findall(
+        r"^=*\s*(\d+ (?:passed|failed|skipped|error|deselected).*?)\s*=*$", text, re.M
+    )
+    return {"pytest": tail[-1] if tail else "no summary line"}
+
+
+def _kernels_results(work: Path, log: Path) -> dict[str, Any]:
+    rows = json.loads((work / "kernels" / "result.json").read_text())["rows"]
+    keep = ("kernel_ms", "torch_ms", "speedup", "kernel_peak_mb", "torch_peak_mb", "mem_ratio")
+    return {f"{r['kernel']}@{r['size']}": {k: r[k] for k in keep} for r in rows}
+
+
+def _step_results(work: Path, log: Path) -> dict[str, Any]:
+    rows = json.loads((work / "step" / "result.json").read_text())
+    keys = ("loss_abs", "grad_norm_rel", "grad_rel", "update_rel", "ok")
+    return {f"{r['shape']}/{r['dtype']}": {k: r[k] for k in keys} for r in rows}
+
+
+def _launch_results(work: Path, log: Path) -> dict[str, Any]:
+    lines = (work / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines if line.strip()]
+    out: dict[str, Any] = {
+        "steps": len(steps),
+        "reward_mean": [round(s.get("reward_mean", float("nan")), 3) for s in steps],
+        "s_per_step_median": statistics.median(s["step_s"] for s in steps if "step_s" in s),
+        "sync_s_median": statistics.median(s["sync/seconds"] for s in steps if "sync/seconds" in s),
+        "wall_s": steps[-1].get("time_s"),
+    }
+    mem = work / "gpu_mem.csv"
+    if mem.exists():
+        used = [int(x) for x in mem.read_text().split() if x.strip().isdigit()]
+        out["peak_gpu_mem_mib"] = max(used) if used else None
+    return out
+
+
+def parse_results(number: int, work: Path, log: Path) -> dict[str, Any]:
+    parsers = {1: _pytest_results, 2: _kernels_results, 3: _step_results, 5: _launch_results}
+    return parsers[number](work, log) if number in parsers else {}
