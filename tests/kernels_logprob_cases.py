@@ -26,8 +26,11 @@ def problem(tokens, vocab, hidden, *, masked=True, float_temp=False, dtype=torch
     temp = 0.7 if float_temp else 0.5 + torch.rand(tokens, generator=gen)
     pos, ids = [], []
     for t in range(0, tokens, 2) if masked else []:
-        others = [i for i in torch.randperm(vocab, generator=gen).tolist() if i != labels_T[t]]
-        kept = [int(labels_T[t])] + others[: (t // 2) % 5]
+        label, extra = int(labels_T[t]), (t // 2) % 5
+        # a few random ids (not the whole permutation as a list: 4K tokens × 32K ids
+        # of Python ints took minutes at the GPU test's size)
+        drawn = torch.randperm(vocab, generator=gen)[: extra + 1].tolist()
+        kept = [label] + [i for i in drawn if i != label][:extra]
         pos += [t] * len(kept)
         ids += kept
     mask = {}

@@ -90,6 +90,8 @@ def build_optimizer(chunks: list[Any], cfg: OptimConfig) -> Any:
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from moerl.device import has_cuda
+
     model_config = chunks[0].config
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -105,7 +107,8 @@ def build_optimizer(chunks: list[Any], cfg: OptimConfig) -> Any:
         bf16=model_config.bf16,
         fp16=model_config.fp16,
     )
-    return get_megatron_optimizer(opt_config, chunks)
+    # gloo groups exist exactly where moerl.parallel.state made them (without CUDA)
+    return get_megatron_optimizer(opt_config, chunks, use_gloo_process_groups=not has_cuda())
 
 
 def attach_schedule_hooks(chunks: list[Any], optimizer: Any) -> None:

@@ -41,8 +41,10 @@ class Part:
 
 def _pytest(work: Path, dry: bool) -> list[str]:
     # the kernels' GPU tests skip without CUDA; the dry run checks they collect and import
-    return [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
-            "--timeout", "80", *GPU_TESTS]  # fmt: skip
+    # -rfEs: each failure's reason in the summary; --tb=short keeps a failure readable
+    # in the log's tail; per-test timeout well inside the part's limit
+    return [PY, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "--tb=short", "--durations=5",
+            "-p", "no:cacheprovider", "--timeout", "60", *GPU_TESTS]  # fmt: skip
 
 
 def _kernels(work: Path, dry: bool) -> list[str]:
@@ -71,7 +73,7 @@ def _skipped(work: Path, dry: bool) -> list[str]:
 
 
 PARTS = [
-    Part(1, "pytest -m gpu (kernels vs torch twins)", _pytest, 90, dry_limit_s=60),
+    Part(1, "pytest -m gpu (kernels vs torch twins)", _pytest, 120, dry_limit_s=60),
     Part(2, "bench kernels on cuda", _kernels, 120, dry_limit_s=60),
     Part(3, "RL step cuda vs cpu", _step, 120, dry_limit_s=90),
     Part(
