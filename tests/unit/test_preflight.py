@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from tiny_hf_for_tests import hf_dir as _hf_dir
 
+from moerl import launch
 from moerl.config.store import register_configs
 from moerl.launch import preflight
 
@@ -92,3 +93,16 @@ def test_preflight_refuses_a_resume_with_nothing_to_resume(tmp_path) -> None:
         with pytest.raises(ValueError) as info:
             preflight(cfg)
         assert "trainer.resume=true" in str(info.value) and str(folder) in str(info.value)
+
+
+def test_dry_run_refuses_a_group_choice_the_recipe_would_overwrite(monkeypatch, capsys) -> None:
+    """Through the launcher's dry-run entry (`launcher.dry_run=true`): a recipe's keys never
+    land on a group option chosen on the command line (moerl.config.recipe)."""
+    with pytest.raises(SystemExit) as info:
+        launch.dry_run(["+recipe=qwen3_moe", "rollout=default", "launcher.dry_run=true"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "rollout=default on the command line" in err and "rollout.max_new_tokens=8" in err
+    launch.dry_run(["+recipe=qwen3_moe", "staleness=sync", "launcher.dry_run=true"])
+    out = capsys.readouterr().out
+    assert "max_staleness: 0" in out and "config is valid" in out
