@@ -4,6 +4,7 @@ checkpoint's config.json and the checkpoint a resume would load."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -106,6 +107,20 @@ def test_dry_run_refuses_a_group_choice_the_recipe_would_overwrite(monkeypatch, 
     launch.dry_run(["+recipe=qwen3_moe", "staleness=sync", "launcher.dry_run=true"])
     out = capsys.readouterr().out
     assert "max_staleness: 0" in out and "config is valid" in out
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="with transformer-engine megatron-core's MLA trains under TP",
+)
+def test_preflight_refuses_mla_under_tensor_parallelism() -> None:
+    """Found 3.5 minutes in, after the checkpoint was written and the engines started."""
+    with pytest.raises(ValueError) as info:
+        preflight(_compose("+recipe=deepseek_moe", "parallel.tp=2", "launcher.nproc=2"))
+    message = str(info.value)
+    assert "parallel.tp=2" in message and "MLA" in message and "parallel.tp=1" in message
+    gqa = preflight(_compose("+recipe=qwen3_moe", "parallel.tp=2", "launcher.nproc=2"))
+    assert gqa.parallel.tp == 2
 
 
 # A user's package, as a researcher writes one: each plug-in takes its input, then options.
