@@ -87,7 +87,7 @@ def main(cfg: DictConfig) -> None:
     for name in ("httpx", "httpcore"):  # no per-request lines between the JSON and the user
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        typed = preflight(cfg)
+        typed = preflight(cfg, list(HydraConfig.get().overrides.task))
         if not typed.model.path:
             raise ValueError("model.path is empty; set it to the HF checkpoint to evaluate")
         check_eval_sets(typed)

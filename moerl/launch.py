@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from moerl.config.recipe import check_recipe_choices
 from moerl.config.schema import MoerlConfig
-from moerl.config.store import register_configs
+from moerl.config.store import CONFIG_GROUPS, register_configs
 from moerl.validate import validate_config
 
 register_configs()
@@ -83,10 +85,13 @@ def model_from_checkpoint(model: Any) -> Any:
     return loaded
 
 
-def preflight(cfg: DictConfig) -> MoerlConfig:
+def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> MoerlConfig:
     """Everything that can be checked before a rank starts, also in a dry run: the
-    config, the architecture in ``model.path``'s config.json against the layout, and the
-    checkpoint ``trainer.resume`` would load. Raises ValueError in user words."""
+    command line ``overrides`` against the recipe they name (a group chosen there must not
+    get the recipe's keys), the config, the architecture in ``model.path``'s config.json
+    against the layout, and the checkpoint ``trainer.resume`` would load. Raises
+    ValueError in user words."""
+    check_recipe_choices(overrides, CONFIG_GROUPS)
     typed = validate_config(cfg)
     world = typed.launcher.world_size()
     if not typed.model.path:
@@ -260,10 +265,10 @@ def run_rank(cfg: Any, run_dir: str) -> None:
             proc.close()
 
 
-def checked(cfg: DictConfig) -> MoerlConfig:
+def checked(cfg: DictConfig, overrides: Sequence[str]) -> MoerlConfig:
     """``preflight``, or one readable line on stderr and exit status 2 for a user error."""
     try:
-        return preflight(cfg)
+        return preflight(cfg, overrides)
     except ValueError as err:  # CheckpointError too
         print(f"moerl: invalid config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -294,7 +299,7 @@ def dry_run(overrides: list[str]) -> None:
     except HydraException as err:  # a bad override: Hydra's message, no traceback
         print(f"moerl: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    report_dry_run(cfg, checked(cfg))
+    report_dry_run(cfg, checked(cfg, overrides))
 
 
 def split_threads(cfg: MoerlConfig, world: int) -> None:
@@ -326,9 +331,10 @@ def main(cfg: DictConfig) -> None:
 
     from moerl.telemetry.logs import hold_console
 
-    typed = checked(cfg)
+    hydra_cfg = HydraConfig.get()
+    typed = checked(cfg, list(hydra_cfg.overrides.task))
     hold_console(typed.telemetry.console_level)
-    run_dir = HydraConfig.get().runtime.output_dir
+    run_dir = hydra_cfg.runtime.output_dir
     world = typed.launcher.world_size()
     if typed.launcher.dry_run:  # set by a recipe rather than on the command line
         report_dry_run(cfg, typed)

@@ -145,6 +145,23 @@ def _check_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
             f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}; sequence "
             "parallelism splits every sequence over the TP ranks"
         )
+    if m.multi_latent_attention and p.tp > 1:
+        _check_mla_tensor_parallel(p.tp)
+
+
+def _check_mla_tensor_parallel(tp: int) -> None:
+    """megatron-core's local MLA (without transformer-engine) trains wrong under TP; the
+    trainer refuses it when it wraps the model (moerl.trainer.wrap), after the checkpoint
+    is written and the engines are up, so say it here first."""
+    from moerl.models.spec import have_transformer_engine
+
+    if not have_transformer_engine():
+        raise ValueError(
+            f"parallel.tp={tp} with an MLA model (model.multi_latent_attention=true) needs "
+            "transformer-engine: megatron-core's local MLA computes wrong gradients under "
+            "tensor parallelism; use parallel.tp=1 (scale with parallel.ep, parallel.pp and "
+            "parallel.etp) or install moerl[te]"
+        )
 
 
 def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None:

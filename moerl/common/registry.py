@@ -25,7 +25,9 @@ it directly, with the same wording for an unknown name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -88,11 +90,13 @@ class Catalog(Generic[V]):
 
 
 class Registry(Generic[In, Out]):
-    """Built-ins of one slot (`kind`), configured under the config key `key`."""
+    """Built-ins of one slot (`kind`), configured under the config key `key`; a `_target_`'s
+    options are set under `options_key` (default `KEY.options`)."""
 
-    def __init__(self, kind: str, key: str) -> None:
+    def __init__(self, kind: str, key: str, options_key: str | None = None) -> None:
         self.kind = kind
         self.key = key
+        self.options_key = options_key or f"{key}.options"
         self._entries: Catalog[Entry] = Catalog(
             kind, key, f"For a function outside moerl set {key}._target_ to its import path"
         )
@@ -134,7 +138,10 @@ class Registry(Generic[In, Out]):
         if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
             target = getattr(spec, "_target_", None)
             if target is not None:
-                return self._target(target, dict(getattr(spec, "options", None) or {}))
+                options = dict(getattr(spec, "options", None) or {})
+                return self._target(
+                    target, options, {k: f"{self.options_key}.{k}" for k in options}
+                )
             return self._from_dataclass(spec)
         if isinstance(spec, Mapping):
             return self._from_mapping(dict(spec))
@@ -170,8 +177,11 @@ class Registry(Generic[In, Out]):
     def _from_mapping(self, spec: dict[str, Any]) -> Callable[[In], Out]:
         if spec.get("_target_"):
             options = {k: v for k, v in spec.items() if k not in _RESERVED}
-            options.update(spec.get("options") or {})
-            return self._target(spec["_target_"], options)
+            keys = {k: f"{self.key}.{k}" for k in options}
+            nested = dict(spec.get("options") or {})
+            options.update(nested)
+            keys.update({k: f"{self.options_key}.{k}" for k in nested})
+            return self._target(spec["_target_"], options, keys)
         if "name" not in spec:
             raise ValueError(
                 f"{self.key} needs 'name' (one of {', '.join(self.names())}) or '_target_'"
@@ -186,7 +196,11 @@ class Registry(Generic[In, Out]):
             )
         return self._bind(entry, entry.config(**spec))
 
-    def _target(self, target: str, options: dict[str, Any]) -> Callable[[In], Out]:
+    def _target(
+        self, target: str, options: dict[str, Any], keys: dict[str, str]
+    ) -> Callable[[In], Out]:
+        """`target` imported and bound to `options`, which must fit its signature; `keys`
+        names each option's config key for the error."""
         from hydra.utils import get_method
 
         if not target:
@@ -201,7 +215,42 @@ class Registry(Generic[In, Out]):
             raise ValueError(
                 f"{self.key}._target_={target!r} could not be imported as a function: {reason}"
             ) from err
+        check_options(fn, target, options, keys, self.key)
         return functools.partial(fn, **options) if options else fn
+
+
+def check_options(
+    fn: Callable[..., Any], target: str, options: dict[str, Any], keys: dict[str, str], where: str
+) -> None:
+    """Refuse options that `fn(inp, **options)` would reject only when first called, deep
+    inside a run: a name it has no parameter for (unless it takes **kwargs), or a parameter
+    after `inp` without a default that no option sets. ValueError naming the config key
+    (`keys` per option, `where` the slot), the target, its parameters and, for a typo, the
+    closest one."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    skip = 1 if params and params[0].kind is not inspect.Parameter.KEYWORD_ONLY else 0
+    takes = [p for p in params[skip:] if p.kind in named]  # after the input `inp`
+    names = [p.name for p in takes]
+    shown = ", ".join(names) or "no options"
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        for name in options:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(
+                    f"{keys[name]} is not a parameter of {where}._target_={target}, which "
+                    f"takes {shown}{hint}"
+                )
+    for p in takes:
+        if p.default is inspect.Parameter.empty and p.name not in options:
+            raise ValueError(
+                f"{where}._target_={target} needs the option {p.name!r}, which has no "
+                f"default; set it among {where}'s options (it takes {shown})"
+            )
 
 
 def _plain(spec: Any) -> Any:

@@ -8,17 +8,16 @@ type-checks them and rejects unknown keys. The algorithm slots (`algo/advantage`
 
 Recipes: every `recipes/NAME.yaml` (installed as the package `moerl.recipes`) is
 stored as the option NAME of the group `recipe`, so `+recipe=NAME` works the same
-from a wheel and from an editable install. (Hydra reads `pkg://moerl.conf` through
+from a wheel and from an editable install; the keys of each group a recipe selects are
+stored as a derived option of that group (moerl.config.recipe), so that a group option
+chosen on the command line replaces them. (Hydra reads `pkg://moerl.conf` through
 `importlib.resources`, which cannot see a folder that lives outside `conf/` in an
 editable install; the ConfigStore can.)
 """
 
 from __future__ import annotations
 
-from importlib import resources
-
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
 from moerl.algo.config import AlgoConfig, register_algo_configs
 from moerl.algo.correction_config import CorrectionConfig
@@ -31,15 +30,13 @@ from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
+from moerl.config.recipe import RECIPE_GROUP, load_recipe, recipe_names
 from moerl.config.reward_model import RewardModelConfig
 from moerl.config.rollout import RolloutConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import SyncConfig
 from moerl.config.task import TaskConfig, register_task_configs
 from moerl.config.trainer import TrainerConfig
-
-RECIPE_PACKAGE = "moerl.recipes"
-RECIPE_GROUP = "recipe"
 
 GROUP_SCHEMAS: dict[str, type] = {
     "model": ModelConfig,
@@ -59,39 +56,21 @@ GROUP_SCHEMAS: dict[str, type] = {
     "reward_model": RewardModelConfig,
     "eval": EvalConfig,
 }
-
-
-def _package_header(text: str) -> str | None:
-    """The `# @package X` value from the comment lines that open a YAML file."""
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if not line.startswith("#"):
-            return None
-        body = line.lstrip("#").strip()
-        if body.startswith("@package"):
-            return body[len("@package") :].strip()
-    return None
+# Every group a command line can choose an option of: GROUP_SCHEMAS's, and the nested slots.
+CONFIG_GROUPS = (*GROUP_SCHEMAS, "algo/advantage", "algo/loss", "buffer/sampling")
 
 
 def register_recipes(cs: ConfigStore) -> list[str]:
-    """Store each shipped recipe as an option of the `recipe` group; return their names."""
-    names = []
-    for entry in sorted(resources.files(RECIPE_PACKAGE).iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".yaml") or not entry.is_file():
-            continue
-        name = entry.name[: -len(".yaml")]
-        text = entry.read_text(encoding="utf-8")
-        package = _package_header(text)
-        if package != "_global_":
-            raise ValueError(
-                f"recipes/{entry.name} must start with the line '# @package _global_' "
-                f"(found package {package!r}); a recipe is a change to the whole config"
-            )
-        node = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
-        cs.store(group=RECIPE_GROUP, name=name, node=node, package=package, provider="moerl")
-        names.append(name)
+    """Store each shipped recipe as an option of the `recipe` group, and the options its
+    group keys travel with (moerl.config.recipe); return the recipes' names."""
+    names = recipe_names()
+    for name in names:
+        recipe = load_recipe(name)
+        for group, (option, node) in recipe.options.items():
+            cs.store(group=group, name=option, node=node, provider="moerl")
+        cs.store(
+            group=RECIPE_GROUP, name=name, node=recipe.node, package="_global_", provider="moerl"
+        )
     return names
 
 

@@ -106,7 +106,9 @@ def decode_marked(tokenizer: Any, ids: np.ndarray, special: set[int] | None = No
     return "".join(parts)
 
 
-REWARDS: Registry[RewardInput, float] = Registry("reward function", "task.reward")
+REWARDS: Registry[RewardInput, float] = Registry(
+    "reward function", "task.reward", options_key="task.reward_options"
+)
 
 
 @dataclass
@@ -225,7 +227,7 @@ def build_reward(name: str, options: dict[str, Any] | None = None) -> Any:
     """`inp -> float` for a built-in name or an import path (a name with a dot)."""
     options = dict(options or {})
     if "." in name:
-        return REWARDS.build({"_target_": name, **options})
+        return REWARDS.build({"_target_": name, "options": options})
     if name not in REWARDS:
         return REWARDS.entry(name)  # raises, listing the known names
     return REWARDS.build({"name": name, **options})

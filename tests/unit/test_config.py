@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from moerl.config import MoerlConfig, ParallelConfig
-from moerl.config.store import _package_header, register_configs
+from moerl.config.recipe import package_header
+from moerl.config.store import register_configs
 from moerl.validate import validate_config
 
 # World size each shipped layout is meant for, with the tiny MoE (4 heads, 4 experts, 2 layers).
@@ -124,10 +125,10 @@ def test_unknown_recipe_is_rejected() -> None:
         validate_config(_compose("+recipe=no_such_recipe"), world_size=1)
 
 
-def test_package_header() -> None:
-    assert _package_header("# @package _global_\ndefaults: []\n") == "_global_"
-    assert _package_header("# a recipe\n#  @package _global_\n") == "_global_"
-    assert _package_header("trainer:\n  lr: 1\n# @package _global_\n") is None
+def testpackage_header() -> None:
+    assert package_header("# @package _global_\ndefaults: []\n") == "_global_"
+    assert package_header("# a recipe\n#  @package _global_\n") == "_global_"
+    assert package_header("trainer:\n  lr: 1\n# @package _global_\n") is None
 
 
 # --- validation ----------------------------------------------------------------

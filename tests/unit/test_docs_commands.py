@@ -250,14 +250,12 @@ def test_sbatch_creates_the_log_directory(tmp_path) -> None:
 
 def test_free_layout_sizes_are_checked_against_the_world(monkeypatch, capsys) -> None:
     monkeypatch.setenv("WORLD_SIZE", "8")
-    launch.dry_run(
-        ["+recipe=deepseek_moe", "parallel.tp=2", "parallel.ep=4", "launcher.dry_run=true"]
-    )
+    launch.dry_run(["+recipe=qwen3_moe", "parallel.tp=2", "parallel.ep=4", "launcher.dry_run=true"])
     assert "world size 8" in capsys.readouterr().out
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(SystemExit):
         launch.dry_run(
-            ["+recipe=deepseek_moe", "parallel.tp=2", "parallel.ep=4", "launcher.dry_run=true"]
+            ["+recipe=qwen3_moe", "parallel.tp=2", "parallel.ep=4", "launcher.dry_run=true"]
         )
     err = capsys.readouterr().err
     assert "2 × 4 = 8" in err and "world 4" in err, err

@@ -4,6 +4,7 @@ checkpoint's config.json and the checkpoint a resume would load."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from tiny_hf_for_tests import hf_dir as _hf_dir
 
+from moerl import launch
 from moerl.config.store import register_configs
 from moerl.launch import preflight
 
@@ -92,3 +94,151 @@ def test_preflight_refuses_a_resume_with_nothing_to_resume(tmp_path) -> None:
         with pytest.raises(ValueError) as info:
             preflight(cfg)
         assert "trainer.resume=true" in str(info.value) and str(folder) in str(info.value)
+
+
+def test_dry_run_refuses_a_group_choice_the_recipe_would_overwrite(monkeypatch, capsys) -> None:
+    """Through the launcher's dry-run entry (`launcher.dry_run=true`): a recipe's keys never
+    land on a group option chosen on the command line (moerl.config.recipe)."""
+    with pytest.raises(SystemExit) as info:
+        launch.dry_run(["+recipe=qwen3_moe", "rollout=default", "launcher.dry_run=true"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "rollout=default on the command line" in err and "rollout.max_new_tokens=8" in err
+    launch.dry_run(["+recipe=qwen3_moe", "staleness=sync", "launcher.dry_run=true"])
+    out = capsys.readouterr().out
+    assert "max_staleness: 0" in out and "config is valid" in out
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="with transformer-engine megatron-core's MLA trains under TP",
+)
+def test_preflight_refuses_mla_under_tensor_parallelism() -> None:
+    """Found 3.5 minutes in, after the checkpoint was written and the engines started."""
+    with pytest.raises(ValueError) as info:
+        preflight(_compose("+recipe=deepseek_moe", "parallel.tp=2", "launcher.nproc=2"))
+    message = str(info.value)
+    assert "parallel.tp=2" in message and "MLA" in message and "parallel.tp=1" in message
+    gqa = preflight(_compose("+recipe=qwen3_moe", "parallel.tp=2", "launcher.nproc=2"))
+    assert gqa.parallel.tp == 2
+
+
+# A user's package, as a researcher writes one: each plug-in takes its input, then options.
+PLUGINS = """
+def correction(inp, cap=2.0, level="token"):
+    raise NotImplementedError
+
+def anything(inp, **options):
+    raise NotImplementedError
+
+def needs_k(inp, k):
+    raise NotImplementedError
+
+def advantage(inp, scale=1.0):
+    raise NotImplementedError
+
+def loss(inp, clip=0.2):
+    raise NotImplementedError
+
+def staleness(inp, slack=1):
+    raise NotImplementedError
+
+def sampling(inp, seed=0):
+    raise NotImplementedError
+
+def replay(inp, threshold=0.1):
+    raise NotImplementedError
+
+def reward(inp, weight=1.0):
+    raise NotImplementedError
+
+def make_env(prompt, max_turns=3):
+    raise NotImplementedError
+
+class Task:
+    def __init__(self, tokenizer, size=4):
+        raise NotImplementedError
+"""
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch) -> str:
+    (tmp_path / "preflight_lab.py").write_text(PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "preflight_lab"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "accepted", "close"),
+    [
+        (
+            ["correction=custom", "correction._target_={lab}.correction"],
+            "correction.options.capp",
+            "cap, level",
+            "cap",
+        ),
+        (
+            ["algo/advantage=custom", "algo.advantage._target_={lab}.advantage"],
+            "algo.advantage.options.scal",
+            "scale",
+            "scale",
+        ),
+        (
+            ["algo/loss=custom", "algo.loss._target_={lab}.loss"],
+            "algo.loss.options.clipp",
+            "clip",
+            "clip",
+        ),
+        (
+            ["staleness=custom", "staleness._target_={lab}.staleness"],
+            "staleness.options.slak",
+            "slack",
+            "slack",
+        ),
+        (
+            ["buffer/sampling=custom", "buffer.sampling._target_={lab}.sampling"],
+            "buffer.sampling.options.sed",
+            "seed",
+            "seed",
+        ),
+        (["env=custom", "env._target_={lab}.make_env"], "env.options.max_turn", "max_turns", None),
+        (["task=custom", "task._target_={lab}.Task"], "task.options.sise", "size", "size"),
+        (["task.reward={lab}.reward"], "task.reward_options.weigth", "weight", "weight"),
+        (
+            ["trainer.replay={{_target_:{lab}.replay,treshold:0.1}}"],
+            "trainer.replay.treshold",
+            "threshold",
+            None,
+        ),
+    ],
+)
+def test_preflight_checks_a_plugins_options_against_its_signature(
+    lab, overrides, key, accepted, close
+) -> None:
+    """A typo in a `_target_` plug-in's options failed at the first step, minutes in, with a
+    TypeError from inside the trainer; preflight names the key, the target and the fix."""
+    args = ["+recipe=deepseek_moe", *(o.format(lab=lab) for o in overrides)]
+    if not key.startswith("trainer.replay"):
+        args.append(f"+{key}=3")
+    with pytest.raises(ValueError) as info:
+        preflight(_compose(*args))
+    message = str(info.value)
+    assert f"{key} is not a parameter of" in message and f"{lab}." in message
+    assert f"which takes {accepted}" in message
+    if close:
+        assert f"did you mean {close}?" in message
+
+
+def test_preflight_accepts_a_plugins_right_options(lab) -> None:
+    """The right name passes, **options takes any, a parameter without default is required."""
+    base = ["+recipe=deepseek_moe", "correction=custom"]
+    ok = preflight(
+        _compose(*base, f"correction._target_={lab}.correction", "+correction.options.cap=3")
+    )
+    assert ok.correction.options == {"cap": 3}
+    preflight(_compose(*base, f"correction._target_={lab}.anything", "+correction.options.capp=3"))
+    with pytest.raises(
+        ValueError, match=rf"correction._target_={lab}.needs_k needs the option 'k'"
+    ):
+        preflight(_compose(*base, f"correction._target_={lab}.needs_k"))
+    preflight(_compose(*base, f"correction._target_={lab}.needs_k", "+correction.options.k=1"))
