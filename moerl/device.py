@@ -8,6 +8,7 @@ megatron-core's own ``torch.cuda`` calls safe.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from collections.abc import Callable
 
@@ -27,6 +28,48 @@ def device() -> torch.device:
     if has_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+DEVICE_NAMES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device_name(key: str, name: object) -> None:
+    """``name`` is one of ``DEVICE_NAMES`` (ValueError naming ``key`` otherwise); whether
+    this machine has that device is ``resolve``'s question, asked where it runs."""
+    if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"{key}={name!r} is not a device; choose {DEVICE_NAMES}")
+
+
+def resolve(name: str, key: str = "--device") -> torch.device:
+    """The device ``name`` means on this machine: 'auto' is this process's GPU when CUDA is
+    present, else the CPU; 'cuda' and 'cuda:N' must exist (ValueError naming ``key`` and
+    the fix otherwise)."""
+    check_device_name(key, name)
+    if name == "auto":
+        return device()
+    if name == "cpu":
+        return torch.device("cpu")
+    if not has_cuda():
+        raise ValueError(
+            f"{key} {name}: torch {torch.__version__} sees no CUDA device on this machine "
+            f"(CUDA build: {torch.version.cuda or 'none'}); use {key} cpu (or auto), or run "
+            "on a GPU machine with a CUDA build of torch"
+        )
+    index = int(name.partition(":")[2] or torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(
+            f"{key} {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}; "
+            "choose one of them (CUDA_VISIBLE_DEVICES renumbers them from 0)"
+        )
+    return torch.device("cuda", index)
+
+
+def synchronize_device(dev: torch.device) -> None:
+    """Wait for the work queued on ``dev`` (no-op on the CPU), for timing."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def default_backend() -> str:

@@ -141,6 +141,7 @@ def engine_flags(engine: Any) -> list[str]:
     """An embedded engine's batching and prefix-cache flags for ``engine.max_running_requests``,
     ``engine.max_prefill_tokens``, ``engine.chunked_prefill_size`` and ``engine.prefix_cache*``."""
     flags = ["--max-running-requests", str(engine.max_running_requests)]
+    flags += ["--device", engine.device]
     flags += ["--max-prefill-tokens", str(engine.max_prefill_tokens)]
     flags += ["--chunked-prefill-size", str(engine.chunked_prefill_size)]
     if not engine.prefix_cache:
@@ -214,6 +215,8 @@ def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]
                 path,
                 "--dtype",
                 cfg.engine.dtype,
+                "--device",
+                cfg.engine.device,
                 api_key=os.environ.get(API_KEY_ENV),
                 threads=rm.threads,
                 log_path=log_dir(run_dir) / f"reward_engine{i}.log",

@@ -31,6 +31,7 @@ from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.trainer import DTYPES, LR_SCHEDULES, TrainerConfig
+from moerl.device import check_device_name
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 OPTIMIZER_NUMBERS = (
@@ -239,6 +240,7 @@ def _check_optimizer(t: TrainerConfig) -> None:
 
 def _check_engine(e: EngineConfig) -> None:
     one_of("engine.kind", e.kind, ENGINE_KINDS)
+    check_device_name("engine.device", e.device)
     if e.num_engines is not None:
         positive_int("engine.num_engines", e.num_engines)
     if e.kind == "sglang":

@@ -22,6 +22,9 @@ class EngineConfig:
     """Engines to use: for 'embedded', processes to start (None = 1); for 'sglang', None =
     every server in urls, a number must equal len(urls)."""
 
+    device: str = "auto"
+    """Embedded engines' device (SGLang's --device): 'auto' (a GPU when torch sees one,
+    else the CPU), 'cpu', 'cuda' or 'cuda:N'. SGLang servers choose their own."""
     dtype: str = "float32"
     """Embedded engines' weight and compute dtype: 'float32', 'bfloat16' or 'float16'."""
     threads: int | None = None

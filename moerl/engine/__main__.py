@@ -3,7 +3,7 @@
 Flags are named as SGLang's (``--model-path``, ``--port``, ``--host``,
 ``--max-running-requests``, ``--max-queued-requests``, ``--max-prefill-tokens``,
 ``--chunked-prefill-size``, ``--enable-return-routed-experts``,
-``--enable-lora``, ``--disable-radix-cache``, ``--api-key``), so scripts move between the two by changing the module.
+``--enable-lora``, ``--disable-radix-cache``, ``--api-key``, ``--device``), so scripts move between the two by changing the module.
 The API key can come from the ``MOERL_API_KEY`` environment variable instead, which keeps
 it out of the process list. SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
 """
@@ -14,6 +14,7 @@ import argparse
 import logging
 from typing import Any
 
+from moerl.device import resolve
 from moerl.engine.launch import build_state
 from moerl.engine.tool_calls import PARSERS
 
@@ -76,11 +77,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-target-modules", nargs="*", default=None, help="e.g. q_proj o_proj")
     p.add_argument("--api-key", default=None, help="default: $MOERL_API_KEY")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="the device to use: 'cuda', 'cuda:N' or 'cpu'; 'auto' (the default, SGLang's "
+        "auto-detection) is cuda when torch sees a GPU, else cpu",
+    )
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="warning")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # before loading anything: a device this machine lacks is a usage error
+        resolve(args.device)
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ the attention unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,8 @@ class Plan:
     slots: list[int]
     starts: list[int]
     counts: list[int]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the index tensors, positions and mask are made: the model's device."""
 
     def __post_init__(self) -> None:
         self.width = max(self.counts)  # S
@@ -58,29 +60,31 @@ class Plan:
             cols += range(self.width - count, self.width)
             slot_idx += [slot] * count
             pos_idx += range(start, start + count)
-        self.rows = torch.tensor(rows)  # the valid (row, column) pairs of the input
-        self.cols = torch.tensor(cols)
-        self.slot_idx = torch.tensor(slot_idx)  # where each goes in the pool
-        self.pos_idx = torch.tensor(pos_idx)
-        self.index = torch.tensor(self.slots)
+        dev = self.device
+        self.rows = torch.tensor(rows, device=dev)  # the valid (row, column) pairs of the input
+        self.cols = torch.tensor(cols, device=dev)
+        self.slot_idx = torch.tensor(slot_idx, device=dev)  # where each goes in the pool
+        self.pos_idx = torch.tensor(pos_idx, device=dev)
+        self.index = torch.tensor(self.slots, device=dev)
 
     def positions(self) -> torch.Tensor:
         """Position ids [B, S] (padding takes its row's first position)."""
-        cols = torch.arange(self.width)[None, :]
-        first = self.width - torch.tensor(self.counts)[:, None]  # a row's first real column
-        return torch.tensor(self.starts)[:, None] + (cols - first).clamp(min=0)
+        dev = self.device
+        cols = torch.arange(self.width, device=dev)[None, :]
+        first = self.width - torch.tensor(self.counts, device=dev)[:, None]  # first real column
+        return torch.tensor(self.starts, device=dev)[:, None] + (cols - first).clamp(min=0)
 
     def attention_mask(self, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
         """[B, 1, S, T]: the query at position p sees keys 0..p of its slot (padding: as
         its row's first token, whose key this forward writes). Boolean (True: attend)
         for SDPA, else additive for eager attention."""
         positions = self.positions()  # [B, S]
-        keys = torch.arange(self.keys_read)
+        keys = torch.arange(self.keys_read, device=self.device)
         allowed = keys[None, None, :] <= positions[:, :, None]  # [B, S, T]
         allowed = allowed[:, None]
         if boolean:
             return allowed
-        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
         return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
@@ -95,9 +99,11 @@ class KVPool:
         max_tokens: int,
         slots: int = 4,
         tokens: int = 64,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.num_layers = num_layers
         self.dtype = dtype
+        self.device = torch.device(device)  # the model's: every slot tensor lives there
         self.max_slots = max_slots
         self.max_tokens = max_tokens
         self.slots = min(slots, max_slots)
@@ -200,11 +206,12 @@ class KVPool:
 
     def _init_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         while len(self.keys) <= layer:
-            self.keys.append(torch.empty(0))
-            self.values.append(torch.empty(0))
+            self.keys.append(torch.empty(0, device=self.device))
+            self.values.append(torch.empty(0, device=self.device))
         shape = (self.slots, keys.shape[1], self.capacity)
-        self.keys[layer] = keys.new_zeros(*shape, keys.shape[3])
-        self.values[layer] = values.new_zeros(*shape, values.shape[3])
+        dev = self.device
+        self.keys[layer] = torch.zeros(*shape, keys.shape[3], dtype=keys.dtype, device=dev)
+        self.values[layer] = torch.zeros(*shape, values.shape[3], dtype=values.dtype, device=dev)
 
     # -- copies in and out (the prefix cache) ----------------------------------------------
     def load(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -20,7 +20,9 @@ def build_state(args: argparse.Namespace) -> Any:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    runner = ModelRunner(args.model_path, dtype=args.dtype, seed=args.random_seed)
+    runner = ModelRunner(
+        args.model_path, dtype=args.dtype, seed=args.random_seed, device=args.device
+    )
     if args.enable_lora:
         from moerl.engine.lora import LoraManager
 

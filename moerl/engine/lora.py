@@ -80,6 +80,8 @@ class LoraManager:
         self.wrapped: set[str] = set()
         self.active: dict[str, torch.Tensor] = {}  # adapter name → row indices of this forward
         self.rows = 0  # N, rows of this forward's batch
+        # the model's device: adapters and row indices are moved there when set
+        self.device = next(model.parameters()).device
 
     # -- loading ------------------------------------------------------------------------
     def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -141,7 +143,8 @@ class LoraManager:
                     f"a {linear.in_features}→{linear.out_features} layer at rank {rank}"
                 )
             self._check_target(name, module, targets)
-            weights[module] = (a.to(linear.weight.dtype), b.to(linear.weight.dtype))
+            # the layer's dtype and device
+            weights[module] = (a.to(linear.weight), b.to(linear.weight))
         layers = config.get("layers_to_transform")
         if isinstance(layers, int):
             layers = [layers]
@@ -185,7 +188,8 @@ class LoraManager:
         self.active = {}
         self.rows = len(assignment)
         for name in set(a for a in assignment if a is not None):
-            self.active[name] = torch.tensor([i for i, a in enumerate(assignment) if a == name])
+            rows = [i for i, a in enumerate(assignment) if a == name]
+            self.active[name] = torch.tensor(rows, device=self.device)
 
     def _hook(self, module: str):  # type: ignore[no-untyped-def]
         def hook(mod: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -217,7 +221,7 @@ class LoraManager:
                     continue
                 assert tokens % self.rows == 0, (tokens, self.rows)
                 seq = tokens // self.rows
-                tok = (rows[:, None] * seq + torch.arange(seq)).reshape(-1)
+                tok = (rows[:, None] * seq + torch.arange(seq, device=rows.device)).reshape(-1)
                 out.append((tok, lora, adapter.scaling))
             return out
 

@@ -124,9 +124,9 @@ def stack_expert_weights(
                     f"cover every expert of every MoE layer"
                     + ("" if layers is None else " in its layers_to_transform")
                 )
-            dtype = _fused(experts[parent])[0].dtype
-            a_ErI = torch.stack([have[i]["A"] for i in range(num)]).to(dtype)
-            b_EOr = torch.stack([have[i]["B"] for i in range(num)]).to(dtype)
+            like = _fused(experts[parent])[0]  # the experts' dtype and device
+            a_ErI = torch.stack([have[i]["A"] for i in range(num)]).to(like)
+            b_EOr = torch.stack([have[i]["B"] for i in range(num)]).to(like)
             out.setdefault(parent, {})[proj] = (a_ErI, b_EOr)
     extra = sorted({parent for parent, _ in by_proj} - set(required))
     if extra:

@@ -7,6 +7,9 @@ in a ``KVPool`` (``moerl.engine.kv_pool``), one slot per request: a forward writ
 new tokens into the rows' slots and attention reads them in place. ``extend`` runs the
 new tokens of several requests in one forward (batched prefill, rows left-padded),
 ``decode`` one token for each running request.
+
+Everything runs on one device (``--device``): the weights, the KV pool, the masks and
+positions, and the logits the scheduler samples from; the routes leave it as numpy.
 """
 
 # B batch, S tokens, H hidden, L layers, K top-k, V vocab
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moerl.device import resolve
 from moerl.engine.kv_pool import KVPool, Plan, SlotCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +47,13 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down
 class ModelRunner:
     """Loads an HF checkpoint and runs prefill / batched decode with routing capture."""
 
-    def __init__(self, model_path: str | Path, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "float32",
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+    ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(model_path)
@@ -53,11 +63,13 @@ class ModelRunner:
             )
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
+        self.device = device if isinstance(device, torch.device) else resolve(device)
         self.path = path
         self.config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=DTYPES[dtype], local_files_only=True
         ).eval()
+        self.model.to(self.device)
         self.dtype = DTYPES[dtype]
         self.num_layers = self.config.num_hidden_layers
         self.vocab_size = self.config.vocab_size
@@ -73,7 +85,8 @@ class ModelRunner:
             module.register_forward_hook(self._capture_hook(layer))
         self.params = dict(self.model.named_parameters())
         self.buffers = dict(self.model.named_buffers())
-        self.generator = torch.Generator().manual_seed(seed)
+        # the draws happen where the logits are (a CUDA generator for CUDA logits)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.lora: Any = None  # a LoraManager when the engine runs with --enable-lora
 
     def _set_adapters(self, adapters: list[str | None] | None) -> None:
@@ -90,15 +103,17 @@ class ModelRunner:
     def _routes(self, batch: int, seq: int) -> np.ndarray:
         """The captured top-k ids as int32 [B, S, L, K] (dense layers: zeros)."""
         out = np.zeros((batch, seq, self.num_layers, max(self.topk, 1)), dtype=np.int32)
-        for layer, ids in self._captured.items():
-            out[:, :, layer, :] = ids.view(batch, seq, -1).to(torch.int32).numpy()
+        layers = sorted(self._captured)
+        if layers:  # one copy off the device for every layer
+            ids_LBSK = torch.stack([self._captured[i].view(batch, seq, -1) for i in layers])
+            out[:, :, layers, :] = ids_LBSK.to(torch.int32).cpu().numpy().transpose(1, 2, 0, 3)
         self._captured.clear()
         return out if self.topk else out[..., :0]
 
     # -- forward -----------------------------------------------------------------------
     def new_pool(self, max_slots: int) -> KVPool:
         """A KV pool for up to ``max_slots`` requests of up to the model's context."""
-        return KVPool(self.num_layers, self.dtype, max_slots, self.context_len)
+        return KVPool(self.num_layers, self.dtype, max_slots, self.context_len, device=self.device)
 
     def _forward(
         self,
@@ -110,9 +125,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [B, 1, V] (the last column), or [B, S, V] with ``all_logits``, of one
         forward over pool slots (transformers' own model and head, hooks included)."""
-        ids = torch.zeros(len(rows), plan.width, dtype=torch.long)
-        for b, tokens in enumerate(rows):
-            ids[b, plan.width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+        padded = [[0] * (plan.width - len(tokens)) + list(tokens) for tokens in rows]
+        ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # one copy in
         pool.reserve(pool.used, plan.keys_read)
         mask = plan.attention_mask(self.dtype, boolean=self.sdpa)
         self._set_adapters(adapters)
@@ -144,7 +158,7 @@ class ModelRunner:
         slots' lengths grow only if the forward succeeds."""
         starts = [pool.length(s) for s in slots]
         counts = [len(r) for r in rows]
-        plan = Plan(slots, starts, counts)
+        plan = Plan(slots, starts, counts, self.device)
         froms = logits_from or [None] * len(rows)
         logits = self._forward(pool, plan, rows, adapters, any(f is not None for f in froms))
         routes = self._routes(len(rows), plan.width)
@@ -169,7 +183,7 @@ class ModelRunner:
         """One token for each of B requests in one forward; returns logits [B, V] and
         routes [B, L, K]. The slots' lengths grow only if the forward succeeds."""
         starts = [pool.length(s) for s in slots]
-        plan = Plan(slots, starts, [1] * len(slots))
+        plan = Plan(slots, starts, [1] * len(slots), self.device)
         logits = self._forward(pool, plan, [[t] for t in tokens], adapters, False)
         routes = self._routes(len(tokens), 1)[:, 0]
         for slot, start in zip(slots, starts):
@@ -207,6 +221,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each (name, value) into the model; a value on another device or in another
+        dtype (a gloo bucket arrives on the CPU) is converted by the copy."""
         count = 0
         for name, value in named:
             tensor, index = self._target(name)

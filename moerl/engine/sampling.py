@@ -263,6 +263,7 @@ def kept_set(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 class Sampler:
     """One sequence's sampling state: generated-token counts for the penalties, the
     grammar matcher and the random generator (its own when ``sampling_seed`` is set).
+    Its tensors live on ``generator.device``, where the logits it samples from are.
 
     ``stop_ids`` are the ids min_new_tokens holds back: the request's stop_token_ids and
     every EOS id of the engine."""
@@ -279,16 +280,19 @@ class Sampler:
         self.vocab_size = vocab_size
         self.matcher = matcher
         self.generator = generator
+        self.device = generator.device
         if params.sampling_seed is not None:
-            self.generator = torch.Generator().manual_seed(params.sampling_seed % 2**63)
+            seeded = torch.Generator(device=self.device)
+            self.generator = seeded.manual_seed(params.sampling_seed % 2**63)
         self.stop_ids = sorted({t for t in stop_ids if 0 <= t < vocab_size})
         self.generated = 0
         self.counts: torch.Tensor | None = None  # fp32 [V], only when penalised
         self.bias: torch.Tensor | None = None
         if params.logit_bias:
-            self.bias = torch.zeros(vocab_size)
+            bias = torch.zeros(vocab_size)
             for key, value in params.logit_bias.items():
-                self.bias[int(key)] = float(value)
+                bias[int(key)] = float(value)
+            self.bias = bias.to(self.device)
 
     def transform(self, logits_V: torch.Tensor) -> torch.Tensor:
         """Steps 1-3 of the module docstring on a copy of fp32 logits [V]."""
@@ -307,7 +311,7 @@ class Sampler:
         if self.generated < p.min_new_tokens and self.stop_ids:
             logits_V[self.stop_ids] = -math.inf
         if self.matcher is not None:
-            allowed = self.matcher.allowed()
+            allowed = self.matcher.allowed().to(logits_V.device)
             logits_V = logits_V.masked_fill(~allowed[: logits_V.numel()], -math.inf)
         if self.bias is not None:
             logits_V += self.bias
@@ -361,7 +365,7 @@ class Sampler:
         self.generated += 1
         if self.params.penalised:
             if self.counts is None:
-                self.counts = torch.zeros(self.vocab_size)
+                self.counts = torch.zeros(self.vocab_size, device=self.device)
             self.counts[token] += 1
         if self.matcher is not None:
             self.matcher.accept(token)
@@ -440,7 +444,9 @@ def sample_batch(
         tokens_B = torch.argmax(keep_BV.float(), dim=-1)
     else:  # inverse CDF: one cumsum (torch.multinomial over [B, V] is ~10x slower on CPU)
         cdf_BV = torch.cumsum(kept_BV.exp(), dim=-1)
-        u_B1 = torch.rand(len(cdf_BV), 1, generator=generator, dtype=cdf_BV.dtype)
+        u_B1 = torch.rand(
+            len(cdf_BV), 1, generator=generator, dtype=cdf_BV.dtype, device=cdf_BV.device
+        )
         # the first token whose CDF exceeds u x total: never one of probability 0
         tokens_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]
         tokens_B = torch.minimum(
@@ -456,7 +462,7 @@ def sample_batch(
     ]  # fmt: skip
     rows = [b for b, want in enumerate(details) if want]
     if rows:  # kept ids by logprob, highest first (stable), as ``sample``
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=logits_BV.device)
         order = torch.argsort(logprobs_BV[index], dim=-1, descending=True, stable=True)
         kept_sorted = keep_BV[index].gather(1, order)
         support = kept_BV[index].gather(1, order)

@@ -638,7 +638,9 @@ class Scheduler:
         """SGLang's input-token logprobs of prompt positions logprob_start_len.. : None for
         the first (nothing before it is scored), then each token given those before it."""
         logprobs = prompt_logprobs(logits_SV[:-1], req.params)
-        targets = torch.tensor(tokens[req.logprob_start_len + 1 :], dtype=torch.long)
+        targets = torch.tensor(
+            tokens[req.logprob_start_len + 1 :], dtype=torch.long, device=logprobs.device
+        )
         picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         req.input_logprobs = [None, *picked]
         if req.top_logprobs_num > 0:

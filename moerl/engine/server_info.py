@@ -38,6 +38,8 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         **model_info,
         "max_context_length": runner.context_len,
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": runner.device.type,  # SGLang's: 'cuda' or 'cpu'; the GPU's index is
+        "base_gpu_id": runner.device.index or 0,  # (one GPU per engine process)
         "skip_tokenizer_init": state.tokenizer is None,
         "max_running_requests": sched.max_running,
         "max_queued_requests": sched.max_queued,

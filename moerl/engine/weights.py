@@ -11,6 +11,10 @@ leaves the model untouched: a wrong name or shape, or a tensor holding NaN or in
 naming it). Applied weights flush the prefix cache, whatever the body's ``flush_cache``
 says (SGLang keeps its cache on ``false``; here a stale prefix would be wrong KV). A push that states more bytes than twice the model's fp32 size is refused
 before receiving anything.
+
+Tensors are received where the group's backend moves them: a gloo group on the CPU, an
+NCCL group on the engine's GPU (which needs an engine started with a CUDA ``--device``);
+``ModelRunner.load_weights`` copies them into the model wherever it runs.
 """
 
 from __future__ import annotations
@@ -33,17 +37,18 @@ class ReceiveBuffers:
     """Byte buffers that flattened buckets are received into, taken and given back in
     turn (two: one receiving while the model copies from the other)."""
 
-    def __init__(self, count: int = 2) -> None:
+    def __init__(self, count: int = 2, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
         for _ in range(count):
-            self._free.put_nowait(torch.empty(0, dtype=torch.uint8))
+            self._free.put_nowait(torch.empty(0, dtype=torch.uint8, device=self.device))
 
     async def take(self, size: int) -> torch.Tensor:
         """A free buffer of at least ``size`` bytes (whole; waits for one to be given back)."""
         buffer = await self._free.get()
         if buffer.numel() < size:  # grown once to the largest bucket, then reused
             del buffer
-            buffer = torch.empty(size, dtype=torch.uint8)
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -55,8 +60,24 @@ class WeightGroup:
     """A joined weight-update group and what its requests share."""
 
     group: Any
+    device: torch.device  # where its backend receives: the CPU (gloo) or the GPU (NCCL)
     receiving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one receive at a time
-    buffers: ReceiveBuffers = field(default_factory=ReceiveBuffers)
+    buffers: ReceiveBuffers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.buffers = ReceiveBuffers(device=self.device)
+
+
+def receive_device(backend: str, engine: torch.device) -> torch.device:
+    """Where a ``backend`` group delivers tensors to an engine running on ``engine``."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if engine.type != "cuda":
+        raise ValueError(
+            f"backend 'nccl' receives into GPU memory, and this engine runs on {engine}; "
+            "use backend 'gloo', or start the engine with --device cuda"
+        )
+    return engine
 
 
 def _receive(
@@ -65,6 +86,7 @@ def _receive(
     dtypes: list[str],
     shapes: list[list[int]],
     buffer: torch.Tensor | None,
+    device: torch.device,
 ) -> tuple[list[torch.Tensor], str | None]:
     """The broadcast tensors (views of ``buffer`` for a flattened bucket, else new ones,
     one broadcast each), and the name of the first one holding NaN or inf, if any."""
@@ -72,7 +94,9 @@ def _receive(
         broadcast(group, buffer)
         tensors = unflatten(buffer, dtypes, shapes)
     else:
-        tensors = [torch.empty(tuple(s), dtype=dtype_of(d)) for d, s in zip(dtypes, shapes)]
+        tensors = [
+            torch.empty(tuple(s), dtype=dtype_of(d), device=device) for d, s in zip(dtypes, shapes)
+        ]
         for t in tensors:
             broadcast(group, t)
     return tensors, nonfinite_tensor(zip(names, tensors))
@@ -99,6 +123,10 @@ def register_weight_routes(
         backend = body.get("backend") or "gloo"
         rank = int(body["rank_offset"])  # one rank per engine (tensor-parallel size 1)
         try:
+            device = receive_device(backend, runner.device)
+        except ValueError as err:
+            return fail(f"could not join the weight-update group: {err}")
+        try:
             group = await asyncio.to_thread(
                 init_custom_process_group,
                 backend,
@@ -109,7 +137,7 @@ def register_weight_routes(
             )
         except Exception as err:  # a wrong address or a trainer that never joined
             return fail(f"could not join the weight-update group: {err}")
-        state.groups[name] = WeightGroup(group)
+        state.groups[name] = WeightGroup(group, device)
         return ok(f"joined {name!r} as rank {rank} of {body['world_size']} ({backend})")
 
     @app.post("/destroy_weights_update_group")
@@ -147,7 +175,7 @@ def register_weight_routes(
                     buffer = await group.buffers.take(stated)
                 tensors, bad = await asyncio.to_thread(
                     _receive, group.group, names, dtypes, shapes,
-                    None if buffer is None else buffer[:stated],
+                    None if buffer is None else buffer[:stated], group.device,
                 )  # fmt: skip
             try:
                 runner.check_weights(names, shapes)

@@ -1,6 +1,7 @@
 """Embedded-engine throughput and weight-update stall, measured side by side.
 
     python tools/bench/engine.py [--family deepseek_moe] [--new-tokens 64] [--quick]
+                                 [--device cpu|cuda|cuda:N]
 
 Prints generated tokens/s at 1, 8 and 32 concurrent requests, the ratio of
 continuous batching (32 concurrent) to the same 32 requests one at a time
@@ -25,6 +26,10 @@ rows' own tokens count. Each prints
 
 (medians over the repetitions) and, for a GRPO group of 8 samples of one prompt, how
 many prompt tokens the engine prefilled (``group_prefill_tokens``, the prompt once).
+
+``--device`` (default cpu) runs every engine and ``generate`` there; weight updates still
+travel over gloo (a CPU bucket the engine copies into its model). The targets above were
+set on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -165,7 +170,14 @@ def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, fl
 
 
 def _turn_reuse(
-    family: str, tmp: Path, threads: int, context: int, turns: int, step: int, episodes: int
+    family: str,
+    tmp: Path,
+    threads: int,
+    context: int,
+    turns: int,
+    step: int,
+    episodes: int,
+    device: str = "cpu",
 ) -> dict:
     """Median seconds of an episode turn after the first, with and without prefix reuse:
     each turn sends the whole stream so far (context, then each turn's output and ``step``
@@ -184,8 +196,10 @@ def _turn_reuse(
     times: dict[str, list[float]] = {"reuse": [], "full": []}
     cached: list[int] = []
     with (
-        EngineProcess(model_dir, threads=threads) as reuse,
-        EngineProcess(model_dir, "--disable-radix-cache", threads=threads) as full,
+        EngineProcess(model_dir, "--device", device, threads=threads) as reuse,
+        EngineProcess(
+            model_dir, "--device", device, "--disable-radix-cache", threads=threads
+        ) as full,
     ):
         urls = {"reuse": reuse.url, "full": full.url}
         for url in urls.values():  # lazy initialisation is not timed
@@ -232,7 +246,14 @@ MID_SHAPE = {
 
 
 def _vs_generate(
-    family: str, tmp: Path, threads: int, prompts: int, new_tokens: int, reps: int, shape: str
+    family: str,
+    tmp: Path,
+    threads: int,
+    prompts: int,
+    new_tokens: int,
+    reps: int,
+    shape: str,
+    device: str = "cpu",
 ) -> dict:
     """Engine vs ``model.generate`` tokens/s at fixed and long-tailed lengths (medians of
     ``reps`` alternating repetitions), and the prompt tokens a group of 8 prefills."""
@@ -240,10 +261,12 @@ def _vs_generate(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from moerl.device import resolve, synchronize_device
     from moerl.engine.process import EngineProcess
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
+    dev = resolve(device)
     rng = np.random.default_rng(0)
     cap = 8 * new_tokens
     cfg = dataclasses.replace(tiny_config(family), max_position_embeddings=64 + cap)
@@ -259,10 +282,11 @@ def _vs_generate(
     }
     torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
+    hf.to(dev)
     pad = hf.generation_config.pad_token_id or 0
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
 
     def run_hf(lens: list[int]) -> float:
         longest = max(lens)
@@ -272,6 +296,7 @@ def _vs_generate(
                 input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                 top_k=0, top_p=1.0, max_new_tokens=longest, min_new_tokens=longest,
             )  # fmt: skip
+        synchronize_device(dev)
         wall = time.perf_counter() - start
         assert out.shape[1] == width + longest, out.shape
         return sum(lens) / wall  # a row's tokens after its own length are waste
@@ -294,7 +319,12 @@ def _vs_generate(
 
     results: dict = {}
     with EngineProcess(
-        model_dir, "--max-running-requests", str(max(64, prompts)), threads=threads
+        model_dir,
+        "--device",
+        device,
+        "--max-running-requests",
+        str(max(64, prompts)),
+        threads=threads,
     ) as engine:
         asyncio.run(run_engine(engine.url, [4] * prompts))  # warm-up, both sides
         run_hf([4] * prompts)
@@ -339,6 +369,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in the engine")
     parser.add_argument("--quick", action="store_true", help="fewer tokens (for tests)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the engines and model.generate run: cpu, cuda or cuda:N",
+    )
     parser.add_argument("--turn-context", type=int, default=384, help="episode prompt tokens")
     parser.add_argument("--prompts", type=int, default=32, help="requests vs model.generate")
     parser.add_argument("--reps", type=int, default=5, help="repetitions vs model.generate")
@@ -367,12 +402,16 @@ def main(argv: list[str] | None = None) -> dict:
             new_tokens,
             1 if args.quick else args.reps,
             args.generate_shape or "mid",
+            args.device,
         )
+        results["device"] = args.device
         if args.only_generate:
             print(json.dumps(results))
             return results
         model_dir = save_tiny_checkpoint(tiny_config(args.family), Path(tmp) / "hf")
-        engine = EngineProcess(model_dir, "--max-running-requests", "64", threads=args.threads)
+        engine = EngineProcess(
+            model_dir, "--device", args.device, "--max-running-requests", "64", threads=args.threads
+        )
         try:
             # one warm-up so lazy initialisation is not timed
             asyncio.run(_concurrent(engine.url, 2, 4))
@@ -409,7 +448,9 @@ def main(argv: list[str] | None = None) -> dict:
             engine.close()
         context = 96 if args.quick else args.turn_context
         turns = 3 if args.quick else 4
-        results.update(_turn_reuse(args.family, Path(tmp), args.threads, context, turns, 16, 3))
+        results.update(
+            _turn_reuse(args.family, Path(tmp), args.threads, context, turns, 16, 3, args.device)
+        )
         print(
             f"episode_turn context={context}+ turn_ms_full_prefill="
             f"{results['turn_ms_full_prefill']:.1f} turn_ms_prefix_reuse="
