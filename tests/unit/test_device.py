@@ -34,6 +34,7 @@ def test_cuda_without_cuda_names_the_flag_and_the_fix(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_gpu_that_does_not_exist_is_refused():
     count = torch.cuda.device_count()
     assert resolve("cuda:0") == torch.device("cuda", 0)

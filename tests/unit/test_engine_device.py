@@ -20,7 +20,8 @@ from moerl.engine.model_runner import ModelRunner
 from moerl.engine.sampling import Sampler, SamplingParams, sample_batch
 from moerl.engine.weights import ReceiveBuffers, receive_device
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_CUDA])]
 
 
 class Owner:

@@ -1,8 +1,8 @@
 """The parts tools/gpu/run.py runs: each one's command, time limit and result parser.
 
 Budgets (seconds of device time, the 8-minute plan of issue 28; a rerun must fit the
-15 minutes too): install 30, part 1 90, part 2 120, part 3 120, part 5 150. Parts 4 and
-6 are skipped with their reason. ``dry_limit_s`` bounds the CPU dry run.
+15 minutes too): install 30, part 1 120, part 2 120, part 3 120, part 4 100, part 5 150.
+Part 6 is skipped with its reason. ``dry_limit_s`` bounds the CPU dry run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ GPU_TESTS = [
     "tests/unit/test_kernels_logprob.py",
     "tests/unit/test_kernels_lora_gmm.py",
     "tests/unit/test_kernels_replay_gather.py",
+    # the embedded engine with --device cuda against transformers on CUDA
+    "tests/unit/test_device.py",
+    "tests/unit/test_engine_device.py",
+    "tests/integration/test_engine_device_run.py",
 ]
 # the main job: the shipped recipe, 20 steps, trainer on the GPU (moerl.device picks it)
 LAUNCH = ["-m", "moerl.launch", "+recipe=deepseek_moe"]
@@ -68,6 +72,17 @@ def _launch(work: Path, dry: bool) -> list[str]:
     return [PY, *LAUNCH, *size, f"hydra.run.dir={work / 'run'}"]
 
 
+def _engine(work: Path, dry: bool) -> list[str]:
+    # fixed and long-tailed lengths against model.generate on the same device and weights
+    if dry:
+        size = ["--device", "cpu", "--only-generate", "--generate-shape", "tiny",
+                "--prompts", "2", "--reps", "1", "--new-tokens", "4"]  # fmt: skip
+    else:
+        size = ["--device", "cuda", "--only-generate", "--prompts", "32", "--new-tokens", "32",
+                "--reps", "2"]  # fmt: skip
+    return [PY, "tools/bench/engine.py", *size]
+
+
 def _skipped(work: Path, dry: bool) -> list[str]:
     return []
 
@@ -76,14 +91,7 @@ PARTS = [
     Part(1, "pytest -m gpu (kernels vs torch twins)", _pytest, 120, dry_limit_s=60),
     Part(2, "bench kernels on cuda", _kernels, 120, dry_limit_s=60),
     Part(3, "RL step cuda vs cpu", _step, 120, dry_limit_s=90),
-    Part(
-        4,
-        "engine vs model.generate on cuda",
-        _skipped,
-        90,
-        skip="the embedded engine runs on the CPU only (no device option yet); "
-        "tools/bench/engine.py would compare CPU engines",
-    ),  # fmt: skip
+    Part(4, "engine vs model.generate on cuda", _engine, 100, dry_limit_s=90),
     Part(
         5,
         "main job on one GPU (deepseek_moe, 20 steps)",
@@ -140,6 +148,18 @@ def _launch_results(work: Path, log: Path) -> dict[str, Any]:
     return out
 
 
+def _engine_results(work: Path, log: Path) -> dict[str, Any]:
+    # the bench's summary lines: "engine lengths=fixed engine_tok_s=… hf_tok_s=… ratio=…"
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("engine ")]
+    return {"lines": lines[-4:]}
+
+
 def parse_results(number: int, work: Path, log: Path) -> dict[str, Any]:
-    parsers = {1: _pytest_results, 2: _kernels_results, 3: _step_results, 5: _launch_results}
+    parsers = {
+        1: _pytest_results,
+        2: _kernels_results,
+        3: _step_results,
+        4: _engine_results,
+        5: _launch_results,
+    }
     return parsers[number](work, log) if number in parsers else {}

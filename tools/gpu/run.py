@@ -12,10 +12,10 @@ process under its own time limit (``PARTS``), so one hang costs one part:
    gather against the torch code they replace (time, peak memory);
 3. ``tools/gpu/step_parity.py``: one RL step on CUDA against the same step on the CPU,
    fp32 and bf16, tiny and mid shapes;
-4. the embedded engine against ``model.generate`` on CUDA: skipped, the engine runs on
-   the CPU only (it has no device option yet);
-5. the main job (``moerl.launch +recipe=deepseek_moe``) with the trainer on the GPU and
-   its embedded engine beside it: reward curve, s/step, weight-sync seconds from the
+4. ``tools/bench/engine.py --device cuda``: the embedded engine against
+   ``model.generate`` on CUDA, same weights and prompts, fixed and long-tailed lengths;
+5. the main job (``moerl.launch +recipe=deepseek_moe``) with the trainer and its
+   embedded engine on the same GPU (``engine.device=auto``): reward curve, s/step, weight-sync seconds from the
    run's metrics.jsonl, peak GPU memory sampled by nvidia-smi;
 6. ``tools/bench/run_all.py``'s GPU section: skipped, it has none.
 

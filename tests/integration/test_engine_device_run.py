@@ -72,6 +72,7 @@ def test_cuda_without_cuda_fails_at_start_naming_the_flag_and_the_fix(tiny_check
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_greedy_equals_generate_with_routes(tiny_checkpoints, engine_factory):
     from transformers import AutoModelForCausalLM
 
