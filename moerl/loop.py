@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from moerl import device
 from moerl.config.schema import MoerlConfig
+from moerl.config.sync import default_backend
 
 
 @dataclass
@@ -91,7 +92,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         publisher = build_publisher(
             cfg, trainer, client=rollout.client if rollout else None,
             run_coro=rollout.submit if rollout else None, run_dir=ctx.run_dir,
-            backend=cfg.sync.backend or ("nccl" if device.has_cuda() else "gloo"),
+            backend=default_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
         )  # fmt: skip
         if start > 0 or trainer.lora is not None:  # engines start from the initial weights
             _publish(publisher, rollout, trainer.version, initial=True)

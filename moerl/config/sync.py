@@ -16,7 +16,8 @@ class SyncConfig:
     bucket is one broadcast (a larger tensor goes alone)."""
     backend: str | None = None
     """Process-group backend of the trainer→engines group: 'gloo' or 'nccl'; None = nccl with
-    CUDA, gloo without."""
+    CUDA and SGLang servers, gloo otherwise (embedded engines share the trainer's node and,
+    by default, its GPU, where NCCL refuses two ranks on one device)."""
     dtype: str | None = None
     """Cast weights to this dtype before sending (e.g. 'bfloat16' for a bf16 engine);
     None = the trainer's parameter dtype."""
@@ -44,3 +45,10 @@ class SyncConfig:
         if self.every < 1:
             raise ValueError(f"{key}.every={self.every} must be >= 1")
         one_of(f"{key}.adapter_transport", self.adapter_transport, ("tensors", "directory"))
+
+
+def default_backend(sync: SyncConfig, engine_kind: str, has_cuda: bool) -> str:
+    """``sync.backend``, or the default its docstring states."""
+    if sync.backend:
+        return sync.backend
+    return "nccl" if has_cuda and engine_kind == "sglang" else "gloo"
