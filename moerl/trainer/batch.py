@@ -11,6 +11,7 @@ exchange fixed shapes. Tokens are flattened batch-major: index = b · S + s.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from moerl.common.checks import one_of
 from moerl.common.trajectory import Trajectory
+from moerl.device import device
 
 
 @dataclass
@@ -45,6 +47,16 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None  # fp32 [B, S] reference policy (KL term)
     old_logprobs: torch.Tensor | None = None  # fp32 [B, S] π_old, the trainer before the update
     is_weights: torch.Tensor | None = None  # fp32 [B, S] the correction's weights (0 = dropped)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with every tensor on ``device`` (the model's); built on the
+        CPU, it moves once, before its forward."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
     def valid(self) -> torch.Tensor:
         """bool [B, S]: real (non-padding) input tokens."""
@@ -329,7 +341,7 @@ def _packed_groups(
     start = parallel_state.get_data_parallel_rank() * per_rank
     mine = list(range(start, start + per_rank))
     rows = pack_rows([input_len(trajs[i]) for i in mine], row_len)
-    count = torch.tensor([len(rows)])
+    count = torch.tensor([len(rows)], device=device())  # NCCL reduces device tensors
     if dp > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
     total = -(-int(count) // micro_batch_size) * micro_batch_size
@@ -366,7 +378,7 @@ def _by_tokens(
         return [(mine[k : k + rows], seq_len) for k in range(0, len(mine), rows)]
     lengths = [input_len(trajs[i]) for i in mine]
     groups = token_groups(lengths, max_tokens, multiple)
-    count = torch.tensor([len(groups)])
+    count = torch.tensor([len(groups)], device=device())  # NCCL reduces device tensors
     if dp > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
     groups = split_groups(groups, int(count))
@@ -442,6 +454,9 @@ def step_microbatches(
         )
         for g, rows, length in groups
     ]  # fmt: skip
+    target = device()
+    if target.type != "cpu":
+        mbs = [mb.to(target) for mb in mbs]
     return mbs, seq_len
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
+from moerl.device import device
 from moerl.trainer.batch import MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
@@ -90,7 +91,7 @@ def trainer_logprobs(
         for i, index in enumerate(mb.seq_index):
             response = mb.loss_mask if mb.response_mask is None else mb.response_mask
             mine = (mb.seq_ids == i) & response
-            result.logprobs[index] = lp[mine].detach().numpy().copy()
+            result.logprobs[index] = lp[mine].detach().cpu().numpy().copy()
         return logits_BSV.sum() * 0.0, {}
 
     modules = [getattr(c, "module", c) for c in chunks]
@@ -134,7 +135,10 @@ def trainer_logprobs(
         # TP ranks without SP and EP see the same tokens, so count them once (TP rank 0)
         if parallel_state.get_tensor_model_parallel_rank() != 0 and not config.sequence_parallel:
             totals.zero_()
+        on = device()  # NCCL reduces device tensors only
+        totals = totals.to(on)
         dist.all_reduce(totals)
+        totals = totals.cpu()
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result.logprobs if last_stage else {})
         merged: dict[int, np.ndarray] = {}

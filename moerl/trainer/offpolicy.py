@@ -57,7 +57,7 @@ def mismatch_metrics(
     -inf (the key is dropped once reduced)."""
     d_T = trainer_T.detach().double() - behaviour_T.double()
     gap_T = (current_version - versions_T).double()
-    stale_S = torch.zeros(num_seqs, dtype=torch.float64).index_add_(
+    stale_S = torch.zeros(num_seqs, dtype=torch.float64, device=seq_ids_T.device).index_add_(
         0, seq_ids_T, (gap_T > 0).double()
     )
     onpolicy_T = stale_S[seq_ids_T] == 0

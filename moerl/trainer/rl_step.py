@@ -26,6 +26,7 @@ from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
+from moerl.device import device
 from moerl.trainer.batch import Advantage, MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.offpolicy import (
@@ -100,7 +101,7 @@ def _micro_loss(
             mismatch_metrics(lp_T, behaviour_T, mb.versions[m], seq_T, n, current_version)
         )
     metrics["units"] = torch.tensor(float(units))
-    return loss * units, torch.tensor(units, dtype=torch.int), metrics
+    return loss * units, torch.tensor(units, dtype=torch.int, device=loss.device), metrics
 
 
 def _correct(
@@ -118,7 +119,8 @@ def _correct(
     corr = correction_fn(
         CorrectionInput(
             trainer_logprobs_T=old_T.double(), rollout_logprobs_T=behaviour_T.double(),
-            loss_mask_T=torch.ones(len(old_T), dtype=torch.bool), seq_ids_T=mb.seq_ids[m],
+            loss_mask_T=torch.ones(len(old_T), dtype=torch.bool, device=old_T.device),
+            seq_ids_T=mb.seq_ids[m],
             num_seqs=len(mb.seq_index), versions_T=mb.versions[m],
             current_version=current_version, advantages_T=mb.advantages[m].double(),
         )
@@ -140,9 +142,12 @@ def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], group: Any) -> dict[
     )
     peaks = torch.tensor([max(float(o[k]) for o in outputs) for k in maxima], dtype=torch.float64)
     if dist.get_world_size(group) > 1:
+        on = device()  # NCCL reduces device tensors only
+        totals, peaks = totals.to(on), peaks.to(on)
         dist.all_reduce(totals, group=group)
         if maxima:
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        totals, peaks = totals.cpu(), peaks.cpu()
     out = {k: float(totals[1 + i] / totals[0]) for i, k in enumerate(means)}
     out.update({k: float(peaks[i]) for i, k in enumerate(maxima)})
     return finite_metrics(out)
