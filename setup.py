@@ -27,6 +27,10 @@ SGLANG_FRONTEND = ["requests", "aiohttp", "msgspec", "orjson", "pybase64", "pyzm
 # The `math` reward (moerl/tasks/verifiers/math_answer.py): LaTeX and numeric equivalence;
 # `pip install moerl[verify]`. 0.9 is the release tested.
 VERIFY = ["math-verify>=0.9"]  # parse(parsing_timeout=), verify(timeout_seconds=) as tested
+# tools/bench/vs_trl.py runs TRL's GRPOTrainer beside moerl; `pip install moerl[bench]`.
+# Kept out of `test` and `dev`: CI never installs TRL, and the bench and its test skip
+# without it. 1.16 is the release tested.
+BENCH = ["trl>=1.16", "psutil"]
 TEST = [
     "pytest>=8",
     "pytest-timeout",
@@ -96,6 +100,7 @@ setup(
         "kernels": KERNELS,
         "verify": VERIFY,
         "data": DATA,
+        "bench": BENCH,
         "test": TEST,
         "dev": TEST + ["ruff", "mypy", "import-linter"],
     },

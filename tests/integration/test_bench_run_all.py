@@ -109,7 +109,8 @@ def test_report_from_saved_results_covers_every_bench(tmp_path):
     written = report.write_plots(results, tmp_path / "plots")
     # the timeline PNG is copied from the async bench's output dir, absent here
     scaling = {f"scaling_{s}" for s in ("hidden", "experts", "seq", "topk")}
-    assert set(written) == {"reward", "staleness", "mismatch", "weight_sync", "offpolicy"} | scaling
+    drawn = {"reward", "staleness", "mismatch", "weight_sync", "offpolicy", "vs_trl"}
+    assert set(written) == drawn | scaling
     for file in written.values():
         assert _is_png(tmp_path / "plots" / file), file
     results["plots"] = written

@@ -9,7 +9,7 @@ result.json) and nothing else, so a saved results.json renders again anywhere:
 - ``report_markdown(results)``: ``REPORT.md``;
 - ``readme_section(results)``: the "Results" section for README.md.
 
-Targets are the ones the benchmarks print (issues 3, 5, 7, 8, 9, 18); a ratio without a
+Targets are the ones the benchmarks print (issues 3, 5, 7, 8, 9, 18, 26); a ratio without a
 stated target reads "—". Anchors are published numbers with their source and setting;
 ours are ratios on a 2-core CPU with tiny models, never comparable in absolute terms.
 """
@@ -38,6 +38,7 @@ BENCHES = (
     "offpolicy",
     "episodes",
     "scaling",
+    "vs_trl",
 )
 PLOTS = {
     "timeline": "timeline_async.png",
@@ -46,6 +47,7 @@ PLOTS = {
     "mismatch": "mismatch.png",
     "weight_sync": "weight_sync_buckets.png",
     "offpolicy": "offpolicy_reward.png",
+    "vs_trl": "vs_trl_reward.png",
 }
 CAVEAT = (
     "Our numbers are ratios measured side by side on one machine with tiny random models "
@@ -336,6 +338,42 @@ def _scaling(r: dict[str, Any]) -> list[Row]:
                 _status(len(curves), not above) if curves else "—")]  # fmt: skip
 
 
+def _vs_trl(r: dict[str, Any]) -> list[Row]:
+    if r.get("skipped"):
+        return [Row("vs_trl", "moerl vs TRL GRPOTrainer on the main job",
+                    f"n/a ({r['skipped'].split(':')[0]})", "—", "n/a")]  # fmt: skip
+    targets = r.get("targets") or {}
+    trl = r.get("trl") or {}
+
+    def row(metric: str, key: str, detail: str) -> Row:
+        value, target = r.get(key), targets.get(key)
+        return Row("vs_trl", metric, f"{_x(value)} ({detail})",
+                   "—" if target is None else f"≤ {target:g}×",
+                   _status(value, _num(value) is not None and target is not None
+                           and value <= target))  # fmt: skip
+
+    def s(run: str, key: str, digits: int = 2) -> str:
+        v = _num((r.get(run) or {}).get(key))
+        return "n/a" if v is None else f"{v:.{digits}f}"
+
+    steps = f"steps={r.get('steps', '?')}, repeats={r.get('repeats', '?')}"
+    return [
+        row("s/step, moerl sync / TRL", "ratio_sync",
+            f"{s('moerl_sync', 's_step', 3)} s vs {s('trl', 's_step', 3)} s; {steps}"),
+        row("s/step, moerl async (recipe as shipped) / TRL", "ratio_async",
+            f"{s('moerl_async', 's_step', 3)} s vs {s('trl', 's_step', 3)} s"),
+        row("startup (process start to the training loop), moerl / TRL", "startup_ratio",
+            f"{s('moerl', 'startup_s', 1)} s vs {s('trl', 'startup_s', 1)} s"),
+        row("peak RSS of the process tree, moerl / TRL", "memory_ratio",
+            f"{s('moerl', 'peak_rss_mb', 0)} MB vs {s('trl', 'peak_rss_mb', 0)} MB"),
+        Row("vs_trl", f"time to reward {r.get('reward_target', 0.2):g} (s): TRL / moerl sync / "
+            "async", " / ".join(s(n, "time_to_reward_s", 0) for n in ("trl", "moerl_sync",
+                                                                     "moerl_async"))
+            + ("" if _num(trl.get("time_to_reward_s")) is not None else " (n/a: not reached)"),
+            "—", "—"),
+    ]  # fmt: skip
+
+
 HEADLINES = {
     "engine": _engine,
     "async_vs_sync": _async,
@@ -347,6 +385,7 @@ HEADLINES = {
     "kernels": _kernels,
     "episodes": _episodes,
     "scaling": _scaling,
+    "vs_trl": _vs_trl,
 }
 
 
@@ -520,6 +559,26 @@ def plot_offpolicy(r: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_vs_trl(r: dict[str, Any], path: Path) -> Path | None:
+    """Reward vs wall-clock from each process's start, first repeat of each run."""
+    runs = {n: ((r.get(n) or {}).get("runs") or [{}])[0] for n in ("trl", "moerl_sync",
+                                                                   "moerl_async")}  # fmt: skip
+    if not any(run.get("time_s") for run in runs.values()):
+        return None
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for (name, run), color in zip(runs.items(), ["tab:orange", "tab:gray", "tab:blue"]):
+        if run.get("time_s"):
+            ax.plot(run["time_s"], run["reward"], marker=".", color=color, label=name)
+    ax.axhline(r.get("reward_target", 0.2), color="black", linestyle=":", linewidth=1)
+    ax.set_xlabel("wall-clock from process start (s)")
+    ax.set_ylabel("mean reward of the step's batch")
+    ax.set_title("moerl vs TRL GRPOTrainer, same checkpoint and settings")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 @functools.cache
 def _scaling_model():  # type: ignore[no-untyped-def]
     """scaling_model.py beside this file (benches are scripts, not a package)."""
@@ -560,6 +619,7 @@ def write_plots(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
         "mismatch": lambda p: plot_mismatch(_result(results, "mismatch") or {}, p),
         "weight_sync": lambda p: plot_weight_sync(_result(results, "weight_sync") or {}, p),
         "offpolicy": lambda p: plot_offpolicy(_result(results, "offpolicy") or {}, p),
+        "vs_trl": lambda p: plot_vs_trl(_result(results, "vs_trl") or {}, p),
     }
     for kind, job in jobs.items():
         if job(out / PLOTS[kind]) is not None:
@@ -581,6 +641,7 @@ PLOT_TITLES = {
     "scaling_experts": "Cost curves: number of experts",
     "scaling_seq": "Cost curves: sequence length",
     "scaling_topk": "Cost curves: top-k",
+    "vs_trl": "Reward vs wall-clock, moerl and TRL's GRPOTrainer",
 }
 
 

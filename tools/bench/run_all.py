@@ -5,7 +5,7 @@
 
 Benches (each ``tools/bench/<name>.py``, called as ``main([...])``): engine,
 async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes, rewards,
-scaling. Each runs in
+scaling, vs_trl (TRL from the `bench` extra; skipped without it). Each runs in
 a fresh child process (several make their own process a one-rank gloo world, which must
 not leak into the next), in its own session so a timeout (``--timeout-s``, else a
 per-bench default) kills it with everything it started. A bench that fails or times out
@@ -95,6 +95,11 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
     "scaling": (True, {"full": [], "quick": ["--quick"],
                        "smoke": ["--smoke", "--sweeps", "hidden"]},
                 {"full": 2400, "quick": 600, "smoke": 180}),
+    # moerl sync and async against TRL's GRPOTrainer (the `bench` extra; without TRL the
+    # bench records that it was skipped); full: the recipe's 40 steps, 3 alternating rounds
+    "vs_trl": (True, {"full": ["--repeats", "3"], "quick": ["--steps", "8"],
+                      "smoke": ["--quick"]},
+               {"full": 3600, "quick": 600, "smoke": 300}),
 }  # fmt: skip
 NOISE = ("UserWarning", "warnings.warn(", "Writing model shards")
 

@@ -1,0 +1,365 @@
+"""moerl against TRL's GRPOTrainer on the main job: same checkpoint, prompts, reward, G,
+batch, tokens, sampling and optimizer, each run its own process tree.
+
+    python tools/bench/vs_trl.py [--steps 40] [--repeats 1] [--quick] [--threads N]
+                                 [--out DIR]
+
+Writes the tiny DeepSeek-MoE checkpoint once (moerl's tiny-model writer, seed 0) and
+trains it three ways, alternating (trl, moerl_sync, moerl_async, trl, ...) so other work
+on the machine hits all alike (each run records the load average before it):
+
+- trl: `tools/bench/trl_grpo_runner.py`, TRL's GRPOTrainer (transformers' generate);
+- moerl_sync: `python -m moerl.launch +recipe=deepseek_moe model.path=DIR` with
+  `staleness=sync staleness.max_staleness=0` (the explicit bound because on this branch
+  the recipe's `staleness.max_staleness: 1` still wins over `staleness=sync`; the result
+  records each run's largest staleness, which must be 0);
+- moerl_async: the same command as the recipe ships it (max_staleness 1).
+
+Per run: s/step (median step wall time, skipping the first `skip` steps: the first holds
+the first generation and warm-up), sequences/s (32 / s_step), startup (process start to
+the training loop's start: TRL's on_train_begin, moerl's loop clock; first_step_s is to
+the first step's end), time to reward 0.2 (process start to the end of the first step
+whose trailing 3-step mean reward is >= 0.2; None if never), peak RSS of the whole
+process tree (summed over the process and all its children, polled every 0.2 s: shared
+pages such as torch's libraries count once per process) and the reward curve. Medians
+over the repeats, then one line
+
+    vs_trl trl_s_step=… moerl_sync_s_step=… moerl_async_s_step=… ratio_sync=…
+    ratio_async=… startup_ratio=… memory_ratio=…
+
+ratios = moerl / TRL: ratio_sync and ratio_async of s/step, startup_ratio of the median
+startup over all moerl runs, memory_ratio of the larger of the two moerl peaks. Targets
+(printed beside, not asserted): ratio_sync <= 1.0, ratio_async <= 0.8, startup_ratio <=
+1.5, memory_ratio <= 1.5.
+
+What differs (a reader must know): TRL samples with transformers' `generate` in its own
+process, alternating with training; moerl with its embedded engine process (KV cache,
+continuous batching) and, async, overlapping generation with training. Loss: both are
+GRPO advantages (group mean, Bessel std; eps 1e-4 in TRL, 1e-6 in moerl) into a PPO
+clip 0.2 with a token mean over the batch, beta 0; moerl's recipe recomputes the old
+policy's log-probs (one extra forward per step) and weights tokens by truncated IS
+min(pi_old/mu, 2) against the engine's log-probs; TRL with one update per generation
+takes the ratio against its own detached log-probs (1) and has no IS. moerl trains 32
+micro-batches of one sequence (parallel.micro_batch_size=1), TRL one batch of 32.
+moerl's router updates the expert bias (aux-loss-free balancing) and replays the
+engine's routes; transformers keeps the bias fixed. AdamW: HF exempts biases and norm
+weights from weight decay, megatron biases and 1-D params. TRL skips the step-0
+learning rate of 0 exactly as megatron does (both warm up linearly from 0 over 2 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RECIPE = "deepseek_moe"
+BATCH = 32  # sequences per optimizer step (4 prompts x G=8), the recipe's and the runner's
+REWARD_TARGET = 0.2
+REWARD_WINDOW = 3
+RUNS = ("trl", "moerl_sync", "moerl_async")
+TARGETS = {"ratio_sync": 1.0, "ratio_async": 0.8, "startup_ratio": 1.5, "memory_ratio": 1.5}
+MISSING = "TRL is not installed: pip install -e '.[bench]' (or 'trl>=1.16')"
+
+
+def trl_missing() -> str | None:
+    """Why the bench cannot run, or None."""
+    return MISSING if importlib.util.find_spec("trl") is None else None
+
+
+def write_checkpoint(out: Path, seed: int) -> Path:
+    """The recipe's tiny DeepSeek-MoE (conf/model/deepseek_moe_tiny.yaml), random weights
+    from `seed`, as an HF checkpoint both sides load."""
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    return save_tiny_checkpoint(tiny_config("deepseek_moe"), out, seed=seed)
+
+
+class TreeMemory:
+    """Peak summed RSS of a process and all its descendants, polled in a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.2) -> None:
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_bytes, self.peak_procs = 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for proc in procs:
+                try:
+                    total += proc.memory_info().rss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue  # ended between the listing and the read
+            if total > self.peak_bytes:
+                self.peak_bytes, self.peak_procs = total, len(procs)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Steps:
+    """One run's clock, from its own records: unix times of the loop's start and of each
+    step's end, and each step's mean reward."""
+
+    begin: float
+    ends: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    staleness_max: float | None = None
+
+
+def read_trl(out: Path) -> Steps:
+    lines = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x]
+    begin = next(x["wall_time"] for x in lines if x.get("event") == "train_begin")
+    steps = sorted((x for x in lines if "step" in x), key=lambda x: x["step"])
+    return Steps(begin, [x["wall_time"] for x in steps], [x["reward"] for x in steps])
+
+
+def read_moerl(run_dir: Path) -> Steps:
+    from moerl.telemetry.metrics import read_metrics
+
+    metrics = read_metrics(run_dir)
+    # time_s counts from the loop's start (telemetry.runlog), wall_time is the same clock
+    begin = metrics[0]["wall_time"] - metrics[0]["time_s"]
+    return Steps(
+        begin,
+        [m["wall_time"] for m in metrics],
+        [m["reward_mean"] for m in metrics],
+        max(m["staleness_max"] for m in metrics),
+    )
+
+
+def time_to_reward(steps: Steps, start: float) -> float | None:
+    """Seconds from `start` to the end of the first step whose trailing mean reward over
+    REWARD_WINDOW steps reaches REWARD_TARGET."""
+    r = np.asarray(steps.rewards, dtype=float)
+    for i in range(REWARD_WINDOW - 1, len(r)):
+        if r[i - REWARD_WINDOW + 1 : i + 1].mean() >= REWARD_TARGET:
+            return steps.ends[i] - start
+    return None
+
+
+def summarize(steps: Steps, start: float, skip: int) -> dict[str, Any]:
+    """A run's numbers from its step clock (`start`: unix time the process started)."""
+    durations = np.diff([steps.begin, *steps.ends])
+    steady = durations[skip:] if len(durations) > skip else durations
+    s_step = float(np.median(steady))
+    return {
+        "steps": len(steps.ends),
+        "s_step": s_step,
+        "seq_per_s": BATCH / s_step,
+        "startup_s": steps.begin - start,
+        "first_step_s": steps.ends[0] - start,
+        "time_to_reward_s": time_to_reward(steps, start),
+        "reward_last": float(np.mean(steps.rewards[-REWARD_WINDOW:])),
+        "staleness_max": steps.staleness_max,
+        "step_s": [float(d) for d in durations],
+        "time_s": [float(t - start) for t in steps.ends],  # from the process's start
+        "reward": [float(x) for x in steps.rewards],
+    }
+
+
+def command(name: str, ckpt: Path, steps: int, out: Path, threads: int | None) -> list[str]:
+    if name == "trl":
+        cmd = [sys.executable, str(HERE / "trl_grpo_runner.py"), "--model", str(ckpt),
+               "--steps", str(steps), "--out", str(out)]  # fmt: skip
+        return cmd + (["--threads", str(threads)] if threads else [])
+    cmd = [sys.executable, "-m", "moerl.launch", f"+recipe={RECIPE}", f"model.path={ckpt}",
+           f"trainer.train_iters={steps}", f"hydra.run.dir={out}"]  # fmt: skip
+    if threads:
+        cmd.append(f"launcher.threads={threads}")
+    if name == "moerl_sync":
+        # staleness.max_staleness=0 as well: the recipe's own bound still beats staleness=sync
+        cmd += ["staleness=sync", "staleness.max_staleness=0"]
+    return cmd
+
+
+def run_once(name: str, cmd: list[str], out: Path, timeout_s: int) -> tuple[float, TreeMemory]:
+    """Run `cmd` in its own session, polling its tree's memory; (start unix time, memory).
+    Raises RuntimeError with the log's tail when it fails or times out."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as sink:
+        start = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        memory = TreeMemory(proc.pid)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run's own group: ranks, engines
+            proc.wait()
+            rc = None
+        finally:
+            memory.stop()
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        why = f"timed out after {timeout_s}s" if rc is None else f"exited with {rc}"
+        raise RuntimeError(f"{name} {why}; {log}:\n{tail}")
+    return start, memory
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "None" if value is None else f"{value:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the three runs")
+    parser.add_argument("--quick", action="store_true", help="3 steps (smoke test)")
+    parser.add_argument("--skip", type=int, default=None,
+                        help="steps left out of s/step (default 2, 1 below 6 steps)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of TRL and of moerl's trainer (default: all cores)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the checkpoint's weights")
+    parser.add_argument("--timeout-s", type=int, default=1800, help="per run")
+    parser.add_argument("--out", type=Path, help="result.json, the runs and their logs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = 3
+    if args.steps < 3:  # the recipe's 2 warmup steps must be shorter than the schedule
+        parser.error(f"--steps={args.steps}: at least 3 (the recipe warms up for 2)")
+    skip = args.skip if args.skip is not None else (2 if args.steps >= 6 else 1)
+
+    missing = trl_missing()
+    if missing is not None:
+        print(f"vs_trl skipped: {missing}", flush=True)
+        result: dict[str, Any] = {"skipped": missing}
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    root = args.out / "runs" if args.out else Path(tempfile.mkdtemp(prefix="moerl-vs-trl-"))
+    if args.out is not None and root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
+    try:
+        ckpt = write_checkpoint(root / "ckpt", args.seed)
+        print(f"vs_trl: steps={args.steps} repeats={args.repeats} skip={skip} "
+              f"threads={args.threads or os.cpu_count()} checkpoint={ckpt}", flush=True)  # fmt: skip
+        for rep in range(args.repeats):
+            for name in RUNS:  # alternating, so load from other work hits all three alike
+                out = root / f"{name}{rep}"
+                cmd = command(name, ckpt, args.steps, out, args.threads)
+                load = os.getloadavg()[0]
+                start, memory = run_once(name, cmd, out, args.timeout_s)
+                steps = read_trl(out) if name == "trl" else read_moerl(out)
+                run = {
+                    "loadavg_1m_before": load,
+                    "peak_rss_mb": memory.peak_bytes / 2**20,
+                    "peak_procs": memory.peak_procs,
+                    **summarize(steps, start, skip),
+                }
+                runs[name].append(run)
+                print(f"{name}[{rep}]: s_step={run['s_step']:.3f} startup_s="
+                      f"{run['startup_s']:.1f} peak_rss_mb={run['peak_rss_mb']:.0f} "
+                      f"time_to_reward_s={fmt(run['time_to_reward_s'], 1)} "
+                      f"reward_last={run['reward_last']:.3f} load={load:.2f}", flush=True)  # fmt: skip
+    finally:
+        if args.out is None:
+            shutil.rmtree(root, ignore_errors=True)
+    result = report(runs, args, skip)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def median(values: list[Any]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.median(kept)) if kept else None
+
+
+def report(
+    runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, skip: int
+) -> dict[str, Any]:
+    """Medians per run kind, the ratios, the summary line; the result.json dict."""
+    from importlib import metadata
+
+    keys = ("s_step", "seq_per_s", "startup_s", "first_step_s", "time_to_reward_s",
+            "peak_rss_mb", "reward_last", "loadavg_1m_before")  # fmt: skip
+    result: dict[str, Any] = {
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "skip": skip,
+        "threads": args.threads or os.cpu_count(),
+        "batch": BATCH,
+        "reward_target": REWARD_TARGET,
+        "targets": TARGETS,
+        "versions": {d: metadata.version(d) for d in ("trl", "transformers", "torch")},
+    }
+    for name, rs in runs.items():
+        result[name] = {k: median([r[k] for r in rs]) for k in keys} | {"runs": rs}
+        result[name]["staleness_max"] = max((r["staleness_max"] or 0.0) for r in rs)
+    trl, sync, asyn = (result[n] for n in RUNS)
+    # the mode does not change start-up: every moerl run counts; memory: the larger mode
+    result["moerl"] = {
+        "startup_s": median([r["startup_s"] for n in RUNS[1:] for r in runs[n]]),
+        "peak_rss_mb": max(sync["peak_rss_mb"], asyn["peak_rss_mb"]),
+    }
+    result["ratio_sync"] = sync["s_step"] / trl["s_step"]
+    result["ratio_async"] = asyn["s_step"] / trl["s_step"]
+    result["startup_ratio"] = result["moerl"]["startup_s"] / trl["startup_s"]
+    result["memory_ratio"] = result["moerl"]["peak_rss_mb"] / trl["peak_rss_mb"]
+    print(
+        f"vs_trl trl_s_step={trl['s_step']:.3f} moerl_sync_s_step={sync['s_step']:.3f} "
+        f"moerl_async_s_step={asyn['s_step']:.3f} ratio_sync={result['ratio_sync']:.2f} "
+        f"ratio_async={result['ratio_async']:.2f} startup_ratio={result['startup_ratio']:.2f} "
+        f"memory_ratio={result['memory_ratio']:.2f} "
+        f"(targets: ratio_sync <= {TARGETS['ratio_sync']}, ratio_async <= "
+        f"{TARGETS['ratio_async']}, startup_ratio <= {TARGETS['startup_ratio']}, memory_ratio "
+        f"<= {TARGETS['memory_ratio']}; steps={args.steps}, repeats={args.repeats})",
+        flush=True,
+    )
+    print(
+        "vs_trl time_to_reward_s "
+        + " ".join(f"{n}={fmt(result[n]['time_to_reward_s'], 1)}" for n in RUNS)
+        + " startup_s "
+        + " ".join(f"{n}={result[n]['startup_s']:.1f}" for n in RUNS)
+        + " peak_rss_mb "
+        + " ".join(f"{n}={result[n]['peak_rss_mb']:.0f}" for n in RUNS)
+        + f" moerl_sync_staleness_max={sync['staleness_max']:g}",
+        flush=True,
+    )
+    if sync["staleness_max"] != 0:
+        print(f"vs_trl WARNING: the sync runs trained on stale tokens (staleness_max="
+              f"{sync['staleness_max']:g}); they were not synchronous", flush=True)  # fmt: skip
+    return result
+
+
+if __name__ == "__main__":
+    main()
