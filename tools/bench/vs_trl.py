@@ -9,10 +9,8 @@ trains it three ways, alternating (trl, moerl_sync, moerl_async, trl, ...) so ot
 on the machine hits all alike (each run records the load average before it):
 
 - trl: `tools/bench/trl_grpo_runner.py`, TRL's GRPOTrainer (transformers' generate);
-- moerl_sync: `python -m moerl.launch +recipe=deepseek_moe model.path=DIR` with
-  `staleness=sync staleness.max_staleness=0` (the explicit bound because on this branch
-  the recipe's `staleness.max_staleness: 1` still wins over `staleness=sync`; the result
-  records each run's largest staleness, which must be 0);
+- moerl_sync: `python -m moerl.launch +recipe=deepseek_moe model.path=DIR staleness=sync`
+  (the result records each run's largest staleness, which must be 0);
 - moerl_async: the same command as the recipe ships it (max_staleness 1).
 
 Per run: s/step (median step wall time, skipping the first `skip` steps: the first holds
@@ -36,11 +34,12 @@ What differs (a reader must know): TRL samples with transformers' `generate` in 
 process, alternating with training; moerl with its embedded engine process (KV cache,
 continuous batching) and, async, overlapping generation with training. Loss: both are
 GRPO advantages (group mean, Bessel std; eps 1e-4 in TRL, 1e-6 in moerl) into a PPO
-clip 0.2 with a token mean over the batch, beta 0; moerl's recipe recomputes the old
-policy's log-probs (one extra forward per step) and weights tokens by truncated IS
+clip 0.2 with a token mean over the batch, beta 0; moerl's recipe takes the old policy's
+log-probs from the training forward (no extra forward) and weights tokens by truncated IS
 min(pi_old/mu, 2) against the engine's log-probs; TRL with one update per generation
-takes the ratio against its own detached log-probs (1) and has no IS. moerl trains 32
-micro-batches of one sequence (parallel.micro_batch_size=1), TRL one batch of 32.
+takes the ratio against its own detached log-probs (1) and has no IS. moerl packs the 32
+sequences into micro-batches of trainer.max_tokens_per_microbatch padded tokens (one
+here), TRL one batch of 32.
 moerl's router updates the expert bias (aux-loss-free balancing) and replays the
 engine's routes; transformers keeps the bias fixed. AdamW: HF exempts biases and norm
 weights from weight decay, megatron biases and 1-D params. TRL skips the step-0
@@ -200,8 +199,7 @@ def command(name: str, ckpt: Path, steps: int, out: Path, threads: int | None) -
     if threads:
         cmd.append(f"launcher.threads={threads}")
     if name == "moerl_sync":
-        # staleness.max_staleness=0 as well: the recipe's own bound still beats staleness=sync
-        cmd += ["staleness=sync", "staleness.max_staleness=0"]
+        cmd.append("staleness=sync")
     return cmd
 
 

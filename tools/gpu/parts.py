@@ -1,8 +1,9 @@
 """The parts tools/gpu/run.py runs: each one's command, time limit and result parser.
 
 Budgets (seconds of device time, the 8-minute plan of issue 28; a rerun must fit the
-15 minutes too): install 30, part 1 120, part 2 120, part 3 120, part 4 100, part 5 150.
-Part 6 is skipped with its reason. ``dry_limit_s`` bounds the CPU dry run.
+15 minutes too): install 30, part 1 120, part 2 120, part 3 180 (the CPU side of the mid
+bf16 step is slow: 120 s ran out there on an H100 machine), part 4 100, part 5 150. Part 6
+is skipped with its reason. ``dry_limit_s`` bounds the CPU dry run.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _skipped(work: Path, dry: bool) -> list[str]:
 PARTS = [
     Part(1, "pytest -m gpu (kernels vs torch twins)", _pytest, 120, dry_limit_s=60),
     Part(2, "bench kernels on cuda", _kernels, 120, dry_limit_s=60),
-    Part(3, "RL step cuda vs cpu", _step, 120, dry_limit_s=90),
+    Part(3, "RL step cuda vs cpu", _step, 180, dry_limit_s=90),
     Part(4, "engine vs model.generate on cuda", _engine, 100, dry_limit_s=90),
     Part(
         5,
