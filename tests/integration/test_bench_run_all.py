@@ -118,7 +118,8 @@ def test_report_from_saved_results_covers_every_bench(tmp_path):
     assert _table_benches(page) == set(report.BENCHES)
     section = report.readme_section(results, "bench/plots")
     assert section.startswith("## Results\n") and "### Published anchors" in section
-    assert "Not yet run on a GPU" in section
+    # a CPU run's GPU section shows the committed run of tools/gpu/run.py
+    assert "bash tools/gpu/run.sh" in section.split("### GPU")[1]
     assert "(bench/plots/mismatch.png)" in section
     assert "## Cost curves (log-log exponents)" in page and "![scaling_seq](plots/" in page
     readme = "intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n"
@@ -174,3 +175,23 @@ def test_merge_replaces_only_the_benches_run(tmp_path):
     assert results["machine"] == before["machine"]
     line = (tmp_path / "REPORT.md").read_text().split("Machine: ")[1].splitlines()[0]
     assert "; kernels re-measured at commit " in line and "mode smoke" in line
+
+
+def test_committed_gpu_run_renders_with_its_baselines(tmp_path):
+    """bench/gpu/results.json (tools/gpu/run.py on a GPU machine) becomes the GPU section:
+    each figure beside its baseline and the status its target gives."""
+    report = _module("report")
+    run = json.loads(report.GPU_RUN.read_text())
+    run["part2_kernels"] = {
+        "lora_gmm@E8": {"kernel_ms": 1.0, "torch_ms": 3.0, "speedup": 3.0,
+                        "kernel_peak_mb": 1.0, "torch_peak_mb": 1.0, "mem_ratio": 1.0},
+        "fused_logprobs@T": {"kernel_ms": 2.0, "torch_ms": 1.0, "speedup": 0.5,
+                             "kernel_peak_mb": 1.0, "torch_peak_mb": 9.0, "mem_ratio": 9.0},
+    }  # fmt: skip
+    run["part5_main_job"]["reward_mean"] = [0.01, 0.02, 0.2, 0.2, 0.2]
+    text = report._gpu_run(run)
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["lora_gmm E8: time; peak memory"].endswith("| ≥ 1× | met |")
+    assert rows["fused_logprobs T: time; peak memory"].endswith("| not met |")  # 0.5× time
+    main = [r for k, r in rows.items() if k.startswith("`+recipe=deepseek_moe`")][0]
+    assert "0.010 → 0.200" in main and main.endswith("| met |")
