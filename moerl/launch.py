@@ -149,7 +149,9 @@ def engine_flags(engine: Any) -> list[str]:
     return [*flags, "--prefix-cache-max-tokens", str(engine.prefix_cache_max_tokens)]
 
 
-def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], list[Any]]:
+def start_engines(
+    cfg: Any, hf_dir: Path, run_dir: Path, wait: bool = True
+) -> tuple[list[str], list[Any]]:
     """Engine URLs and the processes moerl owns (embedded engines only)."""
     if cfg.engine.kind == "sglang":
         return list(cfg.engine.urls), []
@@ -179,6 +181,7 @@ def start_engines(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], lis
                 threads=cfg.engine.threads,
                 log_path=log_dir(run_dir) / f"engine{i}.log",
                 startup_timeout_s=cfg.engine.startup_timeout_s,
+                wait=wait,
             )  # fmt: skip
         )
     return [p.url for p in procs], procs
@@ -245,7 +248,9 @@ def run_rank(cfg: Any, run_dir: str) -> None:
         info: list[Any] = [None]
         if dist.get_rank() == 0:
             hf_dir = prepare_checkpoint(cfg, root)
-            urls, engines = start_engines(cfg, hf_dir, root)
+            # the engines load while this rank builds its trainer; run_training waits for
+            # them before the first request
+            urls, engines = start_engines(cfg, hf_dir, root, wait=False)
             procs += engines
             reward_urls, reward_procs = start_reward_engines(cfg, root)
             procs += reward_procs

@@ -78,6 +78,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         cfg.model, cfg.parallel, cfg.trainer, cfg.algo, cfg.correction, hf_dir=ctx.hf_dir,
         lora=cfg.lora,
     )  # fmt: skip
+    for engine in ctx.engines:  # started by the launcher while the trainer was built
+        engine.wait_healthy()
     start, last = trainer.version, cfg.trainer.train_iters - 1
     scatter = BatchScatter(cfg.trainer.minibatches)  # each data-parallel rank its shard
     rollout = None

@@ -33,7 +33,10 @@ class EngineProcess:
         port: int | None = None,
         log_path: str | Path | None = None,
         startup_timeout_s: float = 120.0,
+        wait: bool = True,
     ) -> None:
+        """``wait`` False: return once the process is started; ``wait_healthy()`` later
+        (the launcher builds the trainer meanwhile)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -53,7 +56,13 @@ class EngineProcess:
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
         self._spawn()
-        self._wait_healthy(startup_timeout_s)
+        if wait:
+            self._wait_healthy(startup_timeout_s)
+
+    def wait_healthy(self) -> None:
+        """Block until ``/health`` answers 200 (within ``startup_timeout_s`` of now); an
+        engine that exits first raises with its log's tail."""
+        self._wait_healthy(self.startup_timeout_s)
 
     def _spawn(self) -> None:
         self.proc = subprocess.Popen(

@@ -122,9 +122,10 @@ def test_report_from_saved_results_covers_every_bench(tmp_path):
     assert "bash tools/gpu/run.sh" in section.split("### GPU")[1]
     assert "(bench/plots/mismatch.png)" in section
     assert "## Cost curves (log-log exponents)" in page and "![scaling_seq](plots/" in page
-    readme = "intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n"
+    readme = "intro\n<!-- results:start -->\nOLD-SECTION\n<!-- results:end -->\nrest\n"
     replaced = report.replace_section(readme, section)
-    assert replaced is not None and "old" not in replaced and replaced.endswith("rest\n")
+    assert replaced is not None and "OLD-SECTION" not in replaced
+    assert replaced.endswith("rest\n")
     assert report.replace_section("no markers here", section) is None
 
 

@@ -75,3 +75,20 @@ def test_sigterm_stops_an_engine_with_a_request_in_flight(launched):
     thread.join()
     r = box["r"]
     assert isinstance(r, httpx.HTTPError) or r.status_code == 503
+
+
+def test_an_engine_started_without_waiting_is_waited_for_later(tmp_path, tiny_checkpoints):
+    """The launcher starts its engines without waiting (the trainer builds meanwhile):
+    ``wait_healthy`` then returns once /health answers, and an engine that exits at
+    start-up raises there with its log's tail."""
+    from moerl.engine.process import EngineProcess
+
+    with EngineProcess(tiny_checkpoints["deepseek_moe"], wait=False) as engine:
+        engine.wait_healthy()
+        assert httpx.get(f"{engine.url}/health", timeout=5).status_code in (200, 401)
+    broken = EngineProcess(tmp_path / "no-such-model", wait=False, startup_timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="engine exited with code"):
+            broken.wait_healthy()
+    finally:
+        broken.close()

@@ -17,8 +17,8 @@ ours are ratios on a 2-core CPU with tiny models, never comparable in absolute t
 from __future__ import annotations
 
 import functools
-import json
 import importlib.util
+import json
 import math
 import shutil
 import sys
