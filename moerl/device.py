@@ -8,11 +8,12 @@ megatron-core's own ``torch.cuda`` calls safe.
 from __future__ import annotations
 
 import os
-import re
 import statistics
 from collections.abc import Callable
 
 import torch
+
+from moerl.common.checks import DEVICE_NAMES, check_device_name  # noqa: F401 (re-exported)
 
 
 def has_cuda() -> bool:
@@ -28,17 +29,6 @@ def device() -> torch.device:
     if has_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-DEVICE_NAMES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def check_device_name(key: str, name: object) -> None:
-    """``name`` is one of ``DEVICE_NAMES`` (ValueError naming ``key`` otherwise); whether
-    this machine has that device is ``resolve``'s question, asked where it runs."""
-    if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
-        raise ValueError(f"{key}={name!r} is not a device; choose {DEVICE_NAMES}")
 
 
 def resolve(name: str, key: str = "--device") -> torch.device:

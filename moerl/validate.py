@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from moerl.algo.check import check_algo_config
 from moerl.common.checks import (
     at_least,
+    check_device_name,
     finite,
     non_negative_int,
     one_of,
@@ -31,7 +32,6 @@ from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.trainer import DTYPES, LR_SCHEDULES, TrainerConfig
-from moerl.device import check_device_name
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 OPTIMIZER_NUMBERS = (

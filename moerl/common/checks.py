@@ -7,6 +7,7 @@ of strings or an Enum type (its members' values), and one copy of the range help
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from enum import Enum
 
@@ -58,3 +59,15 @@ def positive_seconds(key: str, value: object) -> None:
     """A finite number of seconds > 0."""
     finite(key, value)
     at_least(key, value, 0.0, strict=True)  # type: ignore[arg-type]
+
+
+DEVICE_NAMES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device_name(key: str, name: object) -> None:
+    """``name`` is one of ``DEVICE_NAMES`` (ValueError naming ``key`` otherwise); whether
+    this machine has that device is ``moerl.device.resolve``'s question, asked where it
+    runs. Torch-free, so validation does not import torch."""
+    if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"{key}={name!r} is not a device; choose {DEVICE_NAMES}")
