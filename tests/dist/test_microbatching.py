@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from offpolicy_rollouts_for_tests import noisy_trajectories
 
 from moerl.checks.replay import collect_rollouts
 from moerl.parallel import parse_layout, spawn
@@ -25,21 +23,7 @@ from moerl.parallel import parse_layout, spawn
 BUDGET = 48
 
 
-def _trajectories(rollouts: str) -> list:
-    """Rollouts with rewards, groups of two and μ moved off the trainer (seeded noise),
-    so the IS weights differ from 1 and some truncate."""
-    from moerl.common.trajectory import load_jsonl
-
-    trajs = load_jsonl(rollouts)
-    rng = np.random.default_rng(0)
-    for i, t in enumerate(trajs):
-        t.reward = float(np.mean(t.response_ids % 2 == 0))
-        t.group_id = i // 2
-        eps = (0.3 * rng.normal(size=t.response_len)).astype(np.float32)
-        t.response_logprobs = t.response_logprobs + eps
-        if t.sampling_logprobs is not None:
-            t.sampling_logprobs = t.sampling_logprobs + eps
-    return trajs
+_trajectories = noisy_trajectories
 
 
 def _correction(name: str):  # type: ignore[no-untyped-def]
@@ -169,6 +153,4 @@ def test_token_budget_with_expert_and_data_parallelism(runs):
     assert sorted(r["dp_rank"] for r in ep2) == [0, 1]
     assert sum(rows for r in ep2 for rows, _ in r["shapes"]) == 8
     assert ep2[0]["metrics"]["loss"] == pytest.approx(single["metrics"]["loss"], rel=1e-5)
-    assert ep2[0]["metrics"]["grad_norm"] == pytest.approx(
-        single["metrics"]["grad_norm"], rel=1e-4
-    )
+    assert ep2[0]["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"], rel=1e-4)

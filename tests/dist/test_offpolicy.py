@@ -10,26 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
+from offpolicy_rollouts_for_tests import noisy_trajectories
 
-from moerl.parallel import parse_layout, spawn
 from moerl.checks.replay import collect_rollouts
+from moerl.parallel import parse_layout, spawn
 
-
-def _trajectories(rollouts: str) -> list:
-    """Rollouts with rewards, groups of two and μ moved off the trainer (seeded noise),
-    so the IS weights differ from 1."""
-    from moerl.common.trajectory import load_jsonl
-
-    trajs = load_jsonl(rollouts)
-    rng = np.random.default_rng(0)
-    for i, t in enumerate(trajs):
-        t.reward = float(np.mean(t.response_ids % 2 == 0))
-        t.group_id = i // 2
-        eps = (0.3 * rng.normal(size=t.response_len)).astype(np.float32)
-        t.response_logprobs = t.response_logprobs + eps
-        if t.sampling_logprobs is not None:
-            t.sampling_logprobs = t.sampling_logprobs + eps
-    return trajs
+_trajectories = noisy_trajectories
 
 
 def _trainer(hf_dir: str, layout: str, micro_batch_size: int, minibatches: int, norm: bool = False):  # type: ignore[no-untyped-def]

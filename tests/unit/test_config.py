@@ -283,3 +283,29 @@ def test_dr_grpo_takes_the_rollout_length_as_its_normaliser() -> None:
     )
     assert (cfg.algo.loss.agg, cfg.algo.loss.norm_length) == ("seq_mean_token_sum_norm", 12)
     assert cfg.algo.old_policy == "recompute"
+
+
+# engine.device: validated at start-up, and passed to every embedded engine (the run's,
+# the evaluator's through engine_flags, the reward model's) as --device.
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
+def test_engine_device_reaches_the_engine_flags(device: str) -> None:
+    from moerl.engine.__main__ import parse_args
+    from moerl.launch import engine_flags
+
+    cfg = validate_config(_compose(f"engine.device={device}"), world_size=1)
+    flags = engine_flags(cfg.engine)
+    assert flags[flags.index("--device") + 1] == device
+    if device in ("auto", "cpu"):  # parse_args checks the device exists on this machine
+        assert parse_args(["--model-path", "m", *flags]).device == device
+
+
+def test_engine_device_defaults_to_auto() -> None:
+    assert _compose().engine.device == "auto"
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:0"])
+def test_a_bad_engine_device_names_the_key_and_the_choices(device: str) -> None:
+    with pytest.raises(ValueError, match=rf"engine.device='{device}' .*'auto', 'cpu', 'cuda'"):
+        validate_config(_compose(f"engine.device={device}"), world_size=1)
