@@ -28,6 +28,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert sorted(parts) == ["1", "2", "3", "4", "5", "6"]
     assert {p["status"] for p in parts.values()} <= {"ok", "skipped"}, parts
     assert "skipped" in parts["1"]["results"]["pytest"]  # the kernels' GPU tests, collected
+    assert parts["6"]["results"]["benches"] == {"kernels": "ok"}  # run_all's kernel section
     assert any(k.startswith("fused_logprobs") for k in parts["2"]["results"])
     assert parts["3"]["results"]["tiny/fp32"]["ok"]
     assert parts["5"]["results"]["steps"] == 2

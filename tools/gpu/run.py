@@ -17,7 +17,8 @@ process under its own time limit (``PARTS``), so one hang costs one part:
 5. the main job (``moerl.launch +recipe=deepseek_moe``) with the trainer and its
    embedded engine on the same GPU (``engine.device=auto``): reward curve, s/step, weight-sync seconds from the
    run's metrics.jsonl, peak GPU memory sampled by nvidia-smi;
-6. ``tools/bench/run_all.py``'s GPU section: skipped, it has none.
+6. ``tools/bench/run_all.py --quick --only kernels``: the suite's GPU section, the
+   kernel rows the report renders for a CUDA machine.
 
 Each part's output goes to ``DIR/partN.log`` as it runs (and to stdout); ``DIR/summary.json``
 holds every part's status, seconds and parsed results, and the last lines printed are a
