@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moerl.common.trajectory import Trajectory
@@ -76,8 +78,13 @@ class EvalRunner:
         reward_workers: int = 4,
         version: int = 0,
         timeline: Timeline | None = None,
+        log_path: Path | None = None,
     ) -> None:
+        """``log_path``: one JSON line per finished eval (its step, version and numbers),
+        so none is lost when two finish between two metrics lines (``pop_metrics`` then
+        reports the newer)."""
         self.client, self.cfg, self.timeline = client, cfg, timeline
+        self.log_path = log_path
         self.version = int(version)
         """The policy version the engines serve (after_update)."""
         self._sampling = eval_sampling(cfg, rollout_params)
@@ -133,6 +140,9 @@ class EvalRunner:
         try:
             metrics = await self.evaluate(step)
             self._ready.update(metrics)  # after the await: pop_metrics() swaps the dict
+            if self.log_path is not None:
+                with self.log_path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": step, **metrics}) + "\n")
             self._counts["done"] += 1
         except asyncio.CancelledError:
             raise

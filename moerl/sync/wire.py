@@ -33,6 +33,10 @@ from moerl.sync.stream import Bucket
 RunCoro = Callable[[Coroutine[Any, Any, Any]], "concurrent.futures.Future[Any]"]
 
 
+# seconds a broadcast may take to complete here after an engine already refused its bucket
+REFUSAL_GRACE_S = 5.0
+
+
 class WeightSyncError(RuntimeError):
     """A weight sync could not start or an engine refused a bucket; says which and why."""
 
@@ -137,6 +141,13 @@ class Wire:
         deadline = time.monotonic() + self.timeout_s
         while not flight.wire.done():
             if flight.http.done() and flight.http.exception() is not None:
+                # an engine that received the bucket and then refused it can answer before
+                # this side marks the broadcast done (seen on busy cores): give the wire a
+                # grace period before calling the group out of step
+                grace = min(REFUSAL_GRACE_S, max(0.0, deadline - time.monotonic()))
+                concurrent.futures.wait([flight.wire], timeout=grace)
+                if flight.wire.done():
+                    break
                 # the engine answered without receiving: the group is out of step for good
                 self.broken = True
                 raise WeightSyncError(

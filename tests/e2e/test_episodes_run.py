@@ -29,8 +29,12 @@ def test_guess_number_recipe_plays_several_turns(tmp_path):
             "trainer.global_batch_size=16", "telemetry.flip_every=0", recipe="guess_number")  # fmt: skip
     m = read_metrics(run)
     assert [r["step"] for r in m] == [0, 1]
-    assert all(r["episode/turns_mean"] > 1.0 for r in m)
-    assert all(r["episode/tool_calls"] > 0 for r in m)
+    # the rollout side reports the episodes finished since the last step: with a fast
+    # step the second batch may come entirely from groups finished before the first
+    played = [r for r in m if "episode/turns_mean" in r]
+    assert played and played[0]["step"] == 0
+    assert all(r["episode/turns_mean"] > 1.0 for r in played)
+    assert all(r["episode/tool_calls"] > 0 for r in played)
 
 
 @pytest.mark.slow

@@ -34,12 +34,17 @@ def test_eval_runs_beside_training_and_offline(tmp_path):
     _run("moerl.launch", run, "trainer.train_iters=4", "eval.every=2", *SMALL_EVAL)
     m = read_metrics(run)
     assert [r["step"] for r in m] == [0, 1, 2, 3]
-    evals = [r for r in m if f"{SET}/pass@1" in r]
-    # launched after steps 1 and 3 on the pushed policies (versions 2 and 4)
+    # every finished eval has a line in eval.jsonl: launched after steps 1 and 3 on the
+    # pushed policies (versions 2 and 4)
+    lines = (run / "eval.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in lines]
     assert [(r[f"{SET}/step"], r[f"{SET}/version"]) for r in evals] == [(1.0, 2.0), (3.0, 4.0)]
-    # the first ran in the background: the loop logged step 1 and went on before it ended;
-    # the last step waited for its own
-    assert evals[0]["step"] >= 2 and evals[1]["step"] == 3
+    # metrics.jsonl carries each eval's numbers on the line of the step it finished in
+    # (the newer one when two finish between two lines); the last step waited for its own
+    logged = [r for r in m if f"{SET}/pass@1" in r]
+    assert logged[-1]["step"] == 3 and logged[-1][f"{SET}/version"] == 4.0
+    assert all(r[f"{SET}/pass@1"] == evals[int(r[f"{SET}/version"]) // 2 - 1][f"{SET}/pass@1"]
+               for r in logged)  # fmt: skip
     for r in evals:
         assert 0.0 <= r[f"{SET}/pass@1"] <= 1.0 and 0.0 <= r[f"{SET}/pass@2"] <= 1.0
         assert r[f"{SET}/pass@1_sampled"] <= r[f"{SET}/pass@2"]

@@ -49,13 +49,14 @@ def _outputs(url: str) -> list[tuple[list[int], list[float], str]]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
-def test_cpu_and_auto_serve_the_same_outputs(tiny_checkpoints, engine_factory, ds_engine):
-    cpu = engine_factory(
-        tiny_checkpoints["deepseek_moe"], "--device", "cpu", "--enable-return-routed-experts"
-    )
-    for url in (cpu.url, ds_engine.url):  # ds_engine: no --device, so auto
+def test_cpu_and_auto_serve_the_same_outputs(tiny_checkpoints, engine_factory):
+    # two fresh engines: the session's shared one may hold other tests' weights and cache
+    path = tiny_checkpoints["deepseek_moe"]
+    cpu = engine_factory(path, "--device", "cpu", "--enable-return-routed-experts")
+    auto = engine_factory(path, "--enable-return-routed-experts")  # no --device: auto
+    for url in (cpu.url, auto.url):
         assert httpx.get(f"{url}/server_info", timeout=30).json()["device"] == "cpu"
-    assert _outputs(cpu.url) == _outputs(ds_engine.url)
+    assert _outputs(cpu.url) == _outputs(auto.url)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
