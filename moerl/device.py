@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -60,6 +61,17 @@ def synchronize_device(dev: torch.device) -> None:
     """Wait for the work queued on ``dev`` (no-op on the CPU), for timing."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def all_reduce_host(tensor: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
+    """``tensor`` (on the CPU) all-reduced over ``group`` (``op`` default: sum), through
+    this process's device, since NCCL reduces device tensors only; the result is on the
+    CPU."""
+    import torch.distributed as dist
+
+    on = tensor.to(device())
+    dist.all_reduce(on, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return on.cpu()
 
 
 def default_backend() -> str:

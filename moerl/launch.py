@@ -318,7 +318,7 @@ def split_threads(cfg: MoerlConfig, world: int) -> None:
 
     split = resolve_threads(cfg, world, device.has_cuda())
     cfg.launcher.threads, cfg.engine.threads = split.trainer, split.engine
-    if split.rule in ("alternating", "overlapped") and cfg.engine.kind == "embedded":
+    if split.rule in ("alternating", "overlapped"):  # the rules for embedded engines
         print(
             f"moerl: CPU threads: {split.trainer} per trainer rank, {split.engine} per engine "
             f"({split.rule}: generation and training "

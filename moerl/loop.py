@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from moerl import device
 from moerl.config.schema import MoerlConfig
-from moerl.config.sync import default_backend
+from moerl.config.sync import sync_backend
 
 
 @dataclass
@@ -94,7 +94,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         publisher = build_publisher(
             cfg, trainer, client=rollout.client if rollout else None,
             run_coro=rollout.submit if rollout else None, run_dir=ctx.run_dir,
-            backend=default_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
+            backend=sync_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
         )  # fmt: skip
         if start > 0 or trainer.lora is not None:  # engines start from the initial weights
             _publish(publisher, rollout, trainer.version, initial=True)

@@ -47,7 +47,7 @@ class SyncConfig:
         one_of(f"{key}.adapter_transport", self.adapter_transport, ("tensors", "directory"))
 
 
-def default_backend(sync: SyncConfig, engine_kind: str, has_cuda: bool) -> str:
+def sync_backend(sync: SyncConfig, engine_kind: str, has_cuda: bool) -> str:
     """``sync.backend``, or the default its docstring states."""
     if sync.backend:
         return sync.backend

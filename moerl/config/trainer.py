@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moerl.common.checks import non_negative_int, one_of
+
 DTYPES = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OLD_POLICY_PASSES = ("auto", "separate")
@@ -110,16 +112,8 @@ class TrainerConfig:
     def check_microbatching(self, micro_batch_size: int) -> None:
         """Refuse a micro-batching setup that cannot mean what it says."""
         n = self.max_tokens_per_microbatch
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(
-                f"trainer.max_tokens_per_microbatch={n!r} must be a non-negative integer "
-                "(0 = batch by sequences)"
-            )
-        if self.old_policy_pass not in OLD_POLICY_PASSES:
-            raise ValueError(
-                f"trainer.old_policy_pass={self.old_policy_pass!r}; choose one of "
-                f"{', '.join(OLD_POLICY_PASSES)}"
-            )
+        non_negative_int("trainer.max_tokens_per_microbatch", n)
+        one_of("trainer.old_policy_pass", self.old_policy_pass, OLD_POLICY_PASSES)
         if n and micro_batch_size != 1:
             raise ValueError(
                 f"parallel.micro_batch_size={micro_batch_size} has no effect while "

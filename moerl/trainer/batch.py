@@ -21,7 +21,7 @@ import torch
 
 from moerl.common.checks import one_of
 from moerl.common.trajectory import Trajectory
-from moerl.device import device
+from moerl.device import all_reduce_host, device
 
 
 @dataclass
@@ -48,11 +48,11 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # fp32 [B, S] π_old, the trainer before the update
     is_weights: torch.Tensor | None = None  # fp32 [B, S] the correction's weights (0 = dropped)
 
-    def to(self, device: torch.device) -> MicroBatch:
-        """This micro-batch with every tensor on ``device`` (the model's); built on the
-        CPU, it moves once, before its forward."""
+    def to(self, target: torch.device) -> MicroBatch:
+        """This micro-batch with every tensor on ``target`` (the model's device); built on
+        the CPU, it moves once, before its forward."""
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            f.name: getattr(self, f.name).to(target, non_blocking=True)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
@@ -322,13 +322,23 @@ def rows_within(budget_rows: int, per_rank: int) -> int:
     return max(d for d in range(1, max(1, min(budget_rows, per_rank)) + 1) if per_rank % d == 0)
 
 
+def _max_over_dp(n: int) -> int:
+    """The largest ``n`` over the data-parallel ranks (collective)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return n
+    group = parallel_state.get_data_parallel_group()
+    return int(all_reduce_host(torch.tensor([n]), dist.ReduceOp.MAX, group))
+
+
 def _packed_groups(
     trajs: list[Trajectory], row_len: int, micro_batch_size: int
 ) -> list[tuple[list[int], list[list[int]]]]:
     """This DP rank's share of ``trajs`` packed into rows; every DP rank gets the same
     number of micro-batches of ``micro_batch_size`` rows (short ranks add empty rows), as
     the pipeline schedule and expert-parallel collectives need."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -341,10 +351,7 @@ def _packed_groups(
     start = parallel_state.get_data_parallel_rank() * per_rank
     mine = list(range(start, start + per_rank))
     rows = pack_rows([input_len(trajs[i]) for i in mine], row_len)
-    count = torch.tensor([len(rows)], device=device())  # NCCL reduces device tensors
-    if dp > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    total = -(-int(count) // micro_batch_size) * micro_batch_size
+    total = -(-_max_over_dp(len(rows)) // micro_batch_size) * micro_batch_size
     rows += [[] for _ in range(total - len(rows))]
     groups = []
     for first in range(0, total, micro_batch_size):
@@ -367,7 +374,6 @@ def _by_tokens(
     schedule needs one shape, so rows are ``seq_len`` long and every micro-batch has the
     same number of them. Every DP rank gets the same number of micro-batches (expert
     parallelism's collectives pair them up)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -378,10 +384,7 @@ def _by_tokens(
         return [(mine[k : k + rows], seq_len) for k in range(0, len(mine), rows)]
     lengths = [input_len(trajs[i]) for i in mine]
     groups = token_groups(lengths, max_tokens, multiple)
-    count = torch.tensor([len(groups)], device=device())  # NCCL reduces device tensors
-    if dp > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    groups = split_groups(groups, int(count))
+    groups = split_groups(groups, _max_over_dp(len(groups)))
     out = []
     for g in groups:
         longest = max(lengths[j] for j in g)

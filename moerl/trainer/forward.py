@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
-from moerl.device import device
+from moerl.device import all_reduce_host
 from moerl.trainer.batch import MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.replay import RoutingReplay
@@ -135,10 +135,7 @@ def trainer_logprobs(
         # TP ranks without SP and EP see the same tokens, so count them once (TP rank 0)
         if parallel_state.get_tensor_model_parallel_rank() != 0 and not config.sequence_parallel:
             totals.zero_()
-        on = device()  # NCCL reduces device tensors only
-        totals = totals.to(on)
-        dist.all_reduce(totals)
-        totals = totals.cpu()
+        totals = all_reduce_host(totals)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result.logprobs if last_stage else {})
         merged: dict[int, np.ndarray] = {}

@@ -26,7 +26,7 @@ from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
-from moerl.device import device
+from moerl.device import all_reduce_host
 from moerl.trainer.batch import Advantage, MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
 from moerl.trainer.offpolicy import (
@@ -142,12 +142,9 @@ def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], group: Any) -> dict[
     )
     peaks = torch.tensor([max(float(o[k]) for o in outputs) for k in maxima], dtype=torch.float64)
     if dist.get_world_size(group) > 1:
-        on = device()  # NCCL reduces device tensors only
-        totals, peaks = totals.to(on), peaks.to(on)
-        dist.all_reduce(totals, group=group)
+        totals = all_reduce_host(totals, group=group)
         if maxima:
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
-        totals, peaks = totals.cpu(), peaks.cpu()
+            peaks = all_reduce_host(peaks, dist.ReduceOp.MAX, group)
     out = {k: float(totals[1 + i] / totals[0]) for i, k in enumerate(means)}
     out.update({k: float(peaks[i]) for i, k in enumerate(maxima)})
     return finite_metrics(out)

@@ -19,7 +19,7 @@ from moerl.common.trajectory import Trajectory
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
-from moerl.device import device
+from moerl.device import all_reduce_host
 from moerl.kernels.dispatch import set_backend as set_kernel_backend
 from moerl.trainer.batch import Advantage
 from moerl.trainer.fused_head import resolve_source
@@ -312,11 +312,9 @@ class Trainer:
         per_rank = min(len(owned[0]), max(mbs, -(-sample // (dp * mbs)) * mbs))
         per_rank -= per_rank % mbs
         mine = owned[parallel_state.get_data_parallel_rank()][:per_rank]
-        ok = torch.tensor(
-            [int(all(trajs[i].routed_experts is not None for i in mine))], device=device()
-        )
+        ok = torch.tensor([int(all(trajs[i].routed_experts is not None for i in mine))])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            ok = all_reduce_host(ok, dist.ReduceOp.MIN)
         if not per_rank or not int(ok):
             return []
         return [i for r in range(dp) for i in owned[r][:per_rank]]

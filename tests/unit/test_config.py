@@ -277,6 +277,27 @@ def test_off_policy_composition_is_checked_at_start_up(overrides, fragments) -> 
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["parallel.micro_batch_size=2"],
+         ["parallel.micro_batch_size=2", "trainer.max_tokens_per_microbatch=0"]),
+        (["trainer.max_tokens_per_microbatch=-1"], ["trainer.max_tokens_per_microbatch=-1"]),
+        (["trainer.old_policy_pass=twice"], ["trainer.old_policy_pass", "separate"]),
+    ],
+)  # fmt: skip
+def test_micro_batching_is_checked_at_start_up(overrides, fragments) -> None:
+    """A sequence count per micro-batch next to the token budget would do nothing: refused
+    with both fixes; a negative budget and an unknown old-policy pass are named."""
+    with pytest.raises(ValueError) as info:
+        validate_config(_compose("+recipe=deepseek_moe", *overrides), world_size=1)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    cfg = _compose("+recipe=deepseek_moe", "parallel.micro_batch_size=2",
+                   "trainer.max_tokens_per_microbatch=0")  # fmt: skip
+    assert validate_config(cfg, world_size=1).parallel.micro_batch_size == 2
+
+
 def test_dr_grpo_takes_the_rollout_length_as_its_normaliser() -> None:
     cfg = validate_config(
         _compose("+recipe=deepseek_moe", "algo=dr_grpo", "rollout.max_new_tokens=12"), 1
