@@ -449,22 +449,44 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def plot_reward(a: dict[str, Any], path: Path) -> Path | None:
-    per = a.get("per_step") or {}
-    if not any(per.get(k, {}).get("time_s") for k in ("sync", "async")):
-        return None
+def _reward_curves(
+    curves: list[tuple[str, str, list[float], list[float], str]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    target: float | None = None,
+) -> Path:
+    """One plot of reward against wall-clock: (label, color, time_s, reward, marker) each,
+    an optional dotted target line."""
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.subplots()
-    for name, color in (("sync", "tab:gray"), ("async", "tab:blue")):
-        p = per.get(name) or {}
-        if p.get("time_s"):
-            ax.plot(p["time_s"], p["reward_mean"], marker="o", color=color, label=name)
-    ax.set_xlabel("training loop wall-clock (s)")
-    ax.set_ylabel("reward_mean")
-    ax.set_title("reward vs wall-clock, sync vs async")
+    for label, color, time_s, reward, marker in curves:
+        ax.plot(time_s, reward, marker=marker, color=color, label=label)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle=":", linewidth=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def plot_reward(a: dict[str, Any], path: Path) -> Path | None:
+    per = a.get("per_step") or {}
+    curves = [
+        (name, color, p["time_s"], p["reward_mean"], "o")
+        for name, color in (("sync", "tab:gray"), ("async", "tab:blue"))
+        if (p := per.get(name) or {}).get("time_s")
+    ]
+    if not curves:
+        return None
+    return _reward_curves(
+        curves, path, xlabel="training loop wall-clock (s)", ylabel="reward_mean",
+        title="reward vs wall-clock, sync vs async",
+    )  # fmt: skip
 
 
 def plot_staleness(a: dict[str, Any], path: Path) -> Path | None:
@@ -564,20 +586,20 @@ def plot_vs_trl(r: dict[str, Any], path: Path) -> Path | None:
     """Reward vs wall-clock from each process's start, first repeat of each run."""
     runs = {n: ((r.get(n) or {}).get("runs") or [{}])[0] for n in ("trl", "moerl_sync",
                                                                    "moerl_async")}  # fmt: skip
-    if not any(run.get("time_s") for run in runs.values()):
+    colors = ["tab:orange", "tab:gray", "tab:blue"]
+    curves = [
+        (name, color, run["time_s"], run["reward"], ".")
+        for (name, run), color in zip(runs.items(), colors)
+        if run.get("time_s")
+    ]
+    if not curves:
         return None
-    fig = Figure(figsize=(6, 4), layout="constrained")
-    ax = fig.subplots()
-    for (name, run), color in zip(runs.items(), ["tab:orange", "tab:gray", "tab:blue"]):
-        if run.get("time_s"):
-            ax.plot(run["time_s"], run["reward"], marker=".", color=color, label=name)
-    ax.axhline(r.get("reward_target", 0.2), color="black", linestyle=":", linewidth=1)
-    ax.set_xlabel("wall-clock from process start (s)")
-    ax.set_ylabel("mean reward of the step's batch")
-    ax.set_title("moerl vs TRL GRPOTrainer, same checkpoint and settings")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _reward_curves(
+        curves, path, xlabel="wall-clock from process start (s)",
+        ylabel="mean reward of the step's batch",
+        title="moerl vs TRL GRPOTrainer, same checkpoint and settings",
+        target=r.get("reward_target", 0.2),
+    )  # fmt: skip
 
 
 @functools.cache
