@@ -27,6 +27,12 @@ class RolloutConfig:
     max_inflight_groups: int = 16
     """Groups generating at once with oversample_factor=1; with over-sampling, the groups
     kept per round (see oversample_factor)."""
+    group_request: bool = True
+    """Send a group's completions as one /generate with sampling_params.n = group_size
+    (SGLang's parallel sampling: one HTTP round trip, one engine, the prompt prefilled once
+    there) instead of group_size requests load-balanced one by one. Groups of episodes and
+    groups with a drawn length per completion (length_distribution) always go one by one;
+    so do the continuations of aborted completions."""
     oversample_factor: float = 1.0
     """>= 1. Prompts are launched in rounds of ceil(oversample_factor * max_inflight_groups)
     groups; once max_inflight_groups groups of a round reached the buffer, the round's other

@@ -193,25 +193,68 @@ class EngineClient(EngineTransport):
         *,
         group_id: int | str | None = None,
         rid: str | None = None,
-        **kwargs: Any,
+        one_request: bool = True,
+        routed_experts: bool = False,
+        sampling_mask: bool = False,
+        num_layers: int | None = None,
+        topk: int | None = None,
+        lora_path: str | None = None,
     ) -> list[Trajectory]:
-        """n completions of one prompt as n concurrent requests (each load-balanced), with
-        index 0..n-1 and rids f"{rid}-{i}". kwargs go to generate_trajectory."""
-        return list(
-            await asyncio.gather(
-                *(
-                    self.generate_trajectory(
-                        prompt_ids,
-                        sampling_params,
-                        group_id=group_id,
-                        index=i,
-                        rid=None if rid is None else f"{rid}-{i}",
-                        **kwargs,
+        """n completions of one prompt, index 0..n-1, decoded and validated as
+        generate_trajectory's. one_request: a single /generate with sampling_params.n = n
+        (SGLang's parallel sampling; the engine names the samples f"{rid}_{i}"); otherwise n
+        concurrent requests, each load-balanced, with rids f"{rid}-{i}"."""
+        kwargs: dict[str, Any] = {
+            "routed_experts": routed_experts,
+            "sampling_mask": sampling_mask,
+            "num_layers": num_layers,
+            "topk": topk,
+        }
+        if not one_request or n == 1:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self.generate_trajectory(
+                            prompt_ids,
+                            sampling_params,
+                            group_id=group_id,
+                            index=i,
+                            rid=None if rid is None else f"{rid}-{i}",
+                            lora_path=lora_path,
+                            **kwargs,
+                        )  # fmt: skip
+                        for i in range(n)
                     )
-                    for i in range(n)
                 )
             )
+        if routed_experts and num_layers is None and topk is None:
+            raise ValueError("routed_experts=True needs num_layers and/or topk to decode them")
+        params = {**sampling_params, "n": int(n)}
+        responses = await self.generate(
+            prompt_ids,
+            params,
+            return_logprob=True,
+            return_routed_experts=routed_experts,
+            routed_experts_start_len=0 if routed_experts else None,
+            return_sampling_mask=sampling_mask,
+            sampling_logprobs_mode="selected" if sampling_mask else None,
+            rid=rid,
+            lora_path=lora_path,
         )
+        if not isinstance(responses, list) or len(responses) != n:
+            got = f"{len(responses)} answers" if isinstance(responses, list) else "one answer"
+            raise EngineError(f"engine answered a /generate with n={n} with {got}")
+        one = {k: v for k, v in sampling_params.items() if k != "n"}
+        trajs = []
+        for i, response in enumerate(responses):
+            traj = trajectory_from_response(
+                response, prompt_ids, one, group_id=group_id, index=i,
+                url=response.get(ENGINE_URL_KEY), **kwargs,
+            )  # fmt: skip
+            if lora_path is not None:
+                traj.meta["lora_path"] = lora_path
+            trajs.append(traj.validate(num_layers=num_layers, topk=topk))
+        return trajs
 
     # ---- control calls -------------------------------------------------------------------
 

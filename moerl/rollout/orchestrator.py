@@ -86,7 +86,7 @@ from moerl.rollout.client import EngineClient
 from moerl.rollout.cursor import DataCursor, Item
 from moerl.rollout.errors import EngineError
 from moerl.rollout.faults import abort_prefix, is_fatal, make_client
-from moerl.rollout.partial import UpdateGate, sample_completion
+from moerl.rollout.partial import UpdateGate, sample_completion, sample_group
 from moerl.rollout.scoring import RewardRunner, gather_or_cancel, uniform
 from moerl.rollout.stats import RolloutStats
 
@@ -284,10 +284,13 @@ class Orchestrator:
             )
             try:
                 async with span as s:
-                    member = self._completion if self._episodes is None else self._episode
-                    members = await gather_or_cancel(
-                        [member(item.prompt, flight, i) for i in range(self.cfg.group_size)]
-                    )
+                    if self._one_request():
+                        members = [await self._completion_group(item.prompt, flight)]
+                    else:
+                        member = self._completion if self._episodes is None else self._episode
+                        members = await gather_or_cancel(
+                            [member(item.prompt, flight, i) for i in range(self.cfg.group_size)]
+                        )
                     group = [t for m in members for t in m]
                     if s is not None:
                         s.attrs["tokens"] = sum(t.response_len for t in group)
@@ -362,6 +365,39 @@ class Orchestrator:
             traj.versions[:] = adapter[1]
         traj.meta["prompt_id"] = prompt.prompt_id
         return [traj]
+
+    def _one_request(self) -> bool:
+        """Whether a group goes to the engines as one /generate with n (rollout.group_request)."""
+        return (
+            self.cfg.group_request
+            and self._episodes is None
+            and self.cfg.length_distribution == "fixed"
+            and self.cfg.group_size > 1
+        )
+
+    async def _completion_group(self, prompt: Prompt, flight: _Flight) -> list[Trajectory]:
+        """The group's completions as one request (see _one_request); as _completion's."""
+        adapter = self._adapter
+        trajs = await sample_group(
+            self.client,
+            prompt.input_ids,
+            self._sampling,
+            self.cfg.group_size,
+            routed_experts=self.cfg.return_routed_experts,
+            sampling_mask=self.cfg.return_sampling_mask,
+            num_layers=self.num_layers,
+            topk=self.topk,
+            group_id=flight.item.pos,
+            rid=flight.rid,
+            gate=self._gate.engines_open,
+            on_resume=partial(self._count, "resumed"),
+            lora_path=adapter[0] if adapter else None,
+        )
+        for traj in trajs:
+            if adapter is not None:  # as _completion
+                traj.versions[:] = adapter[1]
+            traj.meta["prompt_id"] = prompt.prompt_id
+        return trajs
 
     def set_adapter(self, name: str, version: int) -> None:
         """LoRA runs: completions started from now on use adapter ``name`` (policy

@@ -139,6 +139,7 @@ async def continue_trajectory(
     num_layers: int | None,
     topk: int | None,
     rid: str | None = None,
+    lora_path: str | None = None,
 ) -> Trajectory:
     """Continue the aborted `head` (R1 >= 1 tokens) for the tokens it has left and return
     the spliced, validated trajectory (which may itself end in another abort)."""
@@ -158,6 +159,7 @@ async def continue_trajectory(
         return_sampling_mask=sampling_mask,
         sampling_logprobs_mode="selected" if sampling_mask else None,
         rid=rid,
+        lora_path=lora_path,
     )
     if isinstance(response, list):
         raise EngineError("engine answered a single /generate with a list")
@@ -207,6 +209,85 @@ async def sample_completion(
         prompt_ids, sampling_params, group_id=group_id, index=index, rid=rid,
         lora_path=lora_path, **kwargs,
     )  # fmt: skip
+    return await resume_aborted(
+        client, traj, sampling_params, rid=rid, gate=gate, on_resume=on_resume,
+        lora_path=lora_path, **kwargs,
+    )  # fmt: skip
+
+
+async def sample_group(
+    client: EngineClient,
+    prompt_ids: Any,
+    sampling_params: Mapping[str, Any],
+    n: int,
+    *,
+    routed_experts: bool,
+    sampling_mask: bool,
+    num_layers: int | None,
+    topk: int | None,
+    group_id: int | str | None = None,
+    rid: str | None = None,
+    gate: asyncio.Event | None = None,
+    on_resume: Callable[[], None] | None = None,
+    lora_path: str | None = None,
+) -> list[Trajectory]:
+    """n completions of one prompt as one /generate with sampling_params.n (the engine
+    names them f"{rid}-n_{i}"); each aborted one is then continued on its own as
+    sample_completion's, with continuation rids f"{rid}-{i}r{k}". An abort of the prefix
+    f"{rid}-" reaches them all."""
+    kwargs: dict[str, Any] = {
+        "routed_experts": routed_experts,
+        "sampling_mask": sampling_mask,
+        "num_layers": num_layers,
+        "topk": topk,
+    }
+    if gate is not None:
+        await gate.wait()
+    trajs = await client.generate_group(
+        prompt_ids, sampling_params, n, group_id=group_id,
+        rid=None if rid is None else f"{rid}-n", lora_path=lora_path, **kwargs,
+    )  # fmt: skip
+    return list(
+        await asyncio.gather(
+            *(
+                resume_aborted(
+                    client,
+                    traj,
+                    sampling_params,
+                    rid=None if rid is None else f"{rid}-{i}",
+                    gate=gate,
+                    on_resume=on_resume,
+                    lora_path=lora_path,
+                    **kwargs,
+                )  # fmt: skip
+                for i, traj in enumerate(trajs)
+            )
+        )
+    )
+
+
+async def resume_aborted(
+    client: EngineClient,
+    traj: Trajectory,
+    sampling_params: Mapping[str, Any],
+    *,
+    routed_experts: bool,
+    sampling_mask: bool,
+    num_layers: int | None,
+    topk: int | None,
+    rid: str | None = None,
+    gate: asyncio.Event | None = None,
+    on_resume: Callable[[], None] | None = None,
+    lora_path: str | None = None,
+) -> Trajectory:
+    """`traj` as it is, or, while it comes back with finish_reason abort, continued (or
+    restarted when nothing was sampled) once `gate` opens, under rids f"{rid}r{k}"."""
+    kwargs: dict[str, Any] = {
+        "routed_experts": routed_experts,
+        "sampling_mask": sampling_mask,
+        "num_layers": num_layers,
+        "topk": topk,
+    }
     resumes = 0
     while traj.finish_reason == "abort":
         if resumes == MAX_RESUMES:
@@ -219,11 +300,13 @@ async def sample_completion(
         sub_rid = None if rid is None else f"{rid}r{resumes}"
         if traj.response_len == 0:
             traj = await client.generate_trajectory(
-                prompt_ids, sampling_params, group_id=group_id, index=index, rid=sub_rid,
-                lora_path=lora_path, **kwargs,
+                traj.prompt_ids, sampling_params, group_id=traj.group_id, index=traj.index,
+                rid=sub_rid, lora_path=lora_path, **kwargs,
             )  # fmt: skip
         else:
-            traj = await continue_trajectory(client, traj, sampling_params, rid=sub_rid, **kwargs)
+            traj = await continue_trajectory(
+                client, traj, sampling_params, rid=sub_rid, lora_path=lora_path, **kwargs
+            )
     return traj
 
 

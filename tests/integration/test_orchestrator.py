@@ -72,7 +72,8 @@ class RecordingClient(EngineClient):
 
     async def generate(self, input_ids, sampling_params, **kwargs):  # type: ignore[no-untyped-def]
         out = await super().generate(input_ids, sampling_params, **kwargs)
-        self.responses.append({"input_ids": list(np.asarray(input_ids)), **out})
+        for one in out if isinstance(out, list) else [out]:  # a list for n > 1
+            self.responses.append({"input_ids": list(np.asarray(input_ids)), **one})
         return out
 
 
@@ -112,7 +113,9 @@ def positions(groups) -> list[int]:  # type: ignore[no-untyped-def]
     return sorted(g[0].group_id for g in groups)
 
 
-def test_groups_reach_buffer_scored(ds_engine, tmp_path):
+@pytest.mark.parametrize("group_request", [True, False])
+def test_groups_reach_buffer_scored(ds_engine, tmp_path, group_request):
+    """A group is one /generate with n (rids {group}-n_{i}) or n requests ({group}-{i})."""
     from moerl.models.tokenizer import build_tiny_tokenizer
     from moerl.tasks import build_task
 
@@ -122,7 +125,8 @@ def test_groups_reach_buffer_scored(ds_engine, tmp_path):
     async def go():  # type: ignore[no-untyped-def]
         async with EngineClient([ds_engine.url]) as client:
             buffer = new_buffer()
-            orch = Orchestrator(client, task, buffer, CFG, num_layers=L, topk=K, timeline=timeline)
+            cfg = replace(CFG, group_request=group_request)
+            orch = Orchestrator(client, task, buffer, cfg, num_layers=L, topk=K, timeline=timeline)
             groups = await drive(orch, lambda: buffer.get_batch(3, 0))
             return groups, orch.metrics(), orch.state_dict()
 
@@ -136,6 +140,8 @@ def test_groups_reach_buffer_scored(ds_engine, tmp_path):
             assert traj.meta["prompt_id"] == traj.group_id
             assert traj.mask_offsets is not None and traj.routed_experts is not None
             traj.validate(num_layers=L, topk=K, num_experts=8)
+            suffix = f"-n_{traj.index}" if group_request else f"-{traj.index}"
+            assert traj.meta["rid"].endswith(suffix), traj.meta["rid"]
     assert metrics["rollout/groups_done"] >= 3 and metrics["rollout/tokens"] >= 3 * 2
     assert metrics["rollout/gen_s"] > 0 and metrics["rollout/retries"] == 0
     assert state["cursor"] + len(state["settled"]) >= 3
@@ -212,8 +218,12 @@ def test_oversampling_keeps_the_first_groups_of_each_round(ds_engine):
     assert metrics["rollout/groups_cancelled"] == 2 and metrics["rollout/groups_done"] == 2
 
 
-def test_abort_resume_splices_one_trajectory_across_versions(ds_engine):
-    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="abort_resume")
+@pytest.mark.parametrize("group_request", [True, False])
+def test_abort_resume_splices_one_trajectory_across_versions(ds_engine, group_request):
+    cfg = replace(
+        CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="abort_resume",
+        group_request=group_request,
+    )  # fmt: skip
 
     async def go():  # type: ignore[no-untyped-def]
         async with RecordingClient([ds_engine.url]) as client:

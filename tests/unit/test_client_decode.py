@@ -461,7 +461,7 @@ def test_wait_until_healthy_polls_until_every_engine_answers():
     assert run(go()).urls == [B]
 
 
-def test_generate_group_sends_one_request_per_sample():
+def test_generate_group_sends_one_request_per_sample_when_asked():
     rids = []
 
     def handler(request):
@@ -470,11 +470,42 @@ def test_generate_group_sends_one_request_per_sample():
 
     async def go():
         async with client_with(handler) as client:
-            return await client.generate_group(PROMPT, {"temperature": 1.0}, 3, group_id=9, rid="p")
+            return await client.generate_group(
+                PROMPT, {"temperature": 1.0}, 3, group_id=9, rid="p", one_request=False
+            )
 
     trajs = run(go())
     assert [t.index for t in trajs] == [0, 1, 2] and {t.group_id for t in trajs} == {9}
     assert sorted(rids) == ["p-0", "p-1", "p-2"]
+
+
+def test_generate_group_is_one_request_with_n_by_default():
+    bodies = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        bodies.append(body)
+        n = body["sampling_params"]["n"]
+        answers = [sglang_response(id=f"{body['rid']}_{i}") for i in range(n)]
+        answers[1]["output_ids"] = [30, 22, 2]  # the samples differ: each decoded from its own
+        answers[1]["meta_info"]["output_token_logprobs"][0] = [-0.5, 30, None]
+        return httpx.Response(200, json=answers[: n - 1] if n == 4 else answers)
+
+    async def go(n):
+        async with client_with(handler) as client:
+            return await client.generate_group(
+                PROMPT, {"temperature": 1.0}, n, group_id=9, rid="p", routed_experts=True,
+                sampling_mask=True, num_layers=2, topk=2,
+            )  # fmt: skip
+
+    trajs = run(go(3))
+    assert len(bodies) == 1 and bodies[0]["sampling_params"] == {"temperature": 1.0, "n": 3}
+    assert bodies[0]["rid"] == "p" and bodies[0]["return_routed_experts"] is True
+    assert [t.index for t in trajs] == [0, 1, 2] and {t.group_id for t in trajs} == {9}
+    assert [t.response_ids.tolist() for t in trajs] == [[21, 22, 2], [30, 22, 2], [21, 22, 2]]
+    assert all(t.routed_experts is not None and t.mask_ids is not None for t in trajs)
+    with pytest.raises(EngineError, match="n=4 with 3 answers"):
+        run(go(4))
 
 
 def test_an_openai_choice_without_sglangs_fields_names_them():
