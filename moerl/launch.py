@@ -187,6 +187,19 @@ def start_engines(
     return [p.url for p in procs], procs
 
 
+Prepared = tuple[Path, list[str], list[Any]]
+"""The initial HF checkpoint, the policy engines' URLs and the embedded ones' processes."""
+
+
+def prepare(cfg: Any, run_dir: Path) -> Prepared:
+    """The initial checkpoint, and the policy's engines started on it without waiting:
+    they load while the trainer ranks start and build their models (run_training waits
+    for them before the first request)."""
+    hf_dir = prepare_checkpoint(cfg, run_dir)
+    urls, engines = start_engines(cfg, hf_dir, run_dir, wait=False)
+    return hf_dir, urls, engines
+
+
 def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]:
     """The reward model's URLs and the embedded RM engines moerl owns: ``reward_model.urls``
     when given, else ``num_engines`` engines on ``reward_model.path`` or on a random tiny
@@ -229,9 +242,10 @@ def start_reward_engines(cfg: Any, run_dir: Path) -> tuple[list[str], list[Any]]
     return [p.url for p in procs], procs
 
 
-def run_rank(cfg: Any, run_dir: str) -> None:
+def run_rank(cfg: Any, run_dir: str, prepared: Prepared | None = None) -> None:
     """One trainer rank (its process group is up): rank 0 prepares the checkpoint and
-    engines and tells the others where they are."""
+    engines (or takes over those the launcher started, ``prepared``) and tells the others
+    where they are."""
     import torch.distributed as dist
 
     from moerl.telemetry.logs import setup_rank_logging
@@ -247,10 +261,9 @@ def run_rank(cfg: Any, run_dir: str) -> None:
     try:
         info: list[Any] = [None]
         if dist.get_rank() == 0:
-            hf_dir = prepare_checkpoint(cfg, root)
-            # the engines load while this rank builds its trainer; run_training waits for
-            # them before the first request
-            urls, engines = start_engines(cfg, hf_dir, root, wait=False)
+            if prepared is None:  # torchrun: this rank starts them
+                prepared = prepare(cfg, root)
+            hf_dir, urls, engines = prepared
             procs += engines
             reward_urls, reward_procs = start_reward_engines(cfg, root)
             procs += reward_procs
@@ -362,11 +375,17 @@ def main(cfg: DictConfig) -> None:
         return
     from moerl.parallel.spawn import spawn
 
+    # Started here, before the ranks: an engine's start overlaps theirs (rank 0 takes the
+    # handles over, restarting and stopping them; these die with this process anyway).
+    prepared = prepare(typed, Path(run_dir))
     try:
-        spawn(run_rank, world, typed, run_dir, threads=typed.launcher.threads)
+        spawn(run_rank, world, typed, run_dir, prepared, threads=typed.launcher.threads)
     except KeyboardInterrupt:
         print("moerl: interrupted; ranks and engines stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        for engine in prepared[2]:
+            engine.close()
 
 
 def cli() -> None:

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moerl.common.registry import Registry
+
+if TYPE_CHECKING:  # the preflight checks trainer.replay without waiting for torch
+    import torch
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ def replay_recent(inp: ReplayInput, cfg: RecentReplayConfig) -> ReplayOutput:
     if inp.versions_T is None:
         raise ValueError("replay=recent needs per-token versions")
     keep_T = inp.current_version - inp.versions_T.to(inp.recorded_TK.device) <= cfg.window
-    return ReplayOutput(torch.where(keep_T[:, None], inp.recorded_TK, inp.fresh_TK))
+    return ReplayOutput(inp.recorded_TK.where(keep_T[:, None], inp.fresh_TK))
 
 
 @REPLAY_POLICIES.register("none", NoReplayConfig)

@@ -3,17 +3,24 @@
 Used by the launcher (embedded engines), benchmarks and tests. The child's output
 goes to a log file, never to an unread pipe that could fill and block it. An API key
 reaches the child through its environment (MOERL_API_KEY), never its command line.
+
+An EngineProcess pickles into a handle that another process (the launcher's engines,
+handed to trainer rank 0) can watch, stop and restart: it signals the engine by pid and
+reads its state from /proc; a restart makes the new engine that process's own child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -48,7 +55,8 @@ class EngineProcess:
             log_path = name
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("ab")
+        self._log: Any = None
+        self.proc: subprocess.Popen[bytes] | Adopted
         self._argv = [*args, *extra]
         self._env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if self.api_key:  # in the environment, not the command line that `ps` shows
@@ -64,7 +72,18 @@ class EngineProcess:
         engine that exits first raises with its log's tail."""
         self._wait_healthy(self.startup_timeout_s)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("proc", "_log")}
+        return {**state, "_pid": self.proc.pid}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pid = state.pop("_pid")
+        self.__dict__.update(state, _log=None)
+        self.proc = Adopted(pid)
+
     def _spawn(self) -> None:
+        if self._log is None:
+            self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             self._argv,
             env=self._env,
@@ -79,9 +98,11 @@ class EngineProcess:
         port with the same flags (the initial weights), and optionally wait until it is
         healthy. Linux ties the engine's life to the *thread* that starts it: restart
         from a thread that lives as long as the run."""
-        if self.proc.poll() is None:
+        if self.alive():
             self.proc.kill()
             self.proc.wait()
+        if self._log is None:
+            self._log = self.log_path.open("ab")
         self._log.write(f"\n--- moerl: engine restarted ({self.restarts + 1}) ---\n".encode())
         self._log.flush()
         self.restarts += 1
@@ -93,9 +114,9 @@ class EngineProcess:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if self.proc.poll() is not None:
+            if not self.alive():
                 raise RuntimeError(
-                    f"engine exited with code {self.proc.returncode}; its log ({self.log_path}):\n"
+                    f"engine exited with {self.exit_status()}; its log ({self.log_path}):\n"
                     + self.log_path.read_text(errors="replace")[-3000:]
                 )
             try:
@@ -110,20 +131,78 @@ class EngineProcess:
         )
 
     def alive(self) -> bool:
+        if isinstance(self.proc, Adopted):
+            return self.proc.running()
         return self.proc.poll() is None
 
+    def exit_status(self) -> str:
+        """How the process ended, for messages ("code 1"; unknown for an adopted one)."""
+        if isinstance(self.proc, Adopted):
+            return "an unknown code (it was started by another process)"
+        return f"code {self.proc.poll()}"
+
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.alive():
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Adopted:
+    """The subset of ``subprocess.Popen`` EngineProcess uses, for a process another one
+    started: signals go by pid, and a process that exited counts as gone even while it
+    waits as a zombie for its parent to reap it (Linux /proc; elsewhere a signal-0
+    probe). Its exit code is not ours to read (``returncode`` stays None)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def running(self) -> bool:
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        except OSError:  # no /proc: ask the kernel whether the pid exists
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return True
+        # the leader of a killed process turns zombie before its other threads end (and
+        # let go of its port): gone once it is the last one left
+        try:
+            return len(os.listdir(f"/proc/{self.pid}/task")) > 1
+        except FileNotFoundError:
+            return False
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.running():
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return self.returncode

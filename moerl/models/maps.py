@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the maps are read by the preflight, which must not wait for torch
+    import torch
 
 
 class Converter:
@@ -58,10 +60,12 @@ class Concat(Converter):
         return self.names
 
     def to_megatron(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        import torch
+
         return torch.cat(tensors, dim=0)
 
     def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [t.clone() for t in torch.chunk(tensor, len(self.names), dim=0)]
+        return [t.clone() for t in tensor.chunk(len(self.names), dim=0)]
 
 
 @dataclass
@@ -85,13 +89,15 @@ class QKV(Converter):
         q_G = q.view(self.groups, per * self.head_dim, hidden)
         k_G = k.view(self.groups, self.head_dim, hidden)
         v_G = v.view(self.groups, self.head_dim, hidden)
+        import torch
+
         return torch.cat([q_G, k_G, v_G], dim=1).reshape(-1, hidden)
 
     def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         hidden = tensor.shape[-1]
         per = self.heads // self.groups
         qkv_G = tensor.view(self.groups, (per + 2) * self.head_dim, hidden)
-        q, k, v = torch.split(qkv_G, [per * self.head_dim, self.head_dim, self.head_dim], dim=1)
+        q, k, v = qkv_G.split([per * self.head_dim, self.head_dim, self.head_dim], dim=1)
         return [t.reshape(-1, hidden).clone() for t in (q, k, v)]
 
 

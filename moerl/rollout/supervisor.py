@@ -124,7 +124,7 @@ class EngineSupervisor:
             for url in self.urls:
                 proc = self.procs.get(url)
                 if proc is not None and not proc.alive():
-                    await self._restart(http, url, f"exited with code {proc.proc.returncode}")
+                    await self._restart(http, url, f"exited with {proc.exit_status()}")
                     continue
                 if url in self._pending:
                     continue

@@ -177,7 +177,8 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
     engines[0].kill()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert "exited with code -9; restarting it" in out
+    # the launcher started it, so its exit code is not rank 0's to read
+    assert "exited with an unknown code (it was started by another process); restarting" in out
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(10))
     assert m[-1]["engine/restarts"] == 1.0

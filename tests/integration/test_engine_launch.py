@@ -92,3 +92,31 @@ def test_an_engine_started_without_waiting_is_waited_for_later(tmp_path, tiny_ch
             broken.wait_healthy()
     finally:
         broken.close()
+
+
+def test_an_engine_handed_to_another_process_is_watched_restarted_and_stopped(tiny_checkpoints):
+    """The launcher starts the engines and pickles them to trainer rank 0, which did not
+    start them: the handle sees a live engine, sees it gone once it died (still a zombie
+    of its unreaped parent: here the test process, which has not waited on it), restarts
+    it on the same port as its own child and stops it."""
+    import pickle
+
+    from moerl.engine.process import Adopted, EngineProcess
+
+    with EngineProcess(tiny_checkpoints["deepseek_moe"]) as started:
+        handle = pickle.loads(pickle.dumps(started))
+        assert isinstance(handle.proc, Adopted) and handle.proc.pid == started.proc.pid
+        assert handle.alive() and handle.url == started.url
+        os.kill(started.proc.pid, signal.SIGKILL)
+        handle.proc.wait(timeout=30)  # polls /proc until the zombie shows
+        assert not handle.alive() and "unknown code" in handle.exit_status()
+        assert started.proc.wait(timeout=10) == -signal.SIGKILL  # its parent reaps it now
+        handle.restart()
+        try:
+            assert isinstance(handle.proc, subprocess.Popen) and handle.restarts == 1
+            assert httpx.get(f"{handle.url}/health", timeout=5).status_code == 200
+        finally:
+            handle.close()
+        assert handle.proc.returncode is not None
+        log = handle.log_path.read_text()
+        assert "engine restarted (1)" in log
