@@ -44,6 +44,10 @@ HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+BODY_OPTIONAL = ("/begin_weight_update", "/end_weight_update")
+"""Control routes whose fields all have defaults: an empty body means all defaults."""
+
+
 def _ok(message: str = "", **extra: Any) -> JSONResponse:
     return JSONResponse({"success": True, "message": message, **extra})
 
@@ -421,6 +425,8 @@ def create_app(state: EngineState) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
 
     async def body_of(request: HTTPRequest) -> dict[str, Any]:
+        if request.url.path in BODY_OPTIONAL and not (await request.body()).strip():
+            return {}
         try:
             body = await request.json()
         except json.JSONDecodeError as err:

@@ -21,6 +21,7 @@ class EngineState:
     api_key: str | None = None
     tokenizer: Any = None
     groups: dict[str, Any] = field(default_factory=dict)
+    weight_session: bool = False  # between /begin_weight_update and /end_weight_update
     started: float = field(default_factory=time.time)
     stream_interval: int = 1  # --stream-interval: tokens per streamed chunk by default
     tool_call_parser: str | None = None  # --tool-call-parser: /v1/chat/completions' tools

@@ -139,6 +139,9 @@ PER_CALL: dict[str, Kind] = {
     "routed_experts_start_len": INT,
 }
 
+SELECTORS = ("target", "draft", "all")
+"""/begin_weight_update's runners (SGLang's; this engine has no draft model)."""
+
 # The control endpoints' fields (unknown fields are ignored, as SGLang ignores them).
 CONTROL: dict[str, dict[str, Kind]] = {
     "/pause_generation": {"mode": STR},
@@ -153,6 +156,7 @@ CONTROL: dict[str, dict[str, Kind]] = {
         "backend": STR,
     },
     "/destroy_weights_update_group": {"group_name": STR},
+    "/begin_weight_update": {"selector": STR},
     "/update_weights_from_distributed": {
         "names": STRS,
         "dtypes": STRS,
@@ -306,6 +310,10 @@ def check_control(path: str, body: Mapping[str, Any]) -> None:
         for i, shape in enumerate(body.get("shapes") or []):
             if any(d < 0 for d in shape):
                 raise RequestError(f"shapes[{i}]", f"dimensions must be >= 0, got {show(shape)}")
+    elif path == "/begin_weight_update" and body.get("selector") not in (None, *SELECTORS):
+        raise RequestError(
+            "selector", f"must be one of {list(SELECTORS)}, got {show(body['selector'])}"
+        )
     elif path == "/load_lora_adapter_from_tensors" and isinstance(body.get("config_dict"), dict):
         check_peft_config(body["config_dict"], "config_dict")
 

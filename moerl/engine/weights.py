@@ -150,9 +150,32 @@ def register_weight_routes(
         del group
         return ok(f"destroyed {name!r}")
 
+    # SGLang 0.5.23: weights load only inside a session (it restores in-place-quantized
+    # weights at its start and finalizes them at its end); the same answers here.
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: HTTPRequest) -> Any:
+        await body_of(request)
+        if state.weight_session:
+            return fail("a weight-update session is already open; call end_weight_update() first")
+        state.weight_session = True
+        return ok("Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: HTTPRequest) -> Any:
+        await body_of(request)
+        if not state.weight_session:
+            return fail("no weight-update session is open; call begin_weight_update() first")
+        state.weight_session = False
+        return ok("Success")
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: HTTPRequest) -> Any:
         body = await body_of(request)
+        if not state.weight_session:
+            return fail(
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
         name = body.get("group_name", "weight_update_group")
         if name not in state.groups:
             return fail(f"no weight-update group {name!r}: call /init_weights_update_group first")

@@ -299,6 +299,32 @@ class EngineClient(EngineTransport):
         body = {"new_version": str(version), "abort_all_requests": bool(abort_all_requests)}
         return await self._broadcast("POST", "/update_weight_version", body, urls=urls)
 
+    async def begin_weight_update(
+        self, selector: str = "all", *, urls: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Open SGLang's weight-update session on every target engine: from SGLang 0.5.23 on,
+        update_weights_from_distributed and _from_tensor are refused outside one. A server
+        without sessions (older SGLang: HTTP 404) needs none and counts as opened."""
+        return await self._session_call("/begin_weight_update", {"selector": selector}, urls)
+
+    async def end_weight_update(self, *, urls: Sequence[str] | None = None) -> dict[str, Any]:
+        """Close the session begin_weight_update opened (also after a failed load)."""
+        return await self._session_call("/end_weight_update", {}, urls)
+
+    async def _session_call(
+        self, path: str, body: dict[str, Any], urls: Sequence[str] | None
+    ) -> dict[str, Any]:
+        async def one(url: str) -> Any:
+            try:  # not re-sent: a second begin would be refused as already open
+                return await self._control_one(url, "POST", path, body, idempotent=False)
+            except EngineError as err:
+                if err.status_code != 404:
+                    raise
+                return {"success": True, "message": f"{url} has no {path} (needs no session)"}
+
+        targets = self._targets(urls)
+        return dict(zip(targets, await asyncio.gather(*(one(u) for u in targets))))
+
     async def init_weights_update_group(
         self,
         master_address: str,

@@ -28,6 +28,7 @@ default group's timeout: treat it as fatal for the job (torchrun stops the other
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -59,6 +60,8 @@ _GROUP_FIX = (
     "every engine must reach master_address:master_port of trainer rank 0 (set "
     "master_address to an address of that host the engines can route to, and open the port)"
 )
+
+log = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -266,6 +269,17 @@ class WeightSync:
         stats["seconds"] = time.perf_counter() - start
         return stats
 
+    def _end_session(self, quiet: bool = False) -> None:
+        """Close the engines' weight-update session; ``quiet`` (a push already failed):
+        a failure to close is logged, not raised over the push's own error."""
+        assert self.client is not None and self._run is not None
+        try:
+            self._run(self.client.end_weight_update()).result(self.timeout_s)
+        except Exception as err:
+            if not quiet:
+                raise
+            log.warning("could not close the engines' weight-update session: %s", err)
+
     def _staging_on(self, where: torch.device) -> Staging:
         if where not in self._staging:
             self._staging[where] = Staging(self.limit_bytes, where)
@@ -281,6 +295,8 @@ class WeightSync:
             timeout_s=self.timeout_s, flush_cache=self.flush_cache,
         )  # fmt: skip
         sent_version = False
+        # SGLang loads pushed weights only inside a session (moerl.engine answers the same)
+        self._run(self.client.begin_weight_update()).result(self.timeout_s)
         try:
             for lead in leads:
                 if lead == 0:
@@ -298,7 +314,9 @@ class WeightSync:
             self._broken = wire.broken
             if not wire.broken:
                 wire.abandon()
+            self._end_session(quiet=True)
             raise
+        self._end_session()
         if not sent_version:  # the last stage exported nothing: bump the version alone
             self._run(self.client.update_weight_version(str(version))).result(60)
         return stats

@@ -3,12 +3,15 @@ this process (for the faults only reachable through its Python objects)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 from engine_http import KEY, Http, InProcessEngine
 
+from moerl.engine.group import init_custom_process_group
 from moerl.engine.process import EngineProcess
+from moerl.parallel.spawn import free_port
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +48,22 @@ def inprocess_engine(tiny_checkpoints) -> Iterator[InProcessEngine]:
     eng = InProcessEngine(tiny_checkpoints["qwen3_moe"])
     yield eng
     eng.close()
+
+
+@pytest.fixture()
+def weight_group(http):  # type: ignore[no-untyped-def]
+    """This process as trainer rank 0, the engine as rank 1 of a gloo group."""
+    port = free_port()
+    box: dict = {}
+    joiner = threading.Thread(
+        target=lambda: box.setdefault(
+            "g", init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
+        )
+    )
+    joiner.start()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
+    r = http.post("/init_weights_update_group", {**body, "world_size": 2, "group_name": "nf"})
+    joiner.join()
+    assert r.status_code == 200, r.text
+    yield box["g"]
+    http.post("/destroy_weights_update_group", {"group_name": "nf"})

@@ -147,6 +147,8 @@ class WeightTrainer:
             "flush_cache": False,
         }
         box: dict = {}
+        # a weight-update session around the load, as SGLang 0.5.23 requires
+        assert httpx.post(f"{self.url}/begin_weight_update", json={}).json()["success"]
         t = threading.Thread(
             target=lambda: box.setdefault(
                 "r",
@@ -158,4 +160,5 @@ class WeightTrainer:
         for tensor in payload:
             broadcast(self.group, tensor.contiguous())
         t.join()
+        assert httpx.post(f"{self.url}/end_weight_update", json={}).json()["success"]
         return box["r"].json()

@@ -143,6 +143,7 @@ def test_weight_update_through_client_tags_tokens(tiny_checkpoints, engine_facto
                 client, eng.url, lambda i: i["decode_steps"] >= steps, "three decode steps"
             )
             await client.pause_generation("in_place")  # deterministic whatever the load
+            await client.begin_weight_update()
             update = asyncio.create_task(
                 client.update_weights_from_distributed(
                     list(tensors), [dtype_name(t.dtype) for t in tensors.values()],
@@ -152,6 +153,7 @@ def test_weight_update_through_client_tags_tokens(tiny_checkpoints, engine_facto
             )  # fmt: skip
             await asyncio.to_thread(broadcast, box["g"], flatten(list(tensors.values())))
             await update
+            await client.end_weight_update()
             await client.continue_generation()
             traj = await long
             await client.destroy_weights_update_group("g1")

@@ -8,12 +8,10 @@ import base64
 import json
 import threading
 
-import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from moerl.engine.group import broadcast, init_custom_process_group
-from moerl.parallel.spawn import free_port
+from moerl.engine.group import broadcast
 
 GREEDY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 O_PROJ = "base_model.model.model.layers.1.self_attn.o_proj"
@@ -71,25 +69,6 @@ def test_nonfinite_logits_fail_the_request_and_the_engine_goes_on(http):
         http.post("/unload_lora_adapter", {"lora_name": "overflow"})
 
 
-@pytest.fixture()
-def weight_group(http):  # type: ignore[no-untyped-def]
-    """This process as trainer rank 0, the engine as rank 1 of a gloo group."""
-    port = free_port()
-    box: dict = {}
-    joiner = threading.Thread(
-        target=lambda: box.setdefault(
-            "g", init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=30)
-        )
-    )
-    joiner.start()
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
-    r = http.post("/init_weights_update_group", {**body, "world_size": 2, "group_name": "nf"})
-    joiner.join()
-    assert r.status_code == 200, r.text
-    yield box["g"]
-    http.post("/destroy_weights_update_group", {"group_name": "nf"})
-
-
 def test_nonfinite_or_impossible_weight_pushes_are_refused(http, weight_group):
     before = http.post("/generate", GREEDY).json()["output_ids"]
     push = {"group_name": "nf", "dtypes": ["float32"], "weight_version": "nan"}
@@ -103,9 +82,11 @@ def test_nonfinite_or_impossible_weight_pushes_are_refused(http, weight_group):
     sender = threading.Thread(
         target=lambda: box.setdefault("r", http.post("/update_weights_from_distributed", body))
     )
+    assert http.post("/begin_weight_update", {}).status_code == 200
     sender.start()
     broadcast(weight_group, norm)
     sender.join()
+    assert http.post("/end_weight_update", {}).status_code == 200
     assert box["r"].status_code == 400
     assert "model unchanged" in box["r"].text and "model.norm.weight holds NaN" in box["r"].text
     after = http.post("/generate", GREEDY).json()

@@ -522,3 +522,32 @@ def test_an_openai_choice_without_sglangs_fields_names_them():
     response, prompt = response_from_openai_choice(choice)
     assert response == {"text": "hi", "output_ids": [7, 8], "meta_info": {"weight_version": "3"}}
     assert prompt == [5]
+
+
+def test_weight_update_sessions_open_on_every_engine_and_older_servers_need_none():
+    """A 404 (an SGLang before weight-update sessions) counts as opened; a refusal raises."""
+    calls = []
+
+    def handler(request):
+        calls.append((base(request), request.url.path, json.loads(request.content)))
+        if base(request) == B:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.url.path == "/end_weight_update" and len(calls) > 4:
+            return httpx.Response(400, json={"success": False, "message": "no session is open"})
+        return httpx.Response(200, json={"success": True, "message": "Success"})
+
+    async def go():
+        async with client_with(handler) as client:
+            opened = await client.begin_weight_update()
+            closed = await client.end_weight_update()
+            with pytest.raises(
+                EngineError, match="end_weight_update -> HTTP 400: no session is open"
+            ):
+                await client.end_weight_update()
+            return opened, closed
+
+    opened, closed = run(go())
+    assert opened[A]["success"] and "needs no session" in opened[B]["message"]
+    assert closed[A]["success"] and closed[B]["success"]
+    assert calls[:2] == [(A, "/begin_weight_update", {"selector": "all"}),
+                         (B, "/begin_weight_update", {"selector": "all"})]  # fmt: skip

@@ -140,6 +140,7 @@ def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, fl
         time.sleep(0.005)
     start, wall_start = time.perf_counter(), time.time()
     done: dict = {}
+    httpx.post(f"{url}/begin_weight_update", json={}, timeout=60).raise_for_status()  # SGLang's
     poster = threading.Thread(
         target=lambda: done.setdefault(
             "r", httpx.post(f"{url}/update_weights_from_distributed", json=body, timeout=600)
@@ -149,6 +150,7 @@ def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, fl
     broadcast(box["g"], bucket)
     poster.join()
     update_s = time.perf_counter() - start
+    httpx.post(f"{url}/end_weight_update", json={}, timeout=60).raise_for_status()
     wall_end = time.time()
     streamer.join()
     for t in background:

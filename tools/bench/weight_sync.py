@@ -101,6 +101,7 @@ def _per_tensor(sync, tensors: dict[str, torch.Tensor], version: int) -> float: 
     from moerl.engine.group import broadcast
 
     start = time.perf_counter()
+    sync._run(sync.client.begin_weight_update()).result(timeout=60)  # SGLang's session
     http = sync._run(
         sync.client.update_weights_from_distributed(
             list(tensors),
@@ -113,6 +114,7 @@ def _per_tensor(sync, tensors: dict[str, torch.Tensor], version: int) -> float: 
     for t in tensors.values():
         broadcast(sync._group, t.contiguous())
     http.result(timeout=600)
+    sync._run(sync.client.end_weight_update()).result(timeout=60)
     return time.perf_counter() - start
 
 
