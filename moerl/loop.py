@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from moerl import device
 from moerl.config.schema import MoerlConfig
-from moerl.config.sync import sync_backend
+from moerl.config.sync import sync_backend, sync_transport
 
 
 @dataclass
@@ -65,6 +65,12 @@ def groups_per_step(cfg: MoerlConfig) -> int:
     return batch // group
 
 
+def _weights_mb(hf_dir: Path) -> float:
+    """The initial checkpoint's weight files in MB (what a full push moves, give or take
+    the sync dtype)."""
+    return sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors")) / 2**20
+
+
 def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     """Train for ``cfg.trainer.train_iters`` steps; returns rank 0's last metrics."""
     from moerl.rollout.service import RolloutService
@@ -95,6 +101,9 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             cfg, trainer, client=rollout.client if rollout else None,
             run_coro=rollout.submit if rollout else None, run_dir=ctx.run_dir,
             backend=sync_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
+            transport=sync_transport(
+                cfg.sync, ctx.engine_urls, device.has_cuda(), _weights_mb(ctx.hf_dir)
+            ),
         )  # fmt: skip
         if start > 0 or trainer.lora is not None:  # engines start from the initial weights
             _publish(publisher, rollout, trainer.version, initial=True)

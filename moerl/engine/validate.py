@@ -167,6 +167,15 @@ CONTROL: dict[str, dict[str, Kind]] = {
         "abort_all_requests": BOOL,
         "flush_cache": BOOL,
     },
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors": STRS,
+        "load_format": STR,
+        "flush_cache": BOOL,
+        "abort_all_requests": BOOL,
+        "weight_version": STR,
+        "selector": STR,
+        "torch_empty_cache": BOOL,
+    },
     "/load_lora_adapter": {"lora_name": STR, "lora_path": STR, "pinned": BOOL},
     "/load_lora_adapter_from_tensors": {
         "lora_name": STR,

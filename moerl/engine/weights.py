@@ -15,6 +15,11 @@ before receiving anything.
 Tensors are received where the group's backend moves them: a gloo group on the CPU, an
 NCCL group on the engine's GPU (which needs an engine started with a CUDA ``--device``);
 ``ModelRunner.load_weights`` copies them into the model wherever it runs.
+
+``/update_weights_from_tensor`` is the same-host path without a group: the body carries
+handles to the sender's shared-memory (or CUDA IPC) tensors (moerl/engine/tensor_payload.py),
+checked the same way before the copy. Both loads run only inside SGLang's weight-update
+session (``/begin_weight_update`` ... ``/end_weight_update``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from fastapi import Request as HTTPRequest
 
 from moerl.engine.bucket import dtype_of, nbytes, unflatten
 from moerl.engine.group import broadcast, init_custom_process_group
+from moerl.engine.tensor_payload import read_named_tensors
 from moerl.engine.validate import nonfinite_tensor
 
 
@@ -167,6 +173,45 @@ def register_weight_routes(
             return fail("no weight-update session is open; call begin_weight_update() first")
         state.weight_session = False
         return ok("Success")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: HTTPRequest) -> Any:
+        """SGLang's same-host path: tensors arrive as shared-memory (or CUDA IPC) handles
+        in serialized_named_tensors (moerl/engine/tensor_payload.py), checked whole before
+        the model changes."""
+        body = await body_of(request)
+        if not state.weight_session:
+            return fail(
+                "update_weights_from_tensor must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
+        version = body.get("weight_version")
+        abort_all = bool(body.get("abort_all_requests", False))
+        try:
+            named = await asyncio.to_thread(
+                read_named_tensors, body.get("serialized_named_tensors"), body.get("load_format")
+            )
+            if not named:
+                raise ValueError("serialized_named_tensors holds no tensors")
+            runner.check_weights([n for n, _ in named], [t.shape for _, t in named])
+        except ValueError as err:
+            return fail(f"weights not applied (model unchanged): {err}")
+        bad = await asyncio.to_thread(nonfinite_tensor, named)
+        if bad is not None:
+            return fail(f"weights not applied (model unchanged): {bad} holds NaN or inf")
+
+        def apply() -> tuple[int, float]:
+            start = time.perf_counter()
+            if abort_all:
+                sched.abort(abort_all=True, message="aborted by update_weights_from_tensor")
+            count = runner.load_weights(named)  # copies: the sender's buffers stay its own
+            sched.flush_cache()  # always, as for the broadcast: cached KV is the old weights'
+            if version is not None:
+                sched.weight_version = str(version)
+            return count, time.perf_counter() - start
+
+        count, apply_s = await on_scheduler(state, apply)
+        return ok(f"updated {count} tensors", weight_version=sched.weight_version, apply_s=apply_s)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: HTTPRequest) -> Any:

@@ -74,6 +74,7 @@ def _entry(
     args: tuple[Any, ...],
 ) -> None:
     die_with_parent(parent)
+    _keep_fds_from_grandchildren()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -90,6 +91,22 @@ def _entry(
         fn(*args)
     finally:
         destroy()
+
+
+def _keep_fds_from_grandchildren() -> None:
+    """Mark every inherited descriptor but stdin/out/err close-on-exec. The spawn start
+    method hands a rank the write end of the pipe its parent waits on (the sentinel), and a
+    helper that a library starts with fork+exec without closing descriptors (torch's
+    torch_shm_manager, once a CPU tensor is shared by file name) would hold it: the parent
+    then waits for the helper, not the rank, and hangs after the rank has exited."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: nothing to do portably
+        return
+    for fd in fds:
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | None = None) -> None:

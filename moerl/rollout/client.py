@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -324,6 +324,40 @@ class EngineClient(EngineTransport):
 
         targets = self._targets(urls)
         return dict(zip(targets, await asyncio.gather(*(one(u) for u in targets))))
+
+    async def update_weights_from_tensor(
+        self,
+        serialize: Callable[[], str],
+        *,
+        tp_sizes: Mapping[str, int] | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        urls: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """SGLang's same-host weight path: ``serialize()`` (e.g. a partial of
+        moerl.engine.tensor_payload's serialize_named_tensors: handles to tensors this process
+        keeps alive until every engine answered) is called once per tensor-parallel rank of
+        each engine (``tp_sizes`` by URL, default 1): torch counts a shared CPU tensor's
+        readers per dump, so a dump may be read once. Needs an open weight-update session."""
+        targets = self._targets(urls)
+        bodies = {}
+        for url in targets:
+            ranks = int((tp_sizes or {}).get(url, 1))
+            body: dict[str, Any] = {
+                "serialized_named_tensors": [serialize() for _ in range(ranks)],
+                "load_format": load_format,
+                "flush_cache": bool(flush_cache),
+                "abort_all_requests": bool(abort_all_requests),
+            }
+            if weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            bodies[url] = body
+        return await self._broadcast(
+            "POST", "/update_weights_from_tensor", None, urls=targets, idempotent=False,
+            bodies=bodies,
+        )  # fmt: skip
 
     async def init_weights_update_group(
         self,

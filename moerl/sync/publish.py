@@ -104,11 +104,19 @@ class Adapters:
 
 
 def build_publisher(
-    cfg: Any, trainer: Any, *, client: Any, run_coro: Any, run_dir: Path, backend: str
+    cfg: Any,
+    trainer: Any,
+    *,
+    client: Any,
+    run_coro: Any,
+    run_dir: Path,
+    backend: str,
+    transport: str = "broadcast",
 ) -> Publisher:
     """The publisher a run's config asks for: adapters when the trainer has LoRA, full
     weights otherwise. ``client``/``run_coro``: rank 0's engine client and the loop it
-    lives on (None elsewhere). Full weights connect here (collective)."""
+    lives on (None elsewhere); ``transport``: full weights' (sync_transport). Full weights
+    connect here (collective)."""
     if trainer.lora is not None:
         from moerl.sync.adapters import AdapterSync
 
@@ -129,7 +137,7 @@ def build_publisher(
             trainer.chunks, cfg.model, client=client, bucket_mb=cfg.sync.bucket_mb,
             dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
             master_port=cfg.sync.master_port, run_coro=run_coro,
-            flush_cache=cfg.rollout.partial_rollout != "in_place",
+            flush_cache=cfg.rollout.partial_rollout != "in_place", transport=transport,
         )  # fmt: skip
 
     return FullWeights(make_sync)

@@ -32,8 +32,11 @@ class Staging:
     """Two byte buffers of ``limit_bytes`` each on ``device``, handed out in turn and
     allocated on first use (then reused for every bucket of every push)."""
 
-    def __init__(self, limit_bytes: int, device: torch.device | str = "cpu") -> None:
-        self.limit_bytes, self.device = limit_bytes, torch.device(device)
+    def __init__(
+        self, limit_bytes: int, device: torch.device | str = "cpu", shared: bool = False
+    ) -> None:
+        """``shared``: CPU buffers in shared memory (the tensor path's engines map them)."""
+        self.limit_bytes, self.device, self.shared = limit_bytes, torch.device(device), shared
         self._buffers: list[torch.Tensor] = []
         self._turn = 1
 
@@ -41,9 +44,14 @@ class Staging:
         """The buffer not handed out last time (whole; callers slice it)."""
         self._turn ^= 1
         if len(self._buffers) == self._turn:
-            self._buffers.append(
-                torch.empty(self.limit_bytes, dtype=torch.uint8, device=self.device)
-            )
+            if self.shared and self.device.type == "cpu":
+                # allocated in shared memory, not copied there: pages are touched (and
+                # counted) only as far as buckets fill them, as with torch.empty
+                storage = torch.UntypedStorage._new_shared(self.limit_bytes)
+                buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+            else:
+                buffer = torch.empty(self.limit_bytes, dtype=torch.uint8, device=self.device)
+            self._buffers.append(buffer)
         return self._buffers[self._turn]
 
 

@@ -50,6 +50,7 @@ from moerl.sync.stream import (
     send_bucket,
     stage_leads,
 )
+from moerl.sync.tensor_wire import TensorWire, share_cpu_tensors
 from moerl.sync.wire import WeightSyncError, Wire
 
 __all__ = ["WeightSync", "WeightSyncError"]
@@ -62,6 +63,8 @@ _GROUP_FIX = (
 )
 
 log = logging.getLogger(__name__)
+
+TENSOR_PATH = "tensor path"  # _group's value once a tensor-transport sync is connected
 
 
 def _rank() -> int:
@@ -89,6 +92,9 @@ class WeightSync:
         flush_cache: ask the engines to flush their prefix cache with the last bucket; False
             while requests stay in flight through the update (in-place partial rollouts:
             SGLang refuses a flush with running requests).
+        transport: "broadcast" (the custom group, /update_weights_from_distributed) or
+            "tensor" (same host: handles to shared buckets, /update_weights_from_tensor;
+            moerl/sync/tensor_wire.py); the backend and master_* then go unused.
     """
 
     def __init__(
@@ -107,12 +113,18 @@ class WeightSync:
         run_coro: RunCoro | None = None,
         timeout_s: float = 300.0,
         flush_cache: bool = True,
+        transport: str = "broadcast",
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be positive (64 is a good default)")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: choose 'gloo' or 'nccl'")
-        self.flush_cache = flush_cache
+        if transport not in ("broadcast", "tensor"):
+            raise ValueError(f"transport={transport!r}: choose 'broadcast' or 'tensor'")
+        self.flush_cache, self.transport = flush_cache, transport
+        self._tp_sizes: dict[str, int] = {}
+        if transport == "tensor":
+            share_cpu_tensors()
         self.chunks, self.model_cfg = chunks, model_cfg
         self.limit_bytes = max(1, int(bucket_mb * 2**20))
         self.dtype = None if dtype is None else dtype_of(dtype)
@@ -170,6 +182,9 @@ class WeightSync:
             raise WeightSyncError(f"weight sync cannot reach its engines: {err}") from err
         # an SGLang server with tensor parallelism joins as tp_size ranks
         sizes = [int(info[u].get("tp_size", 1) or 1) for u in urls]
+        if self.transport == "tensor":  # no group: each push hands over handles
+            self._tp_sizes, self._group = dict(zip(urls, sizes)), TENSOR_PATH
+            return
         offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
         world = 1 + sum(sizes)
         port = self.master_port or free_port()
@@ -210,6 +225,8 @@ class WeightSync:
         if self.rank != 0:
             return
         error = None
+        if self._group is TENSOR_PATH:
+            self._group = None
         if self._group is not None and self.client is not None and self._run is not None:
             self._group, self._broken = None, False
             try:
@@ -282,18 +299,26 @@ class WeightSync:
 
     def _staging_on(self, where: torch.device) -> Staging:
         if where not in self._staging:
-            self._staging[where] = Staging(self.limit_bytes, where)
+            self._staging[where] = Staging(self.limit_bytes, where, self.transport == "tensor")
         return self._staging[where]
 
     def _forward(self, stream: Any, leads: list[int], version: int) -> dict[str, int]:
         """Rank 0: its own stage's buckets, then each other stage's from its lead, to the
         engines; the last bucket of the last stage carries ``version``."""
         assert self.client is not None and self._run is not None
-        comm = torch.device("cpu") if self.backend == "gloo" else device.device()
-        wire = Wire(
-            self._group, self.client, self._run, group_name=self.group_name, comm=comm,
-            timeout_s=self.timeout_s, flush_cache=self.flush_cache,
-        )  # fmt: skip
+        wire: Wire | TensorWire
+        if self.transport == "tensor":
+            comm = device.device()  # shared CPU memory, or a CUDA buffer opened by IPC
+            wire = TensorWire(
+                self.client, self._run, tp_sizes=self._tp_sizes, timeout_s=self.timeout_s,
+                flush_cache=self.flush_cache,
+            )  # fmt: skip
+        else:
+            comm = torch.device("cpu") if self.backend == "gloo" else device.device()
+            wire = Wire(
+                self._group, self.client, self._run, group_name=self.group_name, comm=comm,
+                timeout_s=self.timeout_s, flush_cache=self.flush_cache,
+            )  # fmt: skip
         sent_version = False
         # SGLang loads pushed weights only inside a session (moerl.engine answers the same)
         self._run(self.client.begin_weight_update()).result(self.timeout_s)

@@ -69,7 +69,8 @@ def engines(tiny_checkpoints, engine_factory, tmp_path_factory):
 
 
 def _trainer(
-    hf_dir: str, url: str, layout: str, scale: float, version: int, bucket_mb: float, out: str
+    hf_dir: str, url: str, layout: str, scale: float, version: int, bucket_mb: float, out: str,
+    transport: str,
 ) -> None:
     from moerl.convert import load_hf
     from moerl.models.gpt import build_model
@@ -87,7 +88,7 @@ def _trainer(
     with torch.no_grad():
         for shard in local_shards(chunks):
             shard.data.mul_(scale)
-    sync = WeightSync(chunks, model, urls=[url], bucket_mb=bucket_mb)
+    sync = WeightSync(chunks, model, urls=[url], bucket_mb=bucket_mb, transport=transport)
     sync.connect()
     try:
         stats = sync.push(version=version)
@@ -97,13 +98,16 @@ def _trainer(
         Path(out).write_text(json.dumps(stats))
 
 
-def _push(engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb) -> dict:
+def _push(
+    engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb, transport="broadcast"
+) -> dict:
     from moerl.parallel import parse_layout
 
     out = tmp_path / "stats.json"
     hf = str(tiny_checkpoints["deepseek_moe"])
     _, world = parse_layout(layout)
-    spawn(_trainer, world, hf, engines[0].url, layout, scale, version, bucket_mb, str(out))
+    args = (hf, engines[0].url, layout, scale, version, bucket_mb, str(out), transport)
+    spawn(_trainer, world, *args)
     return json.loads(out.read_text())
 
 
@@ -132,6 +136,18 @@ def test_small_buckets(engines, tiny_checkpoints, tmp_path):
     back, so the engine serves what it served before any push."""
     stats = _push(engines, tiny_checkpoints, tmp_path, "pp2", 1.0, 8, bucket_mb=0.02)
     _check_pushed(engines, tiny_checkpoints, stats, 8, scaled=False)
+    assert stats["buckets"] > 10
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2ep2"])
+def test_tensor_path_matches_fresh_engine(engines, tiny_checkpoints, tmp_path, layout):
+    """sync.transport=tensor (/update_weights_from_tensor, the engine maps rank 0's shared
+    buckets): the same weights land as by broadcast; then the original weights go back in
+    many small buckets (lone tensors travel in shared copies of their own)."""
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 11, 64, "tensor")
+    _check_pushed(engines, tiny_checkpoints, stats, 11, scaled=True)
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, 1.0, 12, 0.02, "tensor")
+    _check_pushed(engines, tiny_checkpoints, stats, 12, scaled=False)
     assert stats["buckets"] > 10
 
 

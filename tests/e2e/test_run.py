@@ -215,9 +215,13 @@ def test_ctrl_c_stops_ranks_and_engines(tmp_path):
     assert not alive, [q.cmdline() for q in alive]
 
 
-def test_max_staleness_zero_is_synchronous(tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "tensor"])
+def test_max_staleness_zero_is_synchronous(tmp_path, transport):
+    """Every step on-policy: the pushed weights, by broadcast or by tensor handles
+    (/update_weights_from_tensor), are exactly what the trainer trains."""
     run = tmp_path / "sync"
-    _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4", "telemetry.flip_every=0")
+    _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4", "telemetry.flip_every=0",
+            f"sync.transport={transport}")  # fmt: skip
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(4))
     for r in m:

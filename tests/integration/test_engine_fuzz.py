@@ -137,6 +137,12 @@ CONTROL = {
     "/destroy_weights_update_group": _plausible({"group_name": st.text(max_size=4)}),
     "/begin_weight_update": _plausible({"selector": st.sampled_from(["target", "all", "x"])}),
     "/end_weight_update": anything,
+    "/update_weights_from_tensor": _plausible(
+        {
+            "serialized_named_tensors": st.lists(st.text(max_size=8), max_size=2),
+            "load_format": st.sampled_from(["direct", "flattened_bucket", "npz"]),
+        }
+    ),
     "/update_weights_from_distributed": _plausible(
         {
             "names": st.lists(st.sampled_from(["model.norm.weight", "x"]), max_size=2),

@@ -65,3 +65,64 @@ def test_weights_load_only_inside_a_session(http, weight_group, tiny_checkpoints
         assert _push(http, weight_group, restore, original).status_code == 200
         http.post("/end_weight_update", {})
     assert http.post("/generate", GREEDY).json()["output_ids"] == before["output_ids"]
+
+
+# Builds /update_weights_from_tensor payloads in a process of its own (the trainer's role:
+# it shares its tensors by file name and keeps them alive until told to exit), one dump
+# per line: a payload is read once.
+SENDER = """
+import sys, torch, torch.multiprocessing as tmp
+from moerl.engine.tensor_payload import serialize_named_tensors
+tmp.set_sharing_strategy("file_system")
+nan = torch.ones(64); nan[3] = float("nan")
+cases = {"norm3": [("model.norm.weight", torch.full((64,), 3.0))],
+         "nan": [("model.norm.weight", nan)],
+         "shape": [("model.norm.weight", torch.ones(65))],
+         "unknown": [("model.no_such.weight", torch.ones(64))]}
+keep = {k: [(n, t.share_memory_()) for n, t in v] for k, v in cases.items()}
+for line in sys.stdin:
+    if not line.strip():
+        break
+    print(serialize_named_tensors(keep[line.strip()]), flush=True)
+"""
+
+
+def test_the_tensor_path_is_checked_whole_before_the_model_changes(http):
+    import subprocess
+    import sys
+
+    before = http.post("/generate", GREEDY).json()
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def payload(case: str) -> str:
+        sender.stdin.write(case + "\n")
+        sender.stdin.flush()
+        return sender.stdout.readline().strip()
+
+    def push(case: str):  # type: ignore[no-untyped-def]
+        body = {"serialized_named_tensors": [payload(case)], "weight_version": "t1"}
+        return http.post("/update_weights_from_tensor", body)
+
+    try:
+        outside = push("norm3")
+        assert outside.status_code == 400
+        assert "must run between begin_weight_update() and end_weight_update()" in outside.text
+        assert http.post("/begin_weight_update", {}).status_code == 200
+        try:
+            for case, words in (
+                ("nan", "model.norm.weight holds NaN or inf"),
+                ("shape", "got shape (65,), the model has (64,)"),
+                ("unknown", "model.no_such.weight"),
+            ):
+                r = push(case)
+                assert r.status_code == 400 and "model unchanged" in r.text, r.text
+                assert words in r.text, r.text
+            after = http.post("/generate", GREEDY).json()
+            assert after["output_ids"] == before["output_ids"]
+            assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
+        finally:
+            http.post("/end_weight_update", {})
+    finally:
+        sender.communicate("\n", timeout=60)

@@ -13,7 +13,9 @@ size, each repeat times, back to back (so the machine's load is shared alike):
   receives into one buffer kept across repeats): the best this transport can do;
 - one full sync per bucket size;
 - the per-tensor baseline: SGLang's unbucketed path (one ``/update_weights_from_distributed``
-  naming every tensor, then one broadcast each).
+  naming every tensor, then one broadcast each);
+- one full sync per bucket size over the same-host tensor path (``transport="tensor"``:
+  the engine maps the buckets from shared memory, ``/update_weights_from_tensor``).
 
 Medians over ``reps``. Prints, per config, one line per setting
 
@@ -26,9 +28,15 @@ time / sync time; ``vs_per_tensor``: per-tensor time / sync time)
 
     weight_sync model_mb=… bucket_mb=… sync_gbps=… ref_gbps=… frac_of_ref=… vs_per_tensor=…
 
+and one per bucket size for the tensor path (``frac_of_memcpy``: one same-process copy of
+the model's bytes / tensor-path time; ``vs_broadcast``: bucketed-broadcast time / tensor
+time at the same bucket size)
+
+    weight_sync transport=tensor model_mb=… bucket_mb=… sync_gbps=… memcpy_gbps=… frac_of_memcpy=… vs_broadcast=…
+
 and then
 
-    model=… model_mb=… best_bucket_mb=… bucketed_s=… per_tensor_s=… speedup=…
+    model=… model_mb=… best_bucket_mb=… bucketed_s=… per_tensor_s=… speedup=… tensor_s=… tensor_speedup=…
 
 ``result.json`` (with ``--out``) keeps every bucket's latency (``by_bucket_mb``, for a
 latency-vs-bucket-size plot) and its fraction of the reference (``frac_of_ref``).
@@ -157,6 +165,21 @@ class Reference:
         self.process.wait(timeout=60)
 
 
+class Memcpy:
+    """The same-host reference: one copy of ``nbytes`` between two buffers of this process
+    (what the tensor path cannot beat: the engine still copies into its parameters)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.ones(nbytes, dtype=torch.uint8)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self.time()  # untimed warm-up: both buffers touched once
+
+    def time(self) -> float:
+        start = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - start
+
+
 def bench(name: str, model_dir: Path, buckets_mb: list[float], reps: int) -> dict[str, Any]:
     from moerl.engine.process import EngineProcess
     from moerl.sync.weights import WeightSync
@@ -165,7 +188,9 @@ def bench(name: str, model_dir: Path, buckets_mb: list[float], reps: int) -> dic
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     total_mb = total / 2**20
     bucketed_all: dict[float, list[float]] = {mb: [] for mb in buckets_mb}
+    tensor_all: dict[float, list[float]] = {mb: [] for mb in buckets_mb}
     ref_all: list[float] = []
+    memcpy_all: list[float] = []
     per_tensor_all: list[float] = []
     version = 0
     with EngineProcess(model_dir, threads=1) as engine, ExitStack() as stack:
@@ -177,17 +202,31 @@ def bench(name: str, model_dir: Path, buckets_mb: list[float], reps: int) -> dic
             ))  # fmt: skip
             version += 1  # untimed warm-up: first-touch of the engine's and our buffers
             syncs[mb].push(version, named=tensors.items())
+        tensor_syncs = {}
+        for mb in buckets_mb:  # the same-host path: handles to shared buckets, no group
+            tensor_syncs[mb] = stack.enter_context(WeightSync(
+                [], None, urls=[engine.url], bucket_mb=mb, transport="tensor",
+            ))  # fmt: skip
+            version += 1
+            tensor_syncs[mb].push(version, named=tensors.items())
         reference = Reference(total, reps)
         stack.callback(reference.close)
+        memcpy = Memcpy(total)
         for _ in range(reps):  # interleaved: each repeat sees the same machine load
             ref_all.append(reference.time())
+            memcpy_all.append(memcpy.time())
             for mb, sync in syncs.items():
                 version += 1
                 bucketed_all[mb].append(sync.push(version, named=tensors.items())["seconds"])
+                version += 1
+                pushed = tensor_syncs[mb].push(version, named=tensors.items())
+                tensor_all[mb].append(pushed["seconds"])
             version += 1
             per_tensor_all.append(_per_tensor(syncs[buckets_mb[0]], tensors, version))
     bucketed = {mb: statistics.median(ts) for mb, ts in bucketed_all.items()}
+    tensor = {mb: statistics.median(ts) for mb, ts in tensor_all.items()}
     ref, per_tensor = statistics.median(ref_all), statistics.median(per_tensor_all)
+    copy_s = statistics.median(memcpy_all)
     for mb in buckets_mb:
         print(f"model={name} bucket_mb={mb:g} sync_s={bucketed[mb]:.4f}", flush=True)
     print(f"model={name} per_tensor_s={per_tensor:.4f} tensors={len(tensors)}", flush=True)
@@ -200,8 +239,25 @@ def bench(name: str, model_dir: Path, buckets_mb: list[float], reps: int) -> dic
             f"vs_per_tensor={per_tensor / bucketed[mb]:.2f}",
             flush=True,
         )
+    for mb in buckets_mb:
+        print(
+            f"weight_sync transport=tensor model_mb={total_mb:.2f} bucket_mb={mb:g} "
+            f"sync_gbps={total / tensor[mb] / 1e9:.3f} memcpy_gbps={total / copy_s / 1e9:.3f} "
+            f"frac_of_memcpy={copy_s / tensor[mb]:.2f} vs_broadcast={bucketed[mb] / tensor[mb]:.2f}",
+            flush=True,
+        )
     best = min(bucketed, key=bucketed.__getitem__)
+    best_tensor = min(tensor, key=tensor.__getitem__)
     return {
+        "tensor_best_bucket_mb": best_tensor,
+        "tensor_s": tensor[best_tensor],
+        "tensor_speedup": bucketed[best] / tensor[best_tensor],
+        "tensor_by_bucket_mb": {f"{mb:g}": s for mb, s in tensor.items()},
+        "tensor_by_bucket_mb_all": {f"{mb:g}": ts for mb, ts in tensor_all.items()},
+        "tensor_frac_of_memcpy": {f"{mb:g}": copy_s / s for mb, s in tensor.items()},
+        "tensor_vs_broadcast": {f"{mb:g}": bucketed[mb] / s for mb, s in tensor.items()},
+        "memcpy_s": copy_s,
+        "memcpy_gbps": total / copy_s / 1e9,
         "model": name,
         "model_mb": round(total_mb, 2),
         "tensors": len(tensors),
@@ -225,7 +281,8 @@ def line(r: dict[str, Any]) -> str:
     return (
         f"model={r['model']} model_mb={r['model_mb']} best_bucket_mb={r['best_bucket_mb']:g} "
         f"bucketed_s={r['bucketed_s']:.4f} per_tensor_s={r['per_tensor_s']:.4f} "
-        f"speedup={r['speedup']:.2f}"
+        f"speedup={r['speedup']:.2f} tensor_s={r['tensor_s']:.4f} "
+        f"tensor_speedup={r['tensor_speedup']:.2f}"
     )
 
 

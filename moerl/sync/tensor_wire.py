@@ -1,0 +1,128 @@
+"""Trainer rank 0's side of the same-host weight path (``sync.transport=tensor``).
+
+No bytes go through a socket: each bucket is gathered into a staging buffer in shared
+memory (CPU, torch's ``file_system`` strategy, which a process that did not fork from
+this one can open; on CUDA a device buffer the engines open by IPC handle), and one
+``/update_weights_from_tensor`` per engine carries handles to its tensors: views of that
+buffer at their byte offsets, as SGLang's ``(name, tensor)`` list (``load_format`` null),
+which SGLang and moerl's engine both load. The engines copy the values into their models
+before they answer, so a buffer is written again only after every engine answered the
+bucket it held: :meth:`TensorWire.send` returns once bucket k is posted, having waited for
+bucket k-1's answer, so the engines load bucket k while the caller gathers bucket k+1 into
+the other staging buffer. Same interface as :class:`moerl.sync.wire.Wire`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from moerl.engine.bucket import dtype_of
+from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.rollout.client import EngineClient
+from moerl.sync.stream import Bucket
+from moerl.sync.wire import RunCoro, WeightSyncError
+
+
+def share_cpu_tensors() -> None:
+    """Share CPU tensors by file name: the engine, not a child of this process, cannot
+    receive the file descriptors torch shares by default."""
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_system")
+
+
+@dataclass
+class _Posted:
+    what: str
+    bucket: Bucket
+    views: list[tuple[str, torch.Tensor]]  # alive until the engines answered
+    http: concurrent.futures.Future[Any]
+
+
+class TensorWire:
+    """Posts buckets to the engines as tensor handles; one per push."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        run: RunCoro,
+        *,
+        tp_sizes: dict[str, int],
+        timeout_s: float,
+        flush_cache: bool,
+    ) -> None:
+        self.client, self._run = client, run
+        self.tp_sizes, self.timeout_s, self.flush_cache = tp_sizes, timeout_s, flush_cache
+        self.broken = False  # no group to fall out of step: a failed push leaves none behind
+        self.stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+        self._posted: _Posted | None = None
+        self._sent = 0
+
+    def send(self, bucket: Bucket, version: int | None) -> None:
+        """Post ``bucket`` once the engines answered the one before; its bytes are free
+        again at the next ``send`` (or ``finish``)."""
+        if self._posted is not None:
+            posted, self._posted = self._posted, None
+            self._answered(posted)
+        self._sent += 1
+        what = f"bucket {self._sent} ({len(bucket.names)} tensors from {bucket.names[0]})"
+        views = _views(bucket)
+        http = self._run(
+            self.client.update_weights_from_tensor(
+                partial(serialize_named_tensors, views),  # one dump per reader
+                tp_sizes=self.tp_sizes,
+                flush_cache=version is not None and self.flush_cache,
+                weight_version=None if version is None else str(version),
+            )
+        )
+        self._posted = _Posted(what, bucket, views, http)
+
+    def finish(self) -> dict[str, int]:
+        """Wait for the engines to load the last bucket; returns the totals."""
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            self._answered(posted)
+        return self.stats
+
+    def abandon(self) -> None:
+        """After an error: wait (bounded) for what is posted, so no engine still reads a
+        buffer the next push writes."""
+        if self._posted is not None:
+            concurrent.futures.wait([self._posted.http], timeout=self.timeout_s)
+        self._posted = None
+
+    def _answered(self, posted: _Posted) -> None:
+        try:
+            posted.http.result(timeout=self.timeout_s)
+        except Exception as err:
+            raise WeightSyncError(f"engines rejected {posted.what}: {err}") from err
+        self.stats["bytes"] += posted.bucket.nbytes
+        self.stats["buckets"] += 1
+        self.stats["tensors"] += len(posted.bucket.names)
+
+
+def _views(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors as views of its shared bytes (a tensor whose offset its dtype
+    cannot view at gets a shared copy of its own)."""
+    flat = bucket.flattened()
+    if flat.device.type == "cpu" and not flat.is_shared():  # a lone tensor's own bytes
+        flat = flat.clone().share_memory_()
+    out, offset = [], 0
+    for name, dtype_name, shape in zip(bucket.names, bucket.dtypes, bucket.shapes):
+        dtype = dtype_of(dtype_name)
+        size = torch.Size(shape).numel() * dtype.itemsize
+        piece = flat[offset : offset + size]
+        if offset % dtype.itemsize:
+            piece = piece.clone()
+            if piece.device.type == "cpu":
+                piece.share_memory_()
+        out.append((name, piece.view(dtype).view(shape)))
+        offset += size
+    if offset != flat.numel():
+        raise WeightSyncError(f"bucket of {bucket.names[0]}: {flat.numel()} bytes for {offset}")
+    return out
