@@ -12,6 +12,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from moerl.engine.lora import read_peft_dir
+from moerl.engine.tensor_payload import read_named_tensors
 from moerl.engine.validate import check_peft_config, nonfinite_tensor
 
 
@@ -77,13 +78,28 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
             body.get("config_dict"),
             body.get("safetensors_b64"),
         )
-        if not name or not isinstance(config, dict) or not isinstance(blob, str):
+        handles = body.get("serialized_named_tensors")
+        if not name or not isinstance(config, dict) or (blob is None) == (handles is None):
             return reply(
-                False, "needs lora_name, config_dict (PEFT adapter_config) and safetensors_b64"
+                False,
+                "needs lora_name, config_dict (PEFT adapter_config) and the tensors as one of "
+                "serialized_named_tensors (SGLang's: tensor handles, one dump per TP rank) or "
+                "safetensors_b64 (moerl's: a base64 safetensors file, from any host)",
             )
+        if handles is not None:  # same host: read with the restricted unpickler
+            try:
+                named = await asyncio.to_thread(
+                    read_named_tensors, handles, body.get("load_format")
+                )
+            except ValueError as err:
+                return reply(False, str(err))
+            # copies: the sender's shared buffers stay its own (it may write them again)
+            return await load(name, config, {n: t.clone() for n, t in named})
+        if not isinstance(blob, str):
+            return reply(False, "safetensors_b64 must be a base64 string")
         try:
             tensors = safetensors_load(base64.b64decode(blob, validate=True))
-        except Exception as err:  # never unpickle: safetensors or nothing
+        except Exception as err:  # safetensors or nothing: never unpickled
             return reply(False, f"safetensors_b64 is not a base64 safetensors file: {err}")
         return await load(name, config, tensors)
 

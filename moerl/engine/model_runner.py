@@ -110,6 +110,21 @@ class ModelRunner:
         self._captured.clear()
         return out if self.topk else out[..., :0]
 
+    def release_weights(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Free every parameter's memory (SGLang's release of the 'weights' tag); returns
+        their shapes and dtypes for ``resume_weights``. Buffers (rotary tables) stay."""
+        shapes = {}
+        for name, param in self.params.items():
+            shapes[name] = (param.shape, param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        return shapes
+
+    def resume_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """Parameters back at their shapes, as zeros: the values come with the next push."""
+        for name, (shape, dtype) in shapes.items():
+            param = self.params[name]
+            param.data = torch.zeros(shape, dtype=dtype, device=param.device)
+
     # -- forward -----------------------------------------------------------------------
     def new_pool(self, max_slots: int) -> KVPool:
         """A KV pool for up to ``max_slots`` requests of up to the model's context."""

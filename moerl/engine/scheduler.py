@@ -148,6 +148,9 @@ class Scheduler:
             tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
         ] = queue.Queue()
         self.paused = False
+        # /release_memory_occupation's tags in force; requests wait while any is
+        self.released: set[str] = set()
+        self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.dead: str | None = None  # why the thread ended; set once, under _gate
         self._gate = threading.Lock()  # orders submit/control against the thread's end
         self.failed_requests = 0  # requests failed by an error in a step
@@ -295,6 +298,37 @@ class Scheduler:
     def resume(self) -> None:
         self.paused = False
 
+    def release_memory(self, tags: list[str]) -> None:
+        """SGLang's /release_memory_occupation, on this thread: 'kv_cache' drops the KV pool
+        and the prefix cache, 'weights' the model's parameters (their values are gone: push
+        weights after resuming them), 'cuda_graph' is accepted (there are none). Only when
+        idle; requests that arrive meanwhile wait until every tag is resumed."""
+        if self.running or self.retracted:
+            raise ValueError(
+                "release_memory_occupation should be called only when server is idle "
+                f"({len(self.running) + len(self.retracted)} requests running): "
+                "pause_generation first"
+            )
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            self.flush_cache()
+            self.pool = self.runner.new_pool(0)  # empty: it grows again from the first forward
+        if "weights" in tags and "weights" not in self.released:
+            self._weight_shapes = self.runner.release_weights()
+        self.released.update(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """SGLang's /resume_memory_occupation: the released memory back (weights as zeros)."""
+        missing = [t for t in tags if t not in self.released]
+        if missing:
+            raise ValueError(f"tags {missing} are not released (released: {sorted(self.released)})")
+        if "kv_cache" in tags:
+            self.pool = self.runner.new_pool(self.max_running)
+        if "weights" in tags:
+            self.runner.resume_weights(self._weight_shapes)
+            self._weight_shapes = {}
+        self.released.difference_update(tags)
+        self.wake.set()
+
     def flush_cache(self) -> None:
         """Forget every cached prefix (new weights, or /flush_cache)."""
         if self.prefix_cache is not None:
@@ -312,8 +346,10 @@ class Scheduler:
             while not self.stop_event.is_set():
                 self.loops += 1
                 self._run_controls()
-                if self.paused or (
-                    not self.running and self.waiting.empty() and not self.retracted
+                if (
+                    self.paused
+                    or self.released
+                    or (not self.running and self.waiting.empty() and not self.retracted)
                 ):
                     self.wake.wait(timeout=0.05)
                     self.wake.clear()

@@ -34,7 +34,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from moerl.engine.sampling import SamplingParams, UnknownFieldError
 from moerl.engine.scheduler import Request, Unavailable, new_rid
 from moerl.engine.state import EngineState
-from moerl.engine.validate import check_control, check_generate, is_batch, split_batch
+from moerl.engine.validate import (
+    MEMORY_TAGS,
+    check_control,
+    check_generate,
+    is_batch,
+    split_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,12 @@ HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-BODY_OPTIONAL = ("/begin_weight_update", "/end_weight_update")
+BODY_OPTIONAL = (
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+)
 """Control routes whose fields all have defaults: an empty body means all defaults."""
 
 
@@ -576,6 +587,22 @@ def create_app(state: EngineState) -> FastAPI:
 
         await _on_scheduler(state, apply)
         return _ok(f"weight version is {version}", new_version=str(version))
+
+    # SGLang's memory release for colocation (tags weights, kv_cache, cuda_graph; none =
+    # all): success answers null, as SGLang's handlers return nothing
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: HTTPRequest) -> Any:
+        body = await body_of(request) if request.method == "POST" else {}
+        tags = list(body.get("tags") or MEMORY_TAGS)
+        await _on_scheduler(state, lambda: sched.release_memory(tags))
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: HTTPRequest) -> Any:
+        body = await body_of(request) if request.method == "POST" else {}
+        tags = list(body.get("tags") or sorted(sched.released))
+        await _on_scheduler(state, lambda: sched.resume_memory(tags))
+        return JSONResponse(None)
 
     from moerl.engine.lora_routes import register_lora_routes
     from moerl.engine.openai_api import register_openai_routes

@@ -94,6 +94,8 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "prefix_cache_tokens": 0 if sched.prefix_cache is None else sched.prefix_cache.tokens,
         "prefix_cache_sequences": 0 if sched.prefix_cache is None else len(sched.prefix_cache),
         "paused": sched.paused,
+        # /release_memory_occupation tags in force (requests wait until all are resumed)
+        "memory_released": sorted(sched.released),
         "decode_steps": sched.steps,
         "scheduler_loops": sched.loops,
         "last_step_s": sched.last_step_s,

@@ -139,6 +139,8 @@ PER_CALL: dict[str, Kind] = {
     "routed_experts_start_len": INT,
 }
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory regions for /release_memory_occupation and /resume_memory_occupation."""
 SELECTORS = ("target", "draft", "all")
 """/begin_weight_update's runners (SGLang's; this engine has no draft model)."""
 
@@ -176,11 +178,15 @@ CONTROL: dict[str, dict[str, Kind]] = {
         "selector": STR,
         "torch_empty_cache": BOOL,
     },
+    "/release_memory_occupation": {"tags": STRS},
+    "/resume_memory_occupation": {"tags": STRS},
     "/load_lora_adapter": {"lora_name": STR, "lora_path": STR, "pinned": BOOL},
     "/load_lora_adapter_from_tensors": {
         "lora_name": STR,
         "config_dict": OBJECT,
-        "safetensors_b64": STR,
+        "serialized_named_tensors": STRS,  # SGLang's: handles, one dump per TP rank
+        "load_format": STR,
+        "safetensors_b64": STR,  # moerl's extension: the bytes, from any host
         "pinned": BOOL,
     },
     "/unload_lora_adapter": {"lora_name": STR},
@@ -319,6 +325,10 @@ def check_control(path: str, body: Mapping[str, Any]) -> None:
         for i, shape in enumerate(body.get("shapes") or []):
             if any(d < 0 for d in shape):
                 raise RequestError(f"shapes[{i}]", f"dimensions must be >= 0, got {show(shape)}")
+    elif path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        bad = [t for t in body.get("tags") or [] if t not in MEMORY_TAGS]
+        if bad:
+            raise RequestError("tags", f"{show(bad)} unknown; choose from {list(MEMORY_TAGS)}")
     elif path == "/begin_weight_update" and body.get("selector") not in (None, *SELECTORS):
         raise RequestError(
             "selector", f"must be one of {list(SELECTORS)}, got {show(body['selector'])}"

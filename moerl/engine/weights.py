@@ -108,6 +108,12 @@ def _receive(
     return tensors, nonfinite_tensor(zip(names, tensors))
 
 
+RELEASED = (
+    "the weights are released (release_memory_occupation): resume_memory_occupation with "
+    "tags ['weights'] first"
+)
+
+
 def register_weight_routes(
     app: FastAPI, state: Any, ok: Any, fail: Any, body_of: Any, on_scheduler: Any
 ) -> None:
@@ -185,6 +191,8 @@ def register_weight_routes(
                 "update_weights_from_tensor must run between begin_weight_update() and "
                 "end_weight_update()"
             )
+        if "weights" in sched.released:
+            return fail(RELEASED)
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
         try:
@@ -221,6 +229,8 @@ def register_weight_routes(
                 "update_weights_from_distributed must run between begin_weight_update() and "
                 "end_weight_update()"
             )
+        if "weights" in sched.released:
+            return fail(RELEASED)
         name = body.get("group_name", "weight_update_group")
         if name not in state.groups:
             return fail(f"no weight-update group {name!r}: call /init_weights_update_group first")

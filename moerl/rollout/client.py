@@ -299,6 +299,22 @@ class EngineClient(EngineTransport):
         body = {"new_version": str(version), "abort_all_requests": bool(abort_all_requests)}
         return await self._broadcast("POST", "/update_weight_version", body, urls=urls)
 
+    async def release_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, urls: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """SGLang's colocation call: the engines free ``tags`` ("weights", "kv_cache",
+        "cuda_graph"; None = all) until resume_memory_occupation; only on idle engines
+        (pause_generation first). Released weights come back as zeros: push after resume."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return await self._broadcast("POST", "/release_memory_occupation", body, urls=urls)
+
+    async def resume_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, urls: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Give back what release_memory_occupation freed (None = every released tag)."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return await self._broadcast("POST", "/resume_memory_occupation", body, urls=urls)
+
     async def begin_weight_update(
         self, selector: str = "all", *, urls: Sequence[str] | None = None
     ) -> dict[str, Any]:
@@ -467,8 +483,9 @@ class EngineClient(EngineTransport):
         pinned: bool = False,
         urls: Sequence[str] | None = None,
     ) -> dict:
-        """Load an adapter from in-memory tensors. moerl's payload (SGLang's own endpoint
-        takes pickled per-TP-rank tensors; moerl never pickles):
+        """Load an adapter from in-memory tensors, as bytes in the body (moerl's extension,
+        which reaches an engine on any host; SGLang's own field, serialized_named_tensors,
+        carries same-host tensor handles, and moerl's engine reads both):
 
             POST /load_lora_adapter_from_tensors
             {
