@@ -301,3 +301,33 @@ def test_lora_run_reward_rises(tmp_path):
     assert "base_model.model.lm_head.lora_B.weight" in adapter
     assert all(r["sync/bytes"] == adapter_bytes for r in m)
     assert adapter_bytes < full_bytes
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_no_shared_memory_behind(tmp_path):
+    """sync.transport=tensor shares rank 0's buckets through /dev/shm: SIGKILL of the
+    launcher mid-run takes the ranks, the engine and torch's shm manager with it, and no
+    segment of the run is left."""
+    import psutil
+
+    run = tmp_path / "shm"
+    args = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", *QUIET,
+            f"hydra.run.dir={run}", "trainer.train_iters=40", "sync.transport=tensor"]  # fmt: skip
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 3:
+        assert proc.poll() is None and time.time() < deadline, "the run did not reach step 3"
+        time.sleep(0.1)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    ours = set(os.listdir("/dev/shm")) - before
+    assert any(name.startswith("torch_") for name in ours), ours  # the buckets are shared
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    deadline = time.time() + 60
+    while set(os.listdir("/dev/shm")) - before and time.time() < deadline:
+        time.sleep(0.1)  # the shm manager unlinks as its clients go
+    assert not set(os.listdir("/dev/shm")) - before
