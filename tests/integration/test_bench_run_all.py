@@ -79,8 +79,13 @@ def test_run_all_smoke_writes_the_page(tmp_path, only):
     assert re.search(r"^model=tiny per_tensor_s=[\d.]+ tensors=\d+$", log, re.M)
     assert re.search(
         r"^model=tiny model_mb=[\d.]+ best_bucket_mb=(1|64) bucketed_s=[\d.]+ "
-        r"per_tensor_s=[\d.]+ speedup=[\d.]+$", log, re.M,
+        r"per_tensor_s=[\d.]+ speedup=[\d.]+ tensor_s=[\d.]+ tensor_speedup=[\d.]+$", log, re.M,
     )  # fmt: skip
+    for mb in ("1", "64"):  # the same-host tensor path beside the broadcast
+        assert re.search(
+            rf"^weight_sync transport=tensor model_mb=[\d.]+ bucket_mb={mb} sync_gbps=[\d.]+ "
+            r"memcpy_gbps=[\d.]+ frac_of_memcpy=[\d.]+ vs_broadcast=[\d.]+$", log, re.M,
+        ), log[-2000:]  # fmt: skip
     assert set(results["benches"]["weight_sync"]["result"]["tiny"]["by_bucket_mb"]) == {"1", "64"}
     expected = {"weight_sync"} | ({"mismatch"} if "mismatch" in names else set())
     assert set(results["plots"]) == expected
