@@ -162,6 +162,13 @@ def register_weight_routes(
         del group
         return ok(f"destroyed {name!r}")
 
+    def refuse_load(route: str) -> Any:
+        """SGLang's answer to a load outside a weight-update session; a clear one while the
+        weights are released; None when the load may go on."""
+        if not state.weight_session:
+            return fail(f"{route} must run between begin_weight_update() and end_weight_update()")
+        return fail(RELEASED) if "weights" in sched.released else None
+
     # SGLang 0.5.23: weights load only inside a session (it restores in-place-quantized
     # weights at its start and finalizes them at its end); the same answers here.
     @app.post("/begin_weight_update")
@@ -186,13 +193,9 @@ def register_weight_routes(
         in serialized_named_tensors (moerl/engine/tensor_payload.py), checked whole before
         the model changes."""
         body = await body_of(request)
-        if not state.weight_session:
-            return fail(
-                "update_weights_from_tensor must run between begin_weight_update() and "
-                "end_weight_update()"
-            )
-        if "weights" in sched.released:
-            return fail(RELEASED)
+        refused = refuse_load("update_weights_from_tensor")
+        if refused is not None:
+            return refused
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
         try:
@@ -224,13 +227,9 @@ def register_weight_routes(
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: HTTPRequest) -> Any:
         body = await body_of(request)
-        if not state.weight_session:
-            return fail(
-                "update_weights_from_distributed must run between begin_weight_update() and "
-                "end_weight_update()"
-            )
-        if "weights" in sched.released:
-            return fail(RELEASED)
+        refused = refuse_load("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         name = body.get("group_name", "weight_update_group")
         if name not in state.groups:
             return fail(f"no weight-update group {name!r}: call /init_weights_update_group first")

@@ -129,6 +129,33 @@ class EngineClient(EngineTransport):
                 item[ENGINE_URL_KEY] = url
         return result
 
+    async def _sample(
+        self,
+        prompt_ids: Any,
+        sampling_params: Mapping[str, Any],
+        routed_experts: bool,
+        sampling_mask: bool,
+        num_layers: int | None,
+        topk: int | None,
+        rid: str | None,
+        lora_path: str | None,
+    ) -> Any:
+        """The /generate a trajectory is decoded from: logprobs, the whole sequence's routes
+        and the kept sets with the renormalised sampled logprob, as asked."""
+        if routed_experts and num_layers is None and topk is None:
+            raise ValueError("routed_experts=True needs num_layers and/or topk to decode them")
+        return await self.generate(
+            prompt_ids,
+            sampling_params,
+            return_logprob=True,
+            return_routed_experts=routed_experts,
+            routed_experts_start_len=0 if routed_experts else None,
+            return_sampling_mask=sampling_mask,
+            sampling_logprobs_mode="selected" if sampling_mask else None,
+            rid=rid,
+            lora_path=lora_path,
+        )
+
     async def generate_trajectory(
         self,
         prompt_ids: Any,
@@ -154,19 +181,10 @@ class EngineClient(EngineTransport):
         """
         if int(sampling_params.get("n") or 1) != 1:
             raise ValueError("generate_trajectory samples one completion; use generate_group")
-        if routed_experts and num_layers is None and topk is None:
-            raise ValueError("routed_experts=True needs num_layers and/or topk to decode them")
-        response = await self.generate(
-            prompt_ids,
-            sampling_params,
-            return_logprob=True,
-            return_routed_experts=routed_experts,
-            routed_experts_start_len=0 if routed_experts else None,
-            return_sampling_mask=sampling_mask,
-            sampling_logprobs_mode="selected" if sampling_mask else None,
-            rid=rid,
-            lora_path=lora_path,
-        )
+        response = await self._sample(
+            prompt_ids, sampling_params, routed_experts, sampling_mask, num_layers, topk, rid,
+            lora_path,
+        )  # fmt: skip
         if isinstance(response, list):
             raise EngineError("engine answered a single /generate with a list")
         traj = trajectory_from_response(
@@ -227,19 +245,9 @@ class EngineClient(EngineTransport):
                     )
                 )
             )
-        if routed_experts and num_layers is None and topk is None:
-            raise ValueError("routed_experts=True needs num_layers and/or topk to decode them")
         params = {**sampling_params, "n": int(n)}
-        responses = await self.generate(
-            prompt_ids,
-            params,
-            return_logprob=True,
-            return_routed_experts=routed_experts,
-            routed_experts_start_len=0 if routed_experts else None,
-            return_sampling_mask=sampling_mask,
-            sampling_logprobs_mode="selected" if sampling_mask else None,
-            rid=rid,
-            lora_path=lora_path,
+        responses = await self._sample(
+            prompt_ids, params, routed_experts, sampling_mask, num_layers, topk, rid, lora_path
         )
         if not isinstance(responses, list) or len(responses) != n:
             got = f"{len(responses)} answers" if isinstance(responses, list) else "one answer"

@@ -177,6 +177,18 @@ MAX_RESUMES = 64
 """Continuations of one completion before it counts as a failed request."""
 
 
+def _decoding(
+    routed_experts: bool, sampling_mask: bool, num_layers: int | None, topk: int | None
+) -> dict[str, Any]:
+    """What a completion records, as generate_trajectory's keyword arguments."""
+    return {
+        "routed_experts": routed_experts,
+        "sampling_mask": sampling_mask,
+        "num_layers": num_layers,
+        "topk": topk,
+    }
+
+
 async def sample_completion(
     client: EngineClient,
     prompt_ids: Any,
@@ -197,12 +209,7 @@ async def sample_completion(
     abort it waits for `gate` (set while the engines generate) and continues from where it
     stopped (from scratch when nothing was sampled yet). Continuation rids are
     f"{rid}r{k}", so an abort of the prefix `rid` reaches them too."""
-    kwargs: dict[str, Any] = {
-        "routed_experts": routed_experts,
-        "sampling_mask": sampling_mask,
-        "num_layers": num_layers,
-        "topk": topk,
-    }
+    kwargs = _decoding(routed_experts, sampling_mask, num_layers, topk)
     if gate is not None:
         await gate.wait()
     traj = await client.generate_trajectory(
@@ -235,12 +242,7 @@ async def sample_group(
     names them f"{rid}-n_{i}"); each aborted one is then continued on its own as
     sample_completion's, with continuation rids f"{rid}-{i}r{k}". An abort of the prefix
     f"{rid}-" reaches them all."""
-    kwargs: dict[str, Any] = {
-        "routed_experts": routed_experts,
-        "sampling_mask": sampling_mask,
-        "num_layers": num_layers,
-        "topk": topk,
-    }
+    kwargs = _decoding(routed_experts, sampling_mask, num_layers, topk)
     if gate is not None:
         await gate.wait()
     trajs = await client.generate_group(
@@ -282,12 +284,7 @@ async def resume_aborted(
 ) -> Trajectory:
     """`traj` as it is, or, while it comes back with finish_reason abort, continued (or
     restarted when nothing was sampled) once `gate` opens, under rids f"{rid}r{k}"."""
-    kwargs: dict[str, Any] = {
-        "routed_experts": routed_experts,
-        "sampling_mask": sampling_mask,
-        "num_layers": num_layers,
-        "topk": topk,
-    }
+    kwargs = _decoding(routed_experts, sampling_mask, num_layers, topk)
     resumes = 0
     while traj.finish_reason == "abort":
         if resumes == MAX_RESUMES:
