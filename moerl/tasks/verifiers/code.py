@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,8 @@ def _stopped(run: RunResult, where: str) -> str:
     at = f" {where}" if where else ""
     if run.timed_out:
         return f"killed at the time limit ({run.elapsed_s:.1f}s){at}"
+    if run.returncode == -signal.SIGXCPU:  # RLIMIT_CPU: the CPU-time side of the time limit
+        return f"killed at the time limit (CPU time, {run.elapsed_s:.1f}s wall){at}"
     if run.returncode is not None and run.returncode < 0:
         return f"killed by signal {-run.returncode}{at} (CPU or memory limit)"
     tail = run.stderr_tail.strip().splitlines()
