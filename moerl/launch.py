@@ -152,8 +152,9 @@ def engine_flags(engine: Any) -> list[str]:
 def start_engines(
     cfg: Any, hf_dir: Path, run_dir: Path, wait: bool = True
 ) -> tuple[list[str], list[Any]]:
-    """Engine URLs and the processes moerl owns (embedded engines only)."""
-    if cfg.engine.kind == "sglang":
+    """Engine URLs and the processes moerl owns (embedded engines only; a colocated
+    engine is built by trainer rank 0, ``start_colocated``)."""
+    if cfg.engine.kind == "sglang" or cfg.launcher.placement == "colocated":
         return list(cfg.engine.urls), []
     import secrets
 
@@ -163,13 +164,7 @@ def start_engines(
 
     # A key per run, unless the user set one: rank 0's clients read it from the environment.
     os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(32))
-    flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
-    flags += engine_flags(cfg.engine)
-    if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
-        from moerl.lora import resolve_targets
-
-        flags += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
-        flags += ["--lora-target-modules", *resolve_targets(cfg.lora, cfg.model)]
+    flags = policy_engine_flags(cfg)
     procs = []
     for i in range(cfg.engine.count()):
         print(f"moerl: starting embedded engine {i} on {hf_dir}", flush=True)
@@ -185,6 +180,32 @@ def start_engines(
             )  # fmt: skip
         )
     return [p.url for p in procs], procs
+
+
+def policy_engine_flags(cfg: Any) -> list[str]:
+    """The policy engines' flags beyond the model path: routes, dtype, batching, LoRA."""
+    flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
+    flags += engine_flags(cfg.engine)
+    if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
+        from moerl.lora import resolve_targets
+
+        flags += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
+        flags += ["--lora-target-modules", *resolve_targets(cfg.lora, cfg.model)]
+    return flags
+
+
+def start_colocated(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], list[Any]]:
+    """``launcher.placement=colocated``: the policy engine built inside this process (rank
+    0) in the background; ``run_training`` waits for it once the trainer is built."""
+    from moerl.engine.inprocess import InProcessEngine
+    from moerl.telemetry.logs import rank_log_path
+
+    print(f"moerl: building the colocated engine in rank 0 on {hf_dir}", flush=True)
+    engine = InProcessEngine(
+        hf_dir, *policy_engine_flags(cfg), startup_timeout_s=cfg.engine.startup_timeout_s,
+        log_path=rank_log_path(run_dir, 0), wait=False,
+    )  # fmt: skip
+    return [engine.url], [engine]
 
 
 Prepared = tuple[Path, list[str], list[Any]]
@@ -264,6 +285,8 @@ def run_rank(cfg: Any, run_dir: str, prepared: Prepared | None = None) -> None:
             if prepared is None:  # torchrun: this rank starts them
                 prepared = prepare(cfg, root)
             hf_dir, urls, engines = prepared
+            if cfg.launcher.placement == "colocated":  # the engine lives in this process
+                urls, engines = start_colocated(cfg, hf_dir, root)
             procs += engines
             reward_urls, reward_procs = start_reward_engines(cfg, root)
             procs += reward_procs
@@ -331,6 +354,11 @@ def split_threads(cfg: MoerlConfig, world: int) -> None:
 
     split = resolve_threads(cfg, world, device.has_cuda())
     cfg.launcher.threads, cfg.engine.threads = split.trainer, split.engine
+    if split.rule == "colocated":
+        print(
+            f"moerl: CPU threads: {split.trainer} per trainer rank; the colocated engine "
+            "uses rank 0's (launcher.threads overrides)"
+        )
     if split.rule in ("alternating", "overlapped"):  # the rules for embedded engines
         print(
             f"moerl: CPU threads: {split.trainer} per trainer rank, {split.engine} per engine "
@@ -373,13 +401,20 @@ def main(cfg: DictConfig) -> None:
         finally:
             destroy()
         return
-    from moerl.parallel.spawn import spawn
+    from moerl.parallel.spawn import run_here, spawn
 
     # Started here, before the ranks: an engine's start overlaps theirs (rank 0 takes the
     # handles over, restarting and stopping them; these die with this process anyway).
     prepared = prepare(typed, Path(run_dir))
     try:
-        spawn(run_rank, world, typed, run_dir, prepared, threads=typed.launcher.threads)
+        if typed.launcher.placement == "colocated" and world == 1:
+            # one process in all: the launcher is the rank, and the rank hosts the engine
+            run_here(
+                run_rank, typed, run_dir, prepared, threads=typed.launcher.threads,
+                backend=typed.launcher.backend,
+            )  # fmt: skip
+        else:
+            spawn(run_rank, world, typed, run_dir, prepared, threads=typed.launcher.threads)
     except KeyboardInterrupt:
         print("moerl: interrupted; ranks and engines stopped", file=sys.stderr)
         raise SystemExit(130) from None

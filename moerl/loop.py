@@ -102,7 +102,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             run_coro=rollout.submit if rollout else None, run_dir=ctx.run_dir,
             backend=sync_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
             transport=sync_transport(
-                cfg.sync, ctx.engine_urls, device.has_cuda(), _weights_mb(ctx.hf_dir)
+                cfg.sync, ctx.engine_urls, device.has_cuda(), _weights_mb(ctx.hf_dir),
+                colocated=cfg.launcher.placement == "colocated",
             ),
         )  # fmt: skip
         if start > 0 or trainer.lora is not None:  # engines start from the initial weights

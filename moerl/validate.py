@@ -27,7 +27,7 @@ from moerl.common.checks import (
     positive_seconds,
 )
 from moerl.config.engine import ENGINE_DTYPES, ENGINE_KINDS, EngineConfig
-from moerl.config.launcher import BACKENDS, LauncherConfig
+from moerl.config.launcher import BACKENDS, PLACEMENTS, LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
@@ -316,6 +316,31 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
         positive_int("launcher.threads", lc.threads)
     if lc.backend is not None:
         one_of("launcher.backend", lc.backend, BACKENDS)
+    one_of("launcher.placement", lc.placement, PLACEMENTS)
+
+
+def _check_placement(cfg: MoerlConfig) -> None:
+    """launcher.placement=colocated: one embedded engine in rank 0, weights by handle."""
+    if cfg.launcher.placement != "colocated":
+        return
+    if cfg.engine.kind != "embedded":
+        raise ValueError(
+            "launcher.placement=colocated runs moerl's embedded engine inside trainer rank 0; "
+            f"engine={cfg.engine.kind} servers run elsewhere: use launcher.placement="
+            "disaggregated with them (SGLang's own colocation is its Engine in your process)"
+        )
+    if cfg.engine.count() != 1:
+        raise ValueError(
+            f"launcher.placement=colocated runs one engine inside trainer rank 0, but "
+            f"engine.num_engines={cfg.engine.count()}; set engine.num_engines=1 or use "
+            "launcher.placement=disaggregated for several engines"
+        )
+    if cfg.sync.transport == "broadcast":
+        raise ValueError(
+            "launcher.placement=colocated hands weights to the in-process engine as tensors; "
+            "sync.transport=broadcast needs an engine in its own process: set "
+            "sync.transport=auto (or tensor), or launcher.placement=disaggregated"
+        )
 
 
 def _check_telemetry_and_sync(cfg: MoerlConfig) -> None:
@@ -434,6 +459,7 @@ def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None
     _check_engine(cfg.engine)
     _check_engine_numbers(cfg.engine)
     _check_launcher(cfg.launcher, world_size)
+    _check_placement(cfg)
     check_algo_config(cfg.algo, cfg.correction)
     _check_rollout(cfg)
     _check_groups(cfg, world_size)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 BACKENDS = ("gloo", "nccl")
+PLACEMENTS = ("disaggregated", "colocated")
 
 
 @dataclass
@@ -22,6 +23,15 @@ class LauncherConfig:
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None
     """torch.distributed backend: 'gloo' or 'nccl'; None = nccl with CUDA, gloo without."""
+    placement: str = "disaggregated"
+    """Where the embedded engine runs. 'disaggregated': its own process(es)
+    (``engine.num_engines``), reached over HTTP, weights by broadcast or shared memory;
+    generation can overlap training on cores or GPUs of its own. 'colocated': one engine
+    inside trainer rank 0's process, sharing its devices and threads, reached without a
+    socket, weights handed over as tensor handles (``sync.transport`` auto or tensor); with one rank the launcher itself is that rank (one process
+    in all). Colocated suits a laptop or one GPU with the synchronous schedule; with
+    async the engine and the trainer take turns on the same cores (see README,
+    "Placement")."""
 
     def world_size(self) -> int:
         """The world size the config is validated against."""

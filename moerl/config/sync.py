@@ -26,7 +26,8 @@ class SyncConfig:
     /update_weights_from_tensor: the engines map rank 0's buckets from shared memory, no
     bytes on a socket; every engine on rank 0's host) or 'auto' (tensor when every engine
     URL is a loopback address, there is no GPU and the weights reach tensor_min_mb; on CUDA
-    the IPC variant has not run on a GPU yet, so auto keeps the broadcast there)."""
+    the IPC variant has not run on a GPU yet, so auto keeps the broadcast there; always
+    with launcher.placement=colocated, where the engine shares the trainer's process)."""
     tensor_min_mb: float = 16.0
     """With transport=auto: the size of the weights (the initial checkpoint's files) from
     which the tensor path is taken. Below it the broadcast is as fast and needs no
@@ -76,11 +77,18 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def sync_transport(
-    sync: SyncConfig, engine_urls: Sequence[str], has_cuda: bool, weights_mb: float
+    sync: SyncConfig,
+    engine_urls: Sequence[str],
+    has_cuda: bool,
+    weights_mb: float,
+    colocated: bool = False,
 ) -> str:
-    """``sync.transport``, with 'auto' resolved by the rule its docstring states."""
+    """``sync.transport``, with 'auto' resolved by the rule its docstring states; an
+    engine in the trainer's own process (``colocated``) always takes tensors."""
     if sync.transport != "auto":
         return sync.transport
+    if colocated:
+        return "tensor"
     hosts = {urlsplit(url).hostname or "" for url in engine_urls}
     same_host = bool(hosts) and all(h in LOOPBACK for h in hosts)
     big = weights_mb >= sync.tensor_min_mb

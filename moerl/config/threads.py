@@ -9,7 +9,9 @@ by a stated rule unless the user sets `launcher.threads` / `engine.threads`:
   waits, so the trainer ranks split all cores and so do the engines;
 - **overlapped** (any other staleness setting, the asynchronous loop): the engines get
   half the cores (at least one thread each), the trainer ranks the rest (at least one
-  thread each).
+  thread each);
+- **colocated** (`launcher.placement=colocated`): the engine lives in rank 0's process
+  and uses its torch threads, so the trainer ranks split all cores.
 
 With CUDA the engines' and ranks' work is on the GPU and the split does not apply.
 """
@@ -36,7 +38,7 @@ class CoreSplit:
     engine: int
     """threads of each embedded engine."""
     rule: str
-    """Why: 'alternating', 'overlapped', 'trainer' (no embedded engine), 'cuda' or 'set'
+    """Why: 'alternating', 'overlapped', 'colocated', 'trainer' (no embedded engine), 'cuda' or 'set'
     (both given by the user)."""
 
 
@@ -61,8 +63,12 @@ def overlapped(staleness: Any) -> bool:
 def resolve_threads(cfg: Any, world_size: int, has_cuda: bool) -> CoreSplit:
     """``launcher.threads`` and ``engine.threads`` where set, the rule's split elsewhere."""
     engines = cfg.engine.count() if cfg.engine.kind == "embedded" else 0
+    colocated = getattr(cfg.launcher, "placement", "disaggregated") == "colocated"
     if has_cuda:
         split = CoreSplit(max(1, usable_cores() // world_size), 1, "cuda")
+    elif colocated:  # the engine runs on rank 0's threads
+        per_rank = max(1, usable_cores() // world_size)
+        split = CoreSplit(per_rank, per_rank, "colocated")
     else:
         split = split_cores(usable_cores(), world_size, engines, overlapped(cfg.staleness))
     trainer, engine = cfg.launcher.threads, cfg.engine.threads

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moerl.config.model import ModelConfig
 from moerl.models.registry import get_family
-from moerl.parallel.full_state import Shard, local_shards
+from moerl.parallel.full_state import Shard, live_shards
 
 
 def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -72,7 +72,7 @@ def export_hf(
     """Yield ``(hf_name, tensor)`` for every tensor this pipeline stage owns."""
     fmap = get_family(model.family).weight_map(model)
     by_key: dict[str, list[Shard]] = {}
-    for shard in local_shards(chunks):
+    for shard in live_shards(chunks):
         by_key.setdefault(shard.key, []).append(shard)
     dense_group, expert_group = _groups()
     for key, pieces in by_key.items():

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass
@@ -77,6 +78,30 @@ def local_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
                         data=sh.data,
                     )
                 )
+    return shards
+
+
+_LAST: tuple[tuple[int, ...], list[Shard]] | None = None
+"""The last model's shards by its parameters' addresses (one entry: an old model is not
+kept alive longer than until the next one is asked about)."""
+
+
+def live_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
+    """``local_shards``, reused while it describes the live parameters: when every
+    shard is a view of a parameter's or buffer's storage (an optimizer step, or the
+    router's expert-bias update, writes into it), the list of the last call is returned
+    as long as they all sit at the same addresses. Building the sharded state dict is most of a small model's export."""
+    global _LAST
+    modules = [getattr(chunk, "module", chunk) for chunk in chunks]  # DDP looked through
+    # nn.Module's own methods: megatron's DDP has a `buffers` list of its own
+    params = [t for m in modules for t in (*nn.Module.parameters(m), *nn.Module.buffers(m))]
+    key = tuple(p.data_ptr() for p in params)
+    if _LAST is not None and _LAST[0] == key:
+        return _LAST[1]
+    shards = local_shards(chunks)
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    if all(s.data.untyped_storage().data_ptr() in storages for s in shards):
+        _LAST = (key, shards)
     return shards
 
 

@@ -64,6 +64,22 @@ def single_process_world(backend: str | None = None) -> None:
     init_process_group(backend=backend)
 
 
+def run_here(
+    fn: Callable[..., Any], *args: Any, threads: int | None = None, backend: str | None = None
+) -> None:
+    """Call ``fn(*args)`` as the only rank of a world of one, in this process (no child
+    to start, import torch again and join)."""
+    from moerl.parallel.state import destroy
+
+    if threads:
+        torch.set_num_threads(threads)
+    single_process_world(backend)
+    try:
+        fn(*args)
+    finally:
+        destroy()
+
+
 def _entry(
     rank: int,
     fn: Callable[..., Any],

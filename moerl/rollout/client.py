@@ -88,7 +88,7 @@ class EngineClient(EngineTransport):
 
     Constructor: see EngineTransport (urls, api_key, timeout_s, max_retries,
     retry_backoff_s, control_timeout_s, connect_timeout_s, cooldown_s, max_connections,
-    transport).
+    transport, mounts).
     """
 
     # ---- /generate -----------------------------------------------------------------------

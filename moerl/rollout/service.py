@@ -65,7 +65,10 @@ class RolloutService:
         self.client: Any = None
         self.evals: Any = None
         try:
-            self.client = self.aio.run(_call(make_client, engine_urls, cfg.rollout))
+            from moerl.engine.inprocess import engine_mounts
+
+            mounts = engine_mounts(engines)  # in-process engines: reached without a socket
+            self.client = self.aio.run(_call(make_client, engine_urls, cfg.rollout, mounts=mounts))
             self.aio.run(self.client.wait_until_healthy(cfg.engine.startup_timeout_s))
             tokenizer = load_tokenizer(hf_dir)
             task = build_task(cfg.task, tokenizer)
@@ -292,7 +295,7 @@ def _evals(cfg: MoerlConfig, client: Any, tokenizer: Any, run_dir: Path, version
     )  # fmt: skip
 
 
-async def _call(fn: Callable[..., T], *args: Any) -> T:
+async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run a plain function on the rollout loop's thread (its components are not
     thread-safe)."""
-    return fn(*args)
+    return fn(*args, **kwargs)

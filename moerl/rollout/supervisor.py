@@ -119,7 +119,11 @@ class EngineSupervisor:
         """One pass over the engines (restarting embedded ones that need it)."""
         async with self._lock:
             if self._http is None:
-                self._http = httpx.AsyncClient(timeout=self.health_timeout_s)
+                from moerl.engine.inprocess import engine_mounts
+
+                self._http = httpx.AsyncClient(
+                    timeout=self.health_timeout_s, mounts=engine_mounts(self.procs.values())
+                )
             http = self._http
             for url in self.urls:
                 proc = self.procs.get(url)

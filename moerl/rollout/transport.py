@@ -94,11 +94,13 @@ class EngineTransport:
         cooldown_s: float = 5.0,
         max_connections: int = 1024,
         transport: httpx.AsyncBaseTransport | None = None,
+        mounts: Mapping[str, httpx.AsyncBaseTransport] | None = None,
     ) -> None:
         """timeout_s bounds one /generate attempt (requests wait while an engine is paused
         for a weight update, so keep it generous); control_timeout_s bounds control calls
         (weight broadcasts of large models take minutes). transport replaces the network,
-        for tests."""
+        for tests; mounts reach some URLs without one (in-process engines,
+        moerl.engine.inprocess)."""
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} must be >= 0")
         self.urls = normalize_urls(urls)
@@ -122,6 +124,7 @@ class EngineTransport:
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
             transport=transport,
+            mounts=dict(mounts) if mounts else None,
             # Engine traffic stays inside the cluster; never route it through an env proxy.
             trust_env=False,
         )

@@ -188,3 +188,39 @@ def test_check_conversion_cli():
     line = next(x for x in proc.stdout.splitlines() if x.startswith("family="))
     assert line.startswith("family=qwen3_moe layout=single max_logit_abs_diff=")
     assert "roundtrip=exact" in line
+
+
+def _live_shards_follow_updates(family: str) -> None:
+    from moerl.models.gpt import build_model
+    from moerl.parallel import initialize_model_parallel, parse_layout
+    from moerl.parallel.full_state import live_shards, local_shards
+
+    model = tiny_config(family)
+    pcfg, _ = parse_layout("single")
+    initialize_model_parallel(
+        pcfg, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+        num_experts=model.num_experts,
+    )  # fmt: skip
+    chunks = build_model(model, pcfg)
+    first = live_shards(chunks)
+    assert live_shards(chunks) is first  # every shard is a view of a parameter: reused
+    with torch.no_grad():  # an optimizer step writes into the parameters
+        for i, param in enumerate(chunks[0].parameters()):
+            param.add_(0.5 + i)
+    again, fresh = live_shards(chunks), local_shards(chunks)
+    assert again is first
+    assert [s.key for s in again] == [s.key for s in fresh]
+    for old, new in zip(again, fresh, strict=True):
+        assert torch.equal(old.data, new.data), old.key
+    param = next(chunks[0].parameters())
+    param.data = param.data.clone()  # moved: the cached list no longer describes it
+    rebuilt = live_shards(chunks)
+    assert rebuilt is not first
+    assert any(s.data.data_ptr() == param.data_ptr() for s in rebuilt)
+
+
+@pytest.mark.parametrize("family", ["deepseek_moe", "qwen3_moe"])
+def test_live_shards_follow_in_place_updates(family):
+    """The export's cached shard list sees optimizer updates and is rebuilt when a
+    parameter moves (checked against a fresh sharded state dict)."""
+    spawn(_live_shards_follow_updates, 1, family)

@@ -215,13 +215,43 @@ def test_ctrl_c_stops_ranks_and_engines(tmp_path):
     assert not alive, [q.cmdline() for q in alive]
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "tensor"])
-def test_max_staleness_zero_is_synchronous(tmp_path, transport):
+SYNC_WAYS = {
+    "broadcast": ["sync.transport=broadcast"],
+    "tensor": ["sync.transport=tensor"],
+    # the engine inside the launcher's own process (one rank: one process in all)
+    "colocated": ["launcher.placement=colocated"],
+    # the engine inside rank 0 of two expert-parallel ranks, LoRA adapters by the mount
+    "colocated_ep2_lora": [
+        "launcher.placement=colocated",
+        "parallel=ep2",
+        "launcher.nproc=2",
+        "lora=all",
+        "lora.rank=4",
+        "lora.alpha=8",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "way",
+    [
+        "broadcast",
+        "tensor",
+        "colocated",
+        pytest.param("colocated_ep2_lora", marks=pytest.mark.slow),
+    ],
+)
+def test_max_staleness_zero_is_synchronous(tmp_path, way):
     """Every step on-policy: the pushed weights, by broadcast or by tensor handles
-    (/update_weights_from_tensor), are exactly what the trainer trains."""
+    (/update_weights_from_tensor; colocated: to the engine in the trainer's own
+    process, over no socket), are exactly what the trainer trains."""
     run = tmp_path / "sync"
-    _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4", "telemetry.flip_every=0",
-            f"sync.transport={transport}")  # fmt: skip
+    out = _launch(run, "staleness.max_staleness=0", "trainer.train_iters=4",
+                  "telemetry.flip_every=0", *SYNC_WAYS[way])  # fmt: skip
+    if way.startswith("colocated"):  # no engine process was started
+        assert "building the colocated engine in rank 0" in out
+        assert "starting embedded engine" not in out
+        assert not list((run / "logs").glob("engine*.log"))
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(4))
     for r in m:

@@ -53,6 +53,37 @@ def test_preflight_refuses_bad_numbers(overrides, fragments) -> None:
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["launcher.placement=nearby"], ["launcher.placement", "colocated"]),
+        (
+            ["launcher.placement=colocated", "engine=sglang", "engine.urls=[http://n7:30000]"],
+            ["placement=colocated", "engine=sglang", "launcher.placement=disaggregated"],
+        ),
+        (
+            ["launcher.placement=colocated", "engine.num_engines=2"],
+            ["engine.num_engines=2", "engine.num_engines=1"],
+        ),
+        (
+            ["launcher.placement=colocated", "sync.transport=broadcast"],
+            ["sync.transport=broadcast", "sync.transport=auto"],
+        ),
+    ],
+)
+def test_preflight_refuses_what_colocation_cannot_do(overrides, fragments) -> None:
+    """Refused before anything starts, each naming the setting and the fix."""
+    with pytest.raises(ValueError) as info:
+        preflight(_compose(*overrides))
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_preflight_accepts_colocation() -> None:
+    cfg = preflight(_compose("model=deepseek_moe_tiny", "launcher.placement=colocated"))
+    assert cfg.launcher.placement == "colocated"
+
+
 def test_preflight_needs_a_model_the_engines_can_serve() -> None:
     with pytest.raises(ValueError, match="model.family=gpt has no Hugging Face format"):
         preflight(_compose())  # the base config's model: fine for the trainer alone

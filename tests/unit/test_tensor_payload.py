@@ -101,6 +101,13 @@ def test_auto_transport_takes_the_tensor_path_only_on_one_cpu_host(choice, urls,
     assert sync_transport(SyncConfig(transport=choice), urls, cuda, mb) == want
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_colocated_engine_always_takes_tensors(cuda):
+    """In the trainer's own process there is no network to broadcast over."""
+    urls = ["http://colocated-0.moerl.invalid"]
+    assert sync_transport(SyncConfig(), urls, cuda, 0.5, colocated=True) == "tensor"
+
+
 def test_a_transport_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="sync.transport"):
         SyncConfig(transport="ipc").validate()

@@ -46,3 +46,16 @@ def test_user_settings_win_and_the_rest_follows_the_rule():
     cfg.launcher.threads = 5
     assert resolve_threads(cfg, world_size=1, has_cuda=False).rule == "set"
     assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 5
+
+
+def test_a_colocated_engine_shares_rank_zeros_threads():
+    """launcher.placement=colocated on CPU: no cores set aside for an engine process,
+    whatever the schedule; user settings still win."""
+    cfg = MoerlConfig()
+    cfg.launcher.placement = "colocated"
+    for staleness in (0, 1):
+        cfg.staleness.max_staleness = staleness
+        split = resolve_threads(cfg, world_size=1, has_cuda=False)
+        assert (split.trainer, split.rule) == (usable_cores(), "colocated")
+    cfg.launcher.threads = 1
+    assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 1
