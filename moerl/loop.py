@@ -111,17 +111,27 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         if rollout:
             rollout.start(on_restart=publisher.restore)
         run_log = open_run_log(cfg, ctx.run_dir, start, leader)
+        sleep = rollout is not None and engines_sleep(cfg, device.has_cuda())
         for step in range(start, cfg.trainer.train_iters):
             t0 = time.time()
             with run_log.span("wait", step=step):
                 batch = rollout.next_batch(trainer.version) if rollout else None
             wait_s = time.time() - t0
             trajs = scatter(batch)
+            push = _due(cfg.sync.every, step, last)
+            # colocated: the engine's memory goes to the trainer until the push
+            slept = bool(
+                sleep and rollout and rollout.sleep_engines(_sleep_tags(push, trainer.lora is None))
+            )
             with run_log.span("train", step=step):
                 metrics = trainer.step(trajs, **_probes(cfg, step, last))
-            if _due(cfg.sync.every, step, last):
+            if slept and rollout:
+                rollout.wake_engines(["weights"])  # before a push: it writes into them
+            if push:
                 with run_log.span("sync", step=step, version=trainer.version):
                     metrics.update(_publish(publisher, rollout, trainer.version))
+            if slept and rollout:
+                rollout.wake_engines()
             if rollout:
                 if cfg.eval.enabled and _due(cfg.eval.every, step, last):
                     rollout.start_eval(step, trainer.version, final=step == last)
@@ -136,6 +146,23 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         return run_log.last
     finally:
         _close(rollout, publisher, run_log)
+
+
+def engines_sleep(cfg: MoerlConfig, has_cuda: bool) -> bool:
+    """Whether the colocated engine sleeps while the trainer steps (launcher.sleep_engine;
+    None: on with CUDA)."""
+    from moerl.config.threads import overlapped
+
+    if cfg.launcher.placement != "colocated" or overlapped(cfg.staleness):
+        return False
+    wanted = cfg.launcher.sleep_engine
+    return has_cuda if wanted is None else bool(wanted)
+
+
+def _sleep_tags(push: bool, full_weights: bool) -> list[str]:
+    """What the engine frees for a training step: its KV cache, and its weights when a
+    full-weight push follows (it refills them; LoRA pushes only adapters)."""
+    return ["kv_cache", "weights"] if push and full_weights else ["kv_cache"]
 
 
 def _probes(cfg: MoerlConfig, step: int, last: int) -> dict[str, int]:

@@ -31,6 +31,7 @@ from moerl.config.launcher import BACKENDS, PLACEMENTS, LauncherConfig
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
+from moerl.config.threads import overlapped
 from moerl.config.trainer import DTYPES, LR_SCHEDULES, TrainerConfig
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -321,6 +322,13 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
 
 def _check_placement(cfg: MoerlConfig) -> None:
     """launcher.placement=colocated: one embedded engine in rank 0, weights by handle."""
+    if cfg.launcher.sleep_engine:
+        if cfg.launcher.placement != "colocated" or overlapped(cfg.staleness):
+            raise ValueError(
+                "launcher.sleep_engine=true frees the engine's memory while the trainer "
+                "steps, which needs launcher.placement=colocated and a synchronous schedule "
+                "(staleness=sync); drop launcher.sleep_engine or set both"
+            )
     if cfg.launcher.placement != "colocated":
         return
     if cfg.engine.kind != "embedded":

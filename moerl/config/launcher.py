@@ -32,6 +32,12 @@ class LauncherConfig:
     in all). Colocated suits a laptop or one GPU with the synchronous schedule; with
     async the engine and the trainer take turns on the same cores (see README,
     "Placement")."""
+    sleep_engine: bool | None = None
+    """With placement=colocated and a synchronous schedule (staleness=sync): the engine
+    frees its KV cache while the trainer steps, and its weights too before a full-weight
+    push (SGLang's /release_memory_occupation and /resume_memory_occupation, as verl's and
+    slime's colocated engines sleep), so training has the device's memory to itself.
+    None = on with CUDA, off on CPU (one memory: nothing to gain, and re-allocating costs)."""
 
     def world_size(self) -> int:
         """The world size the config is validated against."""

@@ -22,6 +22,7 @@ Only rank 0 builds one; the components on its thread never see the trainer.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -64,6 +65,9 @@ class RolloutService:
         self.buffer: Any = None
         self.client: Any = None
         self.evals: Any = None
+        # colocation's sleeps: totals over the run (engine/sleep_* metrics)
+        self._sleep = {"slept": 0, "skipped": 0, "seconds": 0.0}
+        self._asleep: set[str] = set()
         try:
             from moerl.engine.inprocess import engine_mounts
 
@@ -182,6 +186,38 @@ class RolloutService:
             self.aio.run(self.supervisor.reconnected())
         self.aio.run(_call(self.buffer.set_version, version))
 
+    # ---- colocation: the engine sleeps while the trainer steps ------------------------
+
+    def sleep_engines(self, tags: list[str]) -> bool:
+        """Have the engines free ``tags`` (SGLang's /release_memory_occupation) while the
+        trainer steps; False, with nothing released, when an engine was not idle (a
+        request still running: it is counted, and training goes on beside it)."""
+        from moerl.rollout.errors import EngineError
+
+        t0 = time.perf_counter()
+        try:
+            self.aio.run(self.client.release_memory_occupation(tags))
+        except EngineError as err:
+            if err.status_code != 400:
+                raise
+            self._sleep["skipped"] += 1
+            return False
+        finally:
+            self._sleep["seconds"] += time.perf_counter() - t0
+        self._sleep["slept"] += 1
+        self._asleep = set(tags)
+        return True
+
+    def wake_engines(self, tags: list[str] | None = None) -> None:
+        """Give back what ``sleep_engines`` freed (``tags``: these only; None: all)."""
+        wake = sorted(self._asleep if tags is None else self._asleep & set(tags))
+        if not wake:
+            return
+        t0 = time.perf_counter()
+        self.aio.run(self.client.resume_memory_occupation(wake))
+        self._sleep["seconds"] += time.perf_counter() - t0
+        self._asleep -= set(wake)
+
     def start_eval(self, step: int, version: int, *, final: bool = False) -> None:
         """Evaluate policy ``version`` (just pushed after ``step``) in the background;
         ``final``: wait for a running eval first (the last step always evaluates)."""
@@ -218,6 +254,8 @@ class RolloutService:
         out.update(self.aio.run(_call(self.orchestrator.metrics)))
         if self.supervisor is not None:
             out.update(self.supervisor.metrics())
+        if self._sleep["slept"] or self._sleep["skipped"]:
+            out.update({f"engine/sleep_{k}": float(v) for k, v in self._sleep.items()})
         return out
 
     def stop_generation(self) -> None:

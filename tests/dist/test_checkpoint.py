@@ -95,6 +95,7 @@ def test_latest_skips_incomplete(tmp_path):
     assert latest(tmp_path / "nothing") is None
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_optimizer_state_needs_the_saved_layout(tmp_path):
     root = tmp_path / "ckpt"
     spawn(_train, 4, "dp2ep2", str(root), str(tmp_path), 1, False)

@@ -157,6 +157,7 @@ def test_export_streams_one_tensor_at_a_time(checkpoints):
     spawn(_streaming, 2, str(checkpoints["qwen3_moe"][0]))
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_convert_checkpoint_roundtrip(checkpoints, tmp_path):
     from safetensors import safe_open
 
@@ -177,6 +178,7 @@ def test_convert_checkpoint_roundtrip(checkpoints, tmp_path):
             assert torch.equal(f.get_tensor(name), back.get(name)), name
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_check_conversion_cli():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "check_conversion.py"), "--family", "qwen3_moe", "--layouts", "single"],

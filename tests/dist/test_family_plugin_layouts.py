@@ -34,6 +34,7 @@ def test_user_family_converts_and_exports(layout, toy):
     assert result.max_logit_abs_diff <= LOGIT_TOL and result.roundtrip_exact
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_user_family_megatron_checkpoint_roundtrip(toy, tmp_path):
     from safetensors import safe_open
 

@@ -105,6 +105,7 @@ def _trainer(ckpt: str, out: str, phase: str) -> None:
     Path(out).write_text(json.dumps(record))
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_trainer_resumes_the_schedule(tmp_path) -> None:
     """Save after 3 optimizer steps (warmup 2 of a cosine over 4 × 2 steps); a resumed
     Trainer's lr at each later step is the uninterrupted schedule's."""

@@ -83,6 +83,7 @@ def test_parity_detects_a_wrong_start(reference, tmp_path):
     assert result.worst_grad == key
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_check_parallel_cli_prints_one_line_per_layout():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "check_parallel.py"), "--layouts", "pp2"],

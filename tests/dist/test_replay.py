@@ -43,7 +43,7 @@ def fp32_episodes(tiny_checkpoints, tmp_path_factory):
     return tiny_checkpoints["deepseek_moe"], path, trajs
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["single", pytest.param("tp2ep2", marks=pytest.mark.slow)])
 def test_episode_is_ratio_is_one_across_turns(layout, fp32_episodes, tmp_path):
     """Fresh fp32 multi-turn episodes (observation tokens spliced between the actions,
     every later request re-sending the earlier turns, whose KV and routes the engine
@@ -64,6 +64,7 @@ def test_episode_is_ratio_is_one_across_turns(layout, fp32_episodes, tmp_path):
     assert results[("on", "off")].max_abs_log_ratio < 1e-5
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_check_replay_cli_bf16():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "check_replay.py"), "--family", "deepseek_moe",

@@ -162,6 +162,7 @@ def _shifted_routes(src: Path, dst: Path, num_experts: int) -> None:
     save_jsonl(dst, trajs)
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_recompute_replays_the_forward_routes(rollouts, tmp_path):
     """Activation recompute (full, and MoE-only under ep2) re-runs the router inside
     backward; replay must hand it the forward's routes, so gradients equal the run
@@ -185,6 +186,7 @@ def test_recompute_replays_the_forward_routes(rollouts, tmp_path):
             assert err < 1e-5, (name, key, float(err))
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_packed_rows_give_the_padded_objective(rollouts, tmp_path):
     """Sequences packed several to a row (block-diagonal attention, routes and masks at
     their packed offsets) optimise the same objective as one sequence per row, on one
@@ -254,6 +256,7 @@ def test_rl_step_gqa_family_under_tp_and_pp(layout, tiny_checkpoints, tmp_path):
     _compare(tmp_path, "single", layout)
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_fused_head_gives_the_logits_objective(rollouts, tmp_path):
     """trainer.logprobs_from=hidden (the output layer returns logprobs; logits never
     whole) optimises the same objective as logprobs from logits: loss and every gradient,
@@ -304,6 +307,7 @@ def test_fused_head_under_tensor_parallelism(tiny_checkpoints, tmp_path):
     _compare(tmp_path, "single", "tp-hidden")
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_recompute_weights_the_gradient_once(rollouts, tmp_path):
     """ppo_clip + tis with old_policy=recompute, first optimizer step of a batch whose
     behaviour logprobs μ sit away from the trainer (noise, so weights ≠ 1 and some are

@@ -60,6 +60,7 @@ def rollouts(tiny_checkpoints, tmp_path_factory):
     return hf, path
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_dp2_step_on_shards_equals_the_whole_batch_and_one_process(rollouts, tmp_path):
     hf, path = rollouts
     runs = {}

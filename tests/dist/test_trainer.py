@@ -87,6 +87,7 @@ def _kl(hf_dir: str, rollouts: str, ckpt: str, out: str) -> None:
     Path(out).write_text(json.dumps(record))
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_kl_to_reference_policy(tiny_checkpoints, tmp_path):
     """algo.kl: the reference is the initial policy (also after resume); the KL term is 0
     on the first step and equals the hand-computed k3 of the moved policy later."""
@@ -103,6 +104,7 @@ def test_kl_to_reference_policy(tiny_checkpoints, tmp_path):
     assert r["resumed_vs_ref"] == 0.0
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_trainer_steps_and_resumes(tiny_checkpoints, tmp_path):
     hf = tiny_checkpoints["deepseek_moe"]
     rollouts = tmp_path / "r.jsonl"

@@ -139,7 +139,7 @@ def test_small_buckets(engines, tiny_checkpoints, tmp_path):
     assert stats["buckets"] > 10
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["pp2", pytest.param("tp2ep2", marks=pytest.mark.slow)])
 def test_tensor_path_matches_fresh_engine(engines, tiny_checkpoints, tmp_path, layout):
     """sync.transport=tensor (/update_weights_from_tensor, the engine maps rank 0's shared
     buckets): the same weights land as by broadcast; then the original weights go back in

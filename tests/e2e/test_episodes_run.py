@@ -23,6 +23,7 @@ def test_two_agent_recipe_trains_both_roles(tmp_path):
         assert r["episode/turns_mean"] == 2.0  # the proposer's turn and the solver's
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_guess_number_recipe_plays_several_turns(tmp_path):
     run = tmp_path / "guess"
     _launch(run, "trainer.train_iters=2", "trainer.lr_warmup_steps=0",

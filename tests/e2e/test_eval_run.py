@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moerl.telemetry.metrics import read_metrics
 from moerl.telemetry.timeline import load_timeline
 
@@ -29,6 +31,7 @@ def _run(module: str, run_dir: Path, *overrides: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_eval_runs_beside_training_and_offline(tmp_path):
     run = tmp_path / "run"
     _run("moerl.launch", run, "trainer.train_iters=4", "eval.every=2", *SMALL_EVAL)

@@ -57,6 +57,7 @@ def _no_prompt_twice(run_dir: Path) -> None:
     assert groups and len(groups) == len(set(groups)), "a prompt was trained on twice"
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_async_run_under_torchrun_ep2(tmp_path):
     run = tmp_path / "ep2"
     # capacity 6 groups with 4 per step: every batch takes the 2 oldest groups (one
@@ -117,6 +118,7 @@ def _no_orphan_engines(model_path: Path, wait_s: float = 20.0) -> None:
     assert not engines(), "an engine outlived the killed run"
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_kill_after_checkpoint_and_resume(tmp_path):
     run = tmp_path / "resume"
     run.mkdir()
@@ -220,6 +222,8 @@ SYNC_WAYS = {
     "tensor": ["sync.transport=tensor"],
     # the engine inside the launcher's own process (one rank: one process in all)
     "colocated": ["launcher.placement=colocated"],
+    # ... and asleep while the trainer steps (KV cache and weights freed, then refilled)
+    "colocated_sleep": ["launcher.placement=colocated", "launcher.sleep_engine=true"],
     # the engine inside rank 0 of two expert-parallel ranks, LoRA adapters by the mount
     "colocated_ep2_lora": [
         "launcher.placement=colocated",
@@ -236,8 +240,9 @@ SYNC_WAYS = {
     "way",
     [
         "broadcast",
-        "tensor",
+        pytest.param("tensor", marks=pytest.mark.slow),  # tests/dist/test_weight_sync.py: pp2
         "colocated",
+        "colocated_sleep",
         pytest.param("colocated_ep2_lora", marks=pytest.mark.slow),
     ],
 )
@@ -254,6 +259,10 @@ def test_max_staleness_zero_is_synchronous(tmp_path, way):
         assert not list((run / "logs").glob("engine*.log"))
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(4))
+    if way == "colocated_sleep":  # it slept through every step, and woke with the weights
+        assert m[-1]["engine/sleep_slept"] == 4 and m[-1]["engine/sleep_skipped"] == 0
+    else:
+        assert "engine/sleep_slept" not in m[-1]
     for r in m:
         assert r["staleness_max"] == 0 and r["batch_versions"] == 1
         assert r["mismatch/onpolicy_frac"] == 1.0

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(
     r"^model=(?P<model>\w+) transport=(?P<transport>\w+) rank=(?P<rank>\d+) "
@@ -22,6 +24,7 @@ LINE = re.compile(
 )
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_lora_sync_benchmark_quick(tmp_path):
     script = ROOT / "tools" / "bench" / "lora_sync.py"
     run = subprocess.run(

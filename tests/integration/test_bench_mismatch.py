@@ -21,6 +21,7 @@ SETTING = re.compile(
 REDUCTION = re.compile(r"^reduction=(?P<reduction>[\d.]+|inf) ")
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_mismatch_benchmark_smallest(tmp_path):
     script = ROOT / "tools" / "bench" / "mismatch.py"
     run = subprocess.run(

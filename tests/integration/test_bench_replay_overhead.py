@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"-?[\d.]+"
 LINE = re.compile(
@@ -19,6 +21,7 @@ LINE = re.compile(
 )
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_replay_overhead_benchmark_smallest(tmp_path):
     script = ROOT / "tools" / "bench" / "replay_overhead.py"
     run = subprocess.run(

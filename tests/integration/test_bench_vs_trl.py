@@ -60,3 +60,31 @@ def test_vs_trl_benchmark_quick(tmp_path, capsys):
     assert result["moerl_sync"]["staleness_max"] == 0  # the sync runs really were synchronous
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["ratio_sync"] == pytest.approx(result["ratio_sync"])
+
+
+def test_placements_run_side_by_side_with_their_own_override(tmp_path):
+    """--placements recipe,colocated: the same sync and async runs again with
+    launcher.placement=colocated (the recipe's runs set none), and the results page
+    carries a row per extra ratio against its target."""
+    bench = _bench()
+    names = bench.run_names(["recipe", "colocated"])
+    assert names == ("trl", "moerl_sync", "moerl_async", "moerl_sync_colocated",
+                     "moerl_async_colocated")  # fmt: skip
+    cmds = {n: bench.command(n, tmp_path, 5, tmp_path / n, None,
+                             bench.placement_of(n, ["recipe", "colocated"]))
+            for n in names[1:]}  # fmt: skip
+    assert "staleness=sync" in cmds["moerl_sync_colocated"]
+    assert "staleness=sync" not in cmds["moerl_async_colocated"]
+    assert all("launcher.placement=colocated" in cmds[n] for n in names[3:])
+    assert not any(a.startswith("launcher.placement") for n in names[1:3] for a in cmds[n])
+    ratios = {"ratio_sync": 2.0, "ratio_async": 1.5, "startup_ratio": 1.2, "memory_ratio": 1.3}
+    result = {"placements": ["recipe", "colocated"], "placement_colocated": ratios,
+              "targets": bench.TARGETS, "trl": {}, "steps": 5, "repeats": 1}  # fmt: skip
+    results = {"benches": {"vs_trl": {"status": "ok", "result": result}}}
+    rows = [r for r in _bench("report").headlines(results) if "placement=colocated" in r.metric]
+    assert [(r.ours, r.status) for r in rows] == [
+        ("2.00×", "not met"),
+        ("1.50×", "not met"),
+        ("1.20×", "met"),
+        ("1.30×", "met"),
+    ]

@@ -48,6 +48,7 @@ def _outputs(url: str) -> list[tuple[list[int], list[float], str]]:
     return out
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
 def test_cpu_and_auto_serve_the_same_outputs(tiny_checkpoints, engine_factory):
     # two fresh engines: the session's shared one may hold other tests' weights and cache

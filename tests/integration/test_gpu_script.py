@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "gpu"))
 from run import MAPPED, link_package, unlink_package  # noqa: E402
@@ -17,6 +19,7 @@ from run import MAPPED, link_package, unlink_package  # noqa: E402
 NEVER_CARRIED = {"torch", "triton", "transformers", "numpy"}
 
 
+@pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_dry_run_runs_every_part(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     argv = [sys.executable, str(REPO / "tools/gpu/run.py"), "--dry-run", "--out", str(out),

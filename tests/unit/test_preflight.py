@@ -69,6 +69,14 @@ def test_preflight_refuses_bad_numbers(overrides, fragments) -> None:
             ["launcher.placement=colocated", "sync.transport=broadcast"],
             ["sync.transport=broadcast", "sync.transport=auto"],
         ),
+        (
+            ["launcher.sleep_engine=true"],
+            ["launcher.sleep_engine=true", "launcher.placement=colocated", "staleness=sync"],
+        ),
+        (
+            ["launcher.placement=colocated", "launcher.sleep_engine=true", "staleness=depth"],
+            ["launcher.sleep_engine=true", "staleness=sync"],
+        ),
     ],
 )
 def test_preflight_refuses_what_colocation_cannot_do(overrides, fragments) -> None:

@@ -59,3 +59,23 @@ def test_a_colocated_engine_shares_rank_zeros_threads():
         assert (split.trainer, split.rule) == (usable_cores(), "colocated")
     cfg.launcher.threads = 1
     assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 1
+
+
+def test_the_colocated_engine_sleeps_by_default_only_with_cuda():
+    """launcher.sleep_engine=None: on with CUDA for colocated + sync; never when
+    generation overlaps training or the engine has its own process."""
+    from moerl.loop import _sleep_tags, engines_sleep
+
+    cfg = MoerlConfig()
+    cfg.staleness.max_staleness = 0
+    assert not engines_sleep(cfg, has_cuda=True)  # disaggregated
+    cfg.launcher.placement = "colocated"
+    assert engines_sleep(cfg, has_cuda=True) and not engines_sleep(cfg, has_cuda=False)
+    cfg.launcher.sleep_engine = True
+    assert engines_sleep(cfg, has_cuda=False)
+    cfg.staleness.max_staleness = 1  # async: the engine is busy while the trainer steps
+    assert not engines_sleep(cfg, has_cuda=True)
+    # weights only when a full-weight push refills them
+    assert _sleep_tags(push=True, full_weights=True) == ["kv_cache", "weights"]
+    assert _sleep_tags(push=True, full_weights=False) == ["kv_cache"]
+    assert _sleep_tags(push=False, full_weights=True) == ["kv_cache"]

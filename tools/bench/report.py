@@ -384,6 +384,15 @@ def _vs_trl(r: dict[str, Any]) -> list[Row]:
                                                                      "moerl_async"))
             + ("" if _num(trl.get("time_to_reward_s")) is not None else " (n/a: not reached)"),
             "—", "—"),
+    ] + [
+        Row("vs_trl", f"launcher.placement={p}: {what}, moerl / TRL", _x(ratios.get(key)),
+            f"≤ {targets[key]:g}×" if key in targets else "—",
+            _status(ratios.get(key), _num(ratios.get(key)) is not None and key in targets
+                    and ratios[key] <= targets[key]))
+        for p in (r.get("placements") or [])[1:]
+        for ratios in [r.get(f"placement_{p}") or {}]
+        for key, what in (("ratio_sync", "s/step sync"), ("ratio_async", "s/step async"),
+                          ("startup_ratio", "startup"), ("memory_ratio", "peak RSS"))
     ]  # fmt: skip
 
 

@@ -96,8 +96,10 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
                        "smoke": ["--smoke", "--sweeps", "hidden"]},
                 {"full": 2400, "quick": 600, "smoke": 180}),
     # moerl sync and async against TRL's GRPOTrainer (the `bench` extra; without TRL the
-    # bench records that it was skipped); full: the recipe's 40 steps, 3 alternating rounds
-    "vs_trl": (True, {"full": ["--repeats", "3"], "quick": ["--steps", "8"],
+    # bench records that it was skipped); full: the recipe's 40 steps, 3 alternating rounds,
+    # the recipe's placement and the colocated one side by side
+    "vs_trl": (True, {"full": ["--repeats", "3", "--placements", "recipe,colocated"],
+                      "quick": ["--steps", "8"],
                       "smoke": ["--quick"]},
                {"full": 3600, "quick": 600, "smoke": 300}),
 }  # fmt: skip

@@ -2,7 +2,7 @@
 batch, tokens, sampling and optimizer, each run its own process tree.
 
     python tools/bench/vs_trl.py [--steps 40] [--repeats 1] [--quick] [--threads N]
-                                 [--out DIR]
+                                 [--placements recipe[,colocated|disaggregated]] [--out DIR]
 
 Writes the tiny DeepSeek-MoE checkpoint once (moerl's tiny-model writer, seed 0) and
 trains it three ways, alternating (trl, moerl_sync, moerl_async, trl, ...) so other work
@@ -11,7 +11,11 @@ on the machine hits all alike (each run records the load average before it):
 - trl: `tools/bench/trl_grpo_runner.py`, TRL's GRPOTrainer (transformers' generate);
 - moerl_sync: `python -m moerl.launch +recipe=deepseek_moe model.path=DIR staleness=sync`
   (the result records each run's largest staleness, which must be 0);
-- moerl_async: the same command as the recipe ships it (max_staleness 1).
+- moerl_async: the same command as the recipe ships it (max_staleness 1);
+- with `--placements recipe,disaggregated` (or any list), moerl_sync_<p> and
+  moerl_async_<p> run the same with `launcher.placement=<p>`, in the same rotation, and a
+  line `vs_trl placement=<p> … ratio_sync=… ratio_async=… startup_ratio=… memory_ratio=…`
+  follows the summary.
 
 Per run: s/step (median step wall time, skipping the first `skip` steps: the first holds
 the first generation and warm-up), sequences/s (32 / s_step), startup (process start to
@@ -189,7 +193,26 @@ def summarize(steps: Steps, start: float, skip: int) -> dict[str, Any]:
     }
 
 
-def command(name: str, ckpt: Path, steps: int, out: Path, threads: int | None) -> list[str]:
+def run_names(placements: list[str]) -> tuple[str, ...]:
+    """trl, then moerl sync and async for each placement (the first keeps the plain
+    names the summary line reads: moerl_sync, moerl_async)."""
+    names = ["trl", "moerl_sync", "moerl_async"]
+    for p in placements[1:]:
+        names += [f"moerl_sync_{p}", f"moerl_async_{p}"]
+    return tuple(names)
+
+
+def placement_of(name: str, placements: list[str]) -> str | None:
+    """The launcher.placement a moerl run sets (None: the recipe's)."""
+    for p in placements[1:]:
+        if name.endswith(f"_{p}"):
+            return p
+    return placements[0] if placements and placements[0] != "recipe" else None
+
+
+def command(
+    name: str, ckpt: Path, steps: int, out: Path, threads: int | None, placement: str | None = None
+) -> list[str]:
     if name == "trl":
         cmd = [sys.executable, str(HERE / "trl_grpo_runner.py"), "--model", str(ckpt),
                "--steps", str(steps), "--out", str(out)]  # fmt: skip
@@ -198,8 +221,10 @@ def command(name: str, ckpt: Path, steps: int, out: Path, threads: int | None) -
            f"trainer.train_iters={steps}", f"hydra.run.dir={out}"]  # fmt: skip
     if threads:
         cmd.append(f"launcher.threads={threads}")
-    if name == "moerl_sync":
+    if name.startswith("moerl_sync"):
         cmd.append("staleness=sync")
+    if placement is not None:
+        cmd.append(f"launcher.placement={placement}")
     return cmd
 
 
@@ -244,7 +269,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0, help="the checkpoint's weights")
     parser.add_argument("--timeout-s", type=int, default=1800, help="per run")
     parser.add_argument("--out", type=Path, help="result.json, the runs and their logs")
+    parser.add_argument(
+        "--placements", default="recipe",
+        help="comma-separated launcher.placement values for the moerl runs, side by side; "
+        "the first is the headline ('recipe': as the recipe ships it), e.g. "
+        "'recipe,disaggregated'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    unknown = set(placements) - {"recipe", "colocated", "disaggregated"}
+    if not placements or unknown or len(set(placements)) != len(placements):
+        parser.error(f"--placements={args.placements!r}: distinct values of recipe, "
+                     "colocated, disaggregated")  # fmt: skip
+    args.placements = placements
+    names = run_names(placements)
     if args.quick:
         args.steps = 3
     if args.steps < 3:  # the recipe's 2 warmup steps must be shorter than the schedule
@@ -264,15 +302,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out is not None and root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     try:
         ckpt = write_checkpoint(root / "ckpt", args.seed)
         print(f"vs_trl: steps={args.steps} repeats={args.repeats} skip={skip} "
               f"threads={args.threads or os.cpu_count()} checkpoint={ckpt}", flush=True)  # fmt: skip
         for rep in range(args.repeats):
-            for name in RUNS:  # alternating, so load from other work hits all three alike
+            for name in names:  # alternating, so load from other work hits all alike
                 out = root / f"{name}{rep}"
-                cmd = command(name, ckpt, args.steps, out, args.threads)
+                where = None if name == "trl" else placement_of(name, placements)
+                cmd = command(name, ckpt, args.steps, out, args.threads, where)
                 load = os.getloadavg()[0]
                 start, memory = run_once(name, cmd, out, args.timeout_s)
                 steps = read_trl(out) if name == "trl" else read_moerl(out)
@@ -323,6 +362,7 @@ def report(
     for name, rs in runs.items():
         result[name] = {k: median([r[k] for r in rs]) for k in keys} | {"runs": rs}
         result[name]["staleness_max"] = max((r["staleness_max"] or 0.0) for r in rs)
+    result["placements"] = args.placements
     trl, sync, asyn = (result[n] for n in RUNS)
     # the mode does not change start-up: every moerl run counts; memory: the larger mode
     result["moerl"] = {
@@ -353,6 +393,21 @@ def report(
         + f" moerl_sync_staleness_max={sync['staleness_max']:g}",
         flush=True,
     )
+    for p in args.placements[1:]:  # the other placements, same TRL runs
+        psync, pasync = result[f"moerl_sync_{p}"], result[f"moerl_async_{p}"]
+        other = {
+            "ratio_sync": psync["s_step"] / trl["s_step"],
+            "ratio_async": pasync["s_step"] / trl["s_step"],
+            "startup_ratio": median([psync["startup_s"], pasync["startup_s"]]) / trl["startup_s"],
+            "memory_ratio": max(psync["peak_rss_mb"], pasync["peak_rss_mb"]) / trl["peak_rss_mb"],
+        }
+        result[f"placement_{p}"] = other
+        print(
+            f"vs_trl placement={p} moerl_sync_s_step={psync['s_step']:.3f} "
+            f"moerl_async_s_step={pasync['s_step']:.3f} "
+            + " ".join(f"{k}={v:.2f}" for k, v in other.items()),
+            flush=True,
+        )
     if sync["staleness_max"] != 0:
         print(f"vs_trl WARNING: the sync runs trained on stale tokens (staleness_max="
               f"{sync['staleness_max']:g}); they were not synchronous", flush=True)  # fmt: skip
