@@ -80,9 +80,13 @@ class InProcessEngine:
     @contextlib.contextmanager
     def first_decode_waits_for_a_control(self) -> Iterator[None]:
         """While open, the first decode step (a torch hook on the real model) waits until
-        a control action is queued (at most 30 s), so a pause lands while a request runs."""
+        a control action is queued (at most 30 s), so a pause lands while a request runs.
+        The prefix cache is flushed first: a prompt cached by an earlier test would start
+        with a one-token extend, which the hook would hold before any token was sent (the
+        test then waited the full 30 s)."""
         sched = self.state.scheduler
         held = threading.Event()
+        httpx.post(f"{self.url}/flush_cache", timeout=30).raise_for_status()
 
         def hold(module, args, kwargs):  # type: ignore[no-untyped-def]
             if kwargs["input_ids"].shape[1] == 1 and not held.is_set():
