@@ -73,6 +73,18 @@ def _launch(work: Path, dry: bool) -> list[str]:
     return [PY, *LAUNCH, *size, f"hydra.run.dir={work / 'run'}"]
 
 
+def _colocated(work: Path, dry: bool) -> list[str]:
+    # the engine inside the trainer's process on the same GPU, synchronous, asleep while
+    # the trainer steps (launcher.sleep_engine's CUDA default), weights by CUDA IPC handle
+    size = ["trainer.train_iters=10"]
+    if dry:
+        size = ["trainer.train_iters=2", "trainer.lr_warmup_steps=0",
+                "trainer.global_batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+                "launcher.sleep_engine=true"]  # fmt: skip
+    return [PY, *LAUNCH, "launcher.placement=colocated", "staleness=sync", *size,
+            f"hydra.run.dir={work / 'colocated'}"]  # fmt: skip
+
+
 def _engine(work: Path, dry: bool) -> list[str]:
     # fixed and long-tailed lengths against model.generate on the same device and weights
     if dry:
@@ -110,6 +122,14 @@ PARTS = [
         sample_gpu_memory=True,
     ),  # fmt: skip
     Part(6, "run_all.py GPU section", _run_all, 120, dry_limit_s=90),
+    Part(
+        7,
+        "main job colocated on one GPU (sync, engine asleep while training, 10 steps)",
+        _colocated,
+        120,
+        dry_limit_s=90,
+        sample_gpu_memory=True,
+    ),  # fmt: skip
 ]
 
 
@@ -134,8 +154,8 @@ def _step_results(work: Path, log: Path) -> dict[str, Any]:
     return {f"{r['shape']}/{r['dtype']}": {k: r[k] for k in keys} for r in rows}
 
 
-def _launch_results(work: Path, log: Path) -> dict[str, Any]:
-    lines = (work / "run" / "metrics.jsonl").read_text().splitlines()
+def _launch_results(work: Path, log: Path, run: str = "run") -> dict[str, Any]:
+    lines = (work / run / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines if line.strip()]
     out: dict[str, Any] = {
         "steps": len(steps),
@@ -148,6 +168,14 @@ def _launch_results(work: Path, log: Path) -> dict[str, Any]:
     if mem.exists():
         used = [int(x) for x in mem.read_text().split() if x.strip().isdigit()]
         out["peak_gpu_mem_mib"] = max(used) if used else None
+    return out
+
+
+def _colocated_results(work: Path, log: Path) -> dict[str, Any]:
+    out = _launch_results(work, log, "colocated")
+    last = json.loads((work / "colocated" / "metrics.jsonl").read_text().splitlines()[-1])
+    out["engine_slept_steps"] = last.get("engine/sleep_slept", 0)
+    out["onpolicy_log_ratio_abs_max"] = last.get("mismatch/onpolicy_log_ratio_abs_max")
     return out
 
 
@@ -171,5 +199,6 @@ def parse_results(number: int, work: Path, log: Path) -> dict[str, Any]:
         4: _engine_results,
         5: _launch_results,
         6: _run_all_results,
+        7: _colocated_results,
     }
     return parsers[number](work, log) if number in parsers else {}
