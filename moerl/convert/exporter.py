@@ -23,7 +23,14 @@ from moerl.parallel.full_state import Shard, live_shards
 
 def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Gather ``pieces`` (this rank's parts of one tensor of ``shape``) from every
-    rank of ``group`` and write them into a full tensor."""
+    rank of ``group`` and write them into a full tensor. A tensor held whole by the only
+    rank of its group is returned as it is (a view of the parameter, read-only to the
+    caller: weight sync copies it into its buckets; no copy here)."""
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1 and len(pieces) == 1:
+        whole = pieces[0]
+        if tuple(whole.data.shape) == tuple(shape) and not any(whole.offset[whole.prepend :]):
+            return whole.data.detach()
     dtype = pieces[0].data.dtype if pieces else torch.float32
     meta = [(p.offset[p.prepend :], tuple(p.data.shape)) for p in pieces]
     flat = (
@@ -31,7 +38,6 @@ def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tenso
         if pieces
         else torch.empty(0, dtype=dtype)
     )
-    world = dist.get_world_size(group) if group is not None else 1
     out = torch.empty(shape, dtype=dtype)
     if world == 1:
         metas, flats = [meta], [flat]

@@ -157,7 +157,7 @@ def mcore_to_hf(mcore_dir: str, out: str, layout: str, shard_mb: float) -> None:
     for name, tensor in tqdm(
         stream, desc=f"export stage {stage}", disable=not writer, unit="tensor"
     ):
-        bucket[name] = tensor.contiguous()
+        bucket[name] = tensor.clone()  # the export may yield a parameter itself (a view)
         size += tensor.numel() * tensor.element_size()
         if size >= shard_mb * 2**20:
             flush()
