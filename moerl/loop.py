@@ -29,6 +29,7 @@ import torch.distributed as dist
 from moerl import device
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import sync_backend, sync_transport
+from moerl.config.threads import overlapped
 
 
 @dataclass
@@ -151,8 +152,6 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
 def engines_sleep(cfg: MoerlConfig, has_cuda: bool) -> bool:
     """Whether the colocated engine sleeps while the trainer steps (launcher.sleep_engine;
     None: on with CUDA)."""
-    from moerl.config.threads import overlapped
-
     if cfg.launcher.placement != "colocated" or overlapped(cfg.staleness):
         return False
     wanted = cfg.launcher.sleep_engine

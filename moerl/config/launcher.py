@@ -28,8 +28,8 @@ class LauncherConfig:
     (``engine.num_engines``), reached over HTTP, weights by broadcast or shared memory;
     generation can overlap training on cores or GPUs of its own. 'colocated': one engine
     inside trainer rank 0's process, sharing its devices and threads, reached without a
-    socket, weights handed over as tensor handles (``sync.transport`` auto or tensor); with one rank the launcher itself is that rank (one process
-    in all). Colocated suits a laptop or one GPU with the synchronous schedule; with
+    socket, weights handed over as tensor handles (``sync.transport`` auto or tensor);
+    with one rank the launcher itself is that rank (one process in all). Colocated suits a laptop or one GPU with the synchronous schedule; with
     async the engine and the trainer take turns on the same cores (see README,
     "Placement")."""
     sleep_engine: bool | None = None

@@ -38,8 +38,8 @@ class CoreSplit:
     engine: int
     """threads of each embedded engine."""
     rule: str
-    """Why: 'alternating', 'overlapped', 'colocated', 'trainer' (no embedded engine), 'cuda' or 'set'
-    (both given by the user)."""
+    """Why: 'alternating', 'overlapped', 'colocated', 'trainer' (no embedded engine),
+    'cuda' or 'set' (both given by the user)."""
 
 
 def split_cores(cores: int, ranks: int, engines: int, overlapped: bool) -> CoreSplit:
@@ -63,10 +63,9 @@ def overlapped(staleness: Any) -> bool:
 def resolve_threads(cfg: Any, world_size: int, has_cuda: bool) -> CoreSplit:
     """``launcher.threads`` and ``engine.threads`` where set, the rule's split elsewhere."""
     engines = cfg.engine.count() if cfg.engine.kind == "embedded" else 0
-    colocated = getattr(cfg.launcher, "placement", "disaggregated") == "colocated"
     if has_cuda:
         split = CoreSplit(max(1, usable_cores() // world_size), 1, "cuda")
-    elif colocated:  # the engine runs on rank 0's threads
+    elif cfg.launcher.placement == "colocated":  # the engine runs on rank 0's threads
         per_rank = max(1, usable_cores() // world_size)
         split = CoreSplit(per_rank, per_rank, "colocated")
     else:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,6 @@ class InProcessEngine:
         from moerl.engine.__main__ import parse_args
 
         self.model_path = Path(model_path)
-        self.flags = list(flags)
         # --num-threads stays unset: torch's threads are the process's, the trainer's
         self.args = parse_args(["--model-path", str(model_path), *flags])
         self.url = f"http://colocated-{next(_COUNTER)}{URL_SUFFIX}"
@@ -65,7 +63,6 @@ class InProcessEngine:
         self._error: BaseException | None = None
         self._ready = threading.Event()
         self._closed = False
-        self.build_s = 0.0
         self._start()
         if wait:
             self.wait_healthy()
@@ -81,7 +78,6 @@ class InProcessEngine:
     def _build(self) -> None:
         from moerl.engine.launch import build_state
 
-        t0 = time.perf_counter()
         try:
             app = build_state(self.args)
             app.state.engine.scheduler.start()  # no ASGI lifespan: started here
@@ -89,7 +85,6 @@ class InProcessEngine:
         except BaseException as err:  # handed to wait_healthy, which raises it
             self._error = err
         finally:
-            self.build_s = time.perf_counter() - t0
             self._ready.set()
 
     def wait_healthy(self) -> None:
@@ -114,15 +109,14 @@ class InProcessEngine:
         return None if self._app is None else self._app.state.engine
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        """ASGI: the current app (a restart replaces it); 503 until it is built."""
+        """ASGI: the current app (a restart replaces it); 503 until it is built, in the
+        server's own error shape."""
         app = self._app
         if app is None:
-            from fastapi.responses import JSONResponse
+            from moerl.engine.server import _error
 
             reason = "the engine is starting" if self._error is None else str(self._error)
-            await JSONResponse({"error": {"message": reason}}, status_code=503)(
-                scope, receive, send
-            )
+            await _error(reason, 503)(scope, receive, send)
             return
         await app(scope, receive, send)
 

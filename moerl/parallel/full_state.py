@@ -90,7 +90,8 @@ def live_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
     """``local_shards``, reused while it describes the live parameters: when every
     shard is a view of a parameter's or buffer's storage (an optimizer step, or the
     router's expert-bias update, writes into it), the list of the last call is returned
-    as long as they all sit at the same addresses. Building the sharded state dict is most of a small model's export."""
+    as long as they all sit at the same addresses. Building the sharded state dict is
+    most of a small model's export."""
     global _LAST
     modules = [getattr(chunk, "module", chunk) for chunk in chunks]  # DDP looked through
     # nn.Module's own methods: megatron's DDP has a `buffers` list of its own

@@ -77,6 +77,9 @@ def test_placements_run_side_by_side_with_their_own_override(tmp_path):
     assert "staleness=sync" not in cmds["moerl_async_colocated"]
     assert all("launcher.placement=colocated" in cmds[n] for n in names[3:])
     assert not any(a.startswith("launcher.placement") for n in names[1:3] for a in cmds[n])
+    # the recipe's placement as the extra one: its runs set none either
+    assert bench.placement_of("moerl_sync_recipe", ["colocated", "recipe"]) is None
+    assert bench.placement_of("moerl_sync", ["colocated", "recipe"]) == "colocated"
     ratios = {"ratio_sync": 2.0, "ratio_async": 1.5, "startup_ratio": 1.2, "memory_ratio": 1.3}
     result = {"placements": ["recipe", "colocated"], "placement_colocated": ratios,
               "targets": bench.TARGETS, "trl": {}, "steps": 5, "repeats": 1}  # fmt: skip

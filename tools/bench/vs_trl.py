@@ -203,11 +203,9 @@ def run_names(placements: list[str]) -> tuple[str, ...]:
 
 
 def placement_of(name: str, placements: list[str]) -> str | None:
-    """The launcher.placement a moerl run sets (None: the recipe's)."""
-    for p in placements[1:]:
-        if name.endswith(f"_{p}"):
-            return p
-    return placements[0] if placements and placements[0] != "recipe" else None
+    """The launcher.placement a moerl run sets (None: the recipe's, for 'recipe')."""
+    chosen = next((p for p in placements[1:] if name.endswith(f"_{p}")), placements[0])
+    return None if chosen == "recipe" else chosen
 
 
 def command(
