@@ -12,9 +12,15 @@ or a CUDA IPC handle. What it unpickles to depends on ``load_format``:
   metadata entry SGLang's ``FlattenedTensorMetadata`` (name, shape, dtype, start_idx,
   end_idx, numel: a byte range of the flat tensor).
 
+An engine running inside the sender's process (``launcher.placement=colocated`` with one
+process) cannot open an IPC handle of its own process (CUDA refuses it: "invalid device
+context"), so that sender writes *in-process* handles instead (``serialize_named_tensors(...,
+in_process=True)``): a random key into this process's table of the tensors, which the
+engine reads back without a copy; any other process finds no such key and says so.
+
 The payload comes from the network, so it is read as SGLang reads it: an unpickler that
-builds only data containers and torch's tensor-rebuild functions and refuses every other
-global. SGLang's metadata class is read into a stand-in with its fields, so the engine
+builds only data containers and torch's tensor-rebuild functions (and the in-process
+lookup) and refuses every other global. SGLang's metadata class is read into a stand-in with its fields, so the engine
 needs no sglang install.
 """
 
@@ -24,6 +30,8 @@ import base64
 import binascii
 import io
 import pickle
+import secrets
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,10 +84,39 @@ _ALLOWED = {
 }
 
 
+# key -> tensor, for an engine in this process; an entry lives as long as the sender
+# keeps its tensor (the tensor wire holds its views until the engines answered)
+_IN_PROCESS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def in_process_tensor(key: str) -> torch.Tensor:
+    """The tensor an in-process handle names (the unpickler's only non-torch function)."""
+    try:
+        return _IN_PROCESS[key]
+    except KeyError:
+        raise ValueError(
+            f"in-process tensor handle {key!r} is not held by this process: such handles "
+            "are written for an engine inside the sender's process (launcher.placement="
+            "colocated) and are read while the sender keeps the tensor; an engine in "
+            "another process needs shared-memory or CUDA IPC handles (in_process=False)"
+        ) from None
+
+
+class _InProcessPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = secrets.token_hex(16)
+            _IN_PROCESS[key] = obj
+            return in_process_tensor, (key,)
+        return NotImplemented
+
+
 class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == SGLANG_METADATA:
             return FlattenedTensorMetadata
+        if (module, name) == (__name__, "in_process_tensor"):
+            return in_process_tensor
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in _ALLOWED:
@@ -153,17 +190,23 @@ def _unflatten(obj: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def serialize_named_tensors(obj: Any) -> str:
+def serialize_named_tensors(obj: Any, in_process: bool = False) -> str:
     """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: tensors as
     handles (the caller shares CPU tensors with the file_system strategy and keeps them
     alive until the engine answers). One dump is for one reader: torch adds a reference to
     each shared CPU storage per dump and the reader's load takes it back, so two loads of
     one dump drop the last reference and the shared file is gone (SGLang serializes once
-    per tensor-parallel rank for the same reason)."""
-    from multiprocessing.reduction import ForkingPickler
+    per tensor-parallel rank for the same reason).
 
-    import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
-
+    ``in_process``: for an engine in this process, tensors as keys into this process's
+    table instead (the module docstring says why); the reader gets the tensors themselves."""
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    if in_process:
+        _InProcessPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    else:
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
+
+        ForkingPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode()

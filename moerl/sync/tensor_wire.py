@@ -9,7 +9,9 @@ which SGLang and moerl's engine both load. The engines copy the values into thei
 before they answer, so a buffer is written again only after every engine answered the
 bucket it held: :meth:`TensorWire.send` returns once bucket k is posted, having waited for
 bucket k-1's answer, so the engines load bucket k while the caller gathers bucket k+1 into
-the other staging buffer. Same interface as :class:`moerl.sync.wire.Wire`.
+the other staging buffer. An engine inside this process (``launcher.placement=colocated``)
+gets in-process handles instead (moerl/engine/tensor_payload.py says why). Same interface
+as :class:`moerl.sync.wire.Wire`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from moerl.engine.bucket import dtype_of
+from moerl.engine.inprocess import is_inprocess_url
 from moerl.engine.tensor_payload import serialize_named_tensors
 from moerl.rollout.client import EngineClient
 from moerl.sync.stream import Bucket
@@ -62,6 +65,8 @@ class TensorWire:
         self.stats = {"bytes": 0, "buckets": 0, "tensors": 0}
         self._posted: _Posted | None = None
         self._sent = 0
+        # colocated placement has one engine, in this process; IPC cannot reach it
+        self.in_process = all(is_inprocess_url(url) for url in client.urls)
 
     def send(self, bucket: Bucket, version: int | None) -> None:
         """Post ``bucket`` once the engines answered the one before; its bytes are free
@@ -71,10 +76,10 @@ class TensorWire:
             self._answered(posted)
         self._sent += 1
         what = f"bucket {self._sent} ({len(bucket.names)} tensors from {bucket.names[0]})"
-        views = _views(bucket)
+        views = _views(bucket, shared=not self.in_process)
         http = self._run(
             self.client.update_weights_from_tensor(
-                partial(serialize_named_tensors, views),  # one dump per reader
+                partial(serialize_named_tensors, views, in_process=self.in_process),
                 tp_sizes=self.tp_sizes,
                 flush_cache=version is not None and self.flush_cache,
                 weight_version=None if version is None else str(version),
@@ -106,11 +111,12 @@ class TensorWire:
         self.stats["tensors"] += len(posted.bucket.names)
 
 
-def _views(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors as views of its shared bytes (a tensor whose offset its dtype
-    cannot view at gets a shared copy of its own)."""
+def _views(bucket: Bucket, shared: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors as views of its bytes, in shared memory with ``shared`` (a
+    tensor whose offset its dtype cannot view at gets a copy of its own)."""
     flat = bucket.flattened()
-    if flat.device.type == "cpu" and not flat.is_shared():  # a lone tensor's own bytes
+    shared = shared and flat.device.type == "cpu"
+    if shared and not flat.is_shared():  # a lone tensor's own bytes
         flat = flat.clone().share_memory_()
     out, offset = [], 0
     for name, dtype_name, shape in zip(bucket.names, bucket.dtypes, bucket.shapes):
@@ -119,7 +125,7 @@ def _views(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         piece = flat[offset : offset + size]
         if offset % dtype.itemsize:
             piece = piece.clone()
-            if piece.device.type == "cpu":
+            if shared:
                 piece.share_memory_()
         out.append((name, piece.view(dtype).view(shape)))
         offset += size

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moerl.config.sync import SyncConfig, sync_transport
-from moerl.engine.tensor_payload import read_named_tensors
+from moerl.engine.tensor_payload import read_named_tensors, serialize_named_tensors
 
 # A separate process builds SGLang's own FlattenedTensorBucket (as a trainer using SGLang
 # would), shares it by file name and prints the dump; it keeps the tensors alive until
@@ -83,6 +83,25 @@ def test_anything_but_tensor_data_is_refused_before_it_runs():
     truncated = base64.b64encode(pickle.dumps([("x", 1)])[:-3]).decode()
     with pytest.raises(ValueError, match="could not be read"):
         read_named_tensors([truncated], None)
+
+
+def test_in_process_handles_give_the_senders_tensors_and_fail_clearly_elsewhere():
+    """The colocated engine in the sender's process reads in-process handles: the very
+    tensors (no copy, no IPC, which CUDA refuses within one process); another process, or
+    this one after the sender let the tensor go, gets an error that says why."""
+    base = torch.arange(12.0)
+    named = [("w", base[:6].view(2, 3)), ("b", base[6:])]
+    dump = serialize_named_tensors(named, in_process=True)
+    got = read_named_tensors([dump], None)
+    assert [n for n, _ in got] == ["w", "b"]
+    assert got[0][1].data_ptr() == base.data_ptr() and got[0][1].shape == (2, 3)
+    assert got[1][1].data_ptr() == base[6:].data_ptr()
+    reader = "import sys; from moerl.engine.tensor_payload import read_named_tensors as r; r([sys.argv[1]], None)"
+    other = subprocess.run([sys.executable, "-c", reader, dump], capture_output=True, text=True)
+    assert other.returncode != 0 and "not held by this process" in other.stderr
+    lone = serialize_named_tensors([("x", torch.ones(3))], in_process=True)  # nobody keeps x
+    with pytest.raises(ValueError, match="launcher.placement=colocated"):
+        read_named_tensors([lone], None)
 
 
 @pytest.mark.parametrize(
