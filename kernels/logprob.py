@@ -1,10 +1,11 @@
 """Per-token log p(label) and entropy at temperature, vocab-parallel, without fp32 logits.
 
 A plain logprob path materialises fp32 logits [T, V] (and exp intermediates of the
-same size): at 152K vocabulary × 32K tokens that is ~20 GB per copy. Here the logits are
-produced and consumed block by block inside Triton kernels (``logprob_triton``): the
-forward keeps four fp32 numbers per token, the backward recomputes logits from the saved
-per-token log-normaliser and only ever holds one chunk of dlogits.
+same size): at 152K vocabulary × 32K tokens that is ~20 GB per copy. Here the logits
+exist one chunk at a time: ``fused_logprobs`` computes each chunk with a cuBLAS matmul
+(fp32 output) and hands it to the from-logits Triton kernels (``logprob_triton``) at once;
+the forward keeps four fp32 numbers per token, the backward recomputes each chunk's logits
+and turns it into d logits against the saved per-token log-normaliser.
 
 These are the trainer's logprobs (``moerl.trainer.logprobs.token_logprobs`` calls
 ``logprobs_from_logits``), plus entropy, with the
@@ -145,7 +146,7 @@ class _FromLogits(torch.autograd.Function):
         temp_T, local_T, masked_T, pos_N, ids_N = _prepare(
             logits_TVl, logits_TVl.shape[1], labels_T, temperature_T, mask_pos_N, mask_ids_N, group
         )
-        stats = ops.dense_stats(logits_TVl, None, temp_T, local_T, chunk_vocab, with_entropy)
+        stats = ops.dense_stats(logits_TVl, temp_T, local_T, chunk_vocab, with_entropy)
         kx_N = logits_TVl[pos_N, ids_N].float() / temp_T[pos_N]
         logprob_T, entropy_T, saved = _normalise(stats, kx_N, pos_N, masked_T, with_entropy, group)
         ctx.save_for_backward(logits_TVl, ids_N, temp_T, local_T, pos_N, kx_N, masked_T, *saved)
@@ -161,7 +162,6 @@ class _FromLogits(torch.autograd.Function):
         tokens, vocab_local = logits_TVl.shape
         dlogits_TVl = _ops().dlogits(
             logits_TVl,
-            None,
             (0, tokens),
             (0, vocab_local),
             per_token,
@@ -172,7 +172,36 @@ class _FromLogits(torch.autograd.Function):
         return dlogits_TVl, None, None, None, None, None, None, None
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32: bf16/fp16 products accumulate in fp32 and are not rounded back
+    (cuBLAS's ``out_dtype`` on CUDA; an upcast where that does not exist, e.g. the CPU)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older torch: the upcast below
+            _MM_OUT_DTYPE[0] = False
+    return a.float() @ b.float()
+
+
+_MM_OUT_DTYPE = [True]
+
+
+def _ranges(total: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(total, i + step)) for i in range(0, total, max(1, step))]
+
+
 class _FromHidden(torch.autograd.Function):
+    """Logits chunk by chunk from cuBLAS matmuls with fp32 output, each consumed at once
+    by the from-logits kernels: the forward keeps the per-token statistics of
+    ``rows × Vl`` chunks (rows = chunk_tokens·chunk_vocab / Vl); the backward walks
+    vocabulary chunks of ``chunk_vocab`` columns, and in each, token chunks of
+    ``chunk_tokens`` rows: recompute the chunk's logits, d logits (kernel), then
+    d hidden += d logits · W (fp32) and the chunk's d weight (fp32, written once per
+    vocabulary chunk). The matmuls run at cuBLAS speed; what stays alive is one chunk of
+    logits and d logits, d hidden in fp32 and one vocabulary chunk of d weight in fp32."""
+
     @staticmethod
     def forward(
         ctx,
@@ -192,7 +221,16 @@ class _FromHidden(torch.autograd.Function):
         temp_T, local_T, masked_T, pos_N, ids_N = _prepare(
             hidden_TH, weight_VlH.shape[0], labels_T, temperature_T, mask_pos_N, mask_ids_N, group
         )
-        stats = ops.dense_stats(hidden_TH, weight_VlH, temp_T, local_T, chunk_vocab, with_entropy)
+        tokens, vocab_local = hidden_TH.shape[0], weight_VlH.shape[0]
+        rows = max(1, chunk_tokens * chunk_vocab // max(1, vocab_local))
+        parts = []
+        for t0, t1 in _ranges(tokens, rows):
+            logits_tV = _mm_f32(hidden_TH[t0:t1], weight_VlH.T)
+            parts.append(
+                ops.dense_stats(logits_tV, temp_T[t0:t1], local_T[t0:t1], chunk_vocab, with_entropy)
+            )
+            del logits_tV
+        stats = tuple(torch.cat(column) for column in zip(*parts))
         kx_N = ops.pair_dot(hidden_TH, weight_VlH, pos_N, ids_N) / temp_T[pos_N]
         logprob_T, entropy_T, saved = _normalise(stats, kx_N, pos_N, masked_T, with_entropy, group)
         ctx.save_for_backward(
@@ -206,8 +244,9 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp_T, g_ent_T):  # type: ignore[no-untyped-def,override]
-        """dlogits chunk by chunk (kernel), then the two matmuls per chunk (torch), both
-        accumulated in fp32; the kept pairs are added by an atomic scatter kernel."""
+        """Vocabulary chunks outside, token chunks inside (the class docstring); the kept
+        pairs' terms are added by an atomic scatter kernel, into d hidden at once and into
+        each vocabulary chunk's d weight."""
         hidden_TH, weight_VlH = ctx.saved_tensors[:2]
         pos_N, ids_N = ctx.saved_tensors[4], ctx.saved_tensors[-1]
         per_token, d_N = _backward_terms(ctx, g_lp_T, g_ent_T)
@@ -215,32 +254,47 @@ class _FromHidden(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[:2]
         f32 = dict(dtype=torch.float32, device=hidden_TH.device)
         dh_TH = torch.zeros(tokens, hidden, **f32) if want_h else None  # type: ignore[arg-type]
-        dw_VlH = torch.zeros(vocab_local, hidden, **f32) if want_w else None  # type: ignore[arg-type]
+        dw_VlH = torch.empty_like(weight_VlH) if want_w else None
         chunk_t, chunk_v = ctx.chunks
         ops = _ops()
-        for t0 in range(0, tokens, chunk_t):
-            t1 = min(tokens, t0 + chunk_t)
-            for v0 in range(0, vocab_local, chunk_v):
-                v1 = min(vocab_local, v0 + chunk_v)
+        if pos_N.numel():  # pairs by id, so each vocabulary chunk's are one slice
+            order = torch.argsort(ids_N)
+            pos_s, ids_s, d_s = pos_N[order], ids_N[order], d_N[order]
+            edges = torch.searchsorted(
+                ids_s, torch.arange(0, vocab_local, chunk_v, device=ids_s.device)
+            )
+            bounds = [*edges.tolist(), ids_s.numel()]
+            ops.pair_scatter(hidden_TH, weight_VlH, pos_N, ids_N, d_N, dh_TH, None)
+        for k, (v0, v1) in enumerate(_ranges(vocab_local, chunk_v)):
+            w_vH = weight_VlH[v0:v1]
+            dw_vH = torch.zeros(v1 - v0, hidden, **f32) if want_w else None  # type: ignore[arg-type]
+            for t0, t1 in _ranges(tokens, chunk_t):
+                chunk = {name: vec[t0:t1] for name, vec in per_token.items()}
+                chunk["label"] = chunk["label"] - v0
                 dl_tv = ops.dlogits(
-                    hidden_TH,
-                    weight_VlH,
-                    (t0, t1),
-                    (v0, v1),
-                    per_token,
+                    _mm_f32(hidden_TH[t0:t1], w_vH.T),
+                    (0, t1 - t0),
+                    (0, v1 - v0),
+                    chunk,
                     hidden_TH.dtype,
                     ctx.with_entropy,
                 )
                 if dh_TH is not None:
-                    dh_TH[t0:t1].add_(dl_tv @ weight_VlH[v0:v1])
-                if dw_VlH is not None:
-                    dw_VlH[v0:v1].add_(dl_tv.T @ hidden_TH[t0:t1])
-        ops.pair_scatter(hidden_TH, weight_VlH, pos_N, ids_N, d_N, dh_TH, dw_VlH)
+                    dh_TH[t0:t1].add_(_mm_f32(dl_tv, w_vH))
+                if dw_vH is not None:
+                    dw_vH.add_(_mm_f32(dl_tv.T, hidden_TH[t0:t1]))
+                del dl_tv
+            if dw_VlH is not None and dw_vH is not None:
+                if pos_N.numel() and bounds[k] < bounds[k + 1]:
+                    a, b = bounds[k], bounds[k + 1]
+                    ops.pair_scatter(
+                        hidden_TH, w_vH, pos_s[a:b], ids_s[a:b] - v0, d_s[a:b], None, dw_vH
+                    )
+                dw_VlH[v0:v1] = dw_vH
         if dh_TH is not None and ctx.reduce_grad_hidden and twin.tp_rank_size(ctx.group)[1] > 1:
             dist.all_reduce(dh_TH, group=ctx.group)
         dh = dh_TH.to(hidden_TH.dtype) if dh_TH is not None else None
-        dw = dw_VlH.to(weight_VlH.dtype) if dw_VlH is not None else None
-        return dh, dw, None, None, None, None, None, None, None, None, None
+        return dh, dw_VlH, None, None, None, None, None, None, None, None, None
 
 
 def _check_mask(mask_pos_N: torch.Tensor | None, mask_ids_N: torch.Tensor | None) -> None:
@@ -309,16 +363,17 @@ def fused_logprobs(
     mask_ids_N: torch.Tensor | None = None,
     with_entropy: bool = False,
     chunk_tokens: int = 4096,
-    chunk_vocab: int = 32768,
+    chunk_vocab: int = 8192,
     tp_group: dist.ProcessGroup | None = None,
     reduce_grad_hidden: bool = True,
 ) -> Result:
     """(log p(label), entropy or None) per token, fp32 [T], from the last hidden states
     and this rank's shard of the output-layer weight — the logits never exist whole.
 
-    ``chunk_tokens`` × ``chunk_vocab`` bounds the one dlogits buffer of backward (in the
-    inputs' dtype); ``chunk_vocab`` also splits the forward's vocabulary loop across
-    programs. ``reduce_grad_hidden``: all-reduce d hidden over ``tp_group`` in backward,
+    ``chunk_tokens`` × ``chunk_vocab`` elements bound each chunk of logits (fp32) and
+    d logits (the inputs' dtype): the backward's chunks are that shape, the forward's span
+    the whole shard and as many tokens as fit; ``chunk_vocab`` also splits each chunk's
+    vocabulary across kernel programs. ``reduce_grad_hidden``: all-reduce d hidden over ``tp_group`` in backward,
     as ColumnParallelLinear's input copy does; pass False when the caller's own op sums
     it (sequence parallelism: ``gather_from_sequence_parallel_region``).
     """

@@ -1,23 +1,20 @@
-"""Triton kernels behind ``moerl.kernels.logprob``: blockwise logits, online softmax.
+"""Triton kernels behind ``moerl.kernels.logprob``: online softmax over chunks of logits.
 
 What is fused, what is not:
 
-- forward (``dense_stats``): one program per (token block, vocabulary chunk) computes its
-  logits tile by tile — ``tl.dot`` over hidden blocks with fp32 accumulation, or a load
-  of given logits — divides by the temperature and keeps an online max, sum-exp, sum of
-  p·x (entropy) and the label logit. Only these four [T] statistics per chunk reach
-  memory; torch merges the chunks (and the TP ranks) on [T] vectors.
-- backward (``dlogits``): one program per [token, vocab] tile recomputes the logits the
-  same way and writes dlogits = g·(onehot − p) + g_H·p·(E[x] − x), divided by the
-  temperature. From hidden states the caller then runs the two matmuls
-  (dhidden += dlogits @ W, dW += dlogitsᵀ @ hidden) in torch on one chunk at a time, so
-  the only [T, V]-shaped buffer is one chunk of dlogits. Not fused: those two matmuls.
+- forward (``dense_stats``): one program per (token block, vocabulary chunk) loads its
+  logits tile by tile (fp32), divides by the temperature and keeps an online max,
+  sum-exp, sum of p·x (entropy) and the label logit. Only these four [T] statistics per
+  chunk reach memory; torch merges the chunks (and the TP ranks) on [T] vectors.
+- backward (``dlogits``): one program per [token, vocab] tile writes
+  dlogits = g·(onehot − p) + g_H·p·(E[x] − x), divided by the temperature.
+- not fused: the output-layer matmuls. ``fused_logprobs`` produces each chunk of logits
+  with cuBLAS (fp32 output) and runs d hidden / d weight as cuBLAS matmuls on one chunk of
+  dlogits at a time: a Triton ``tl.dot`` tile loop fused into these kernels ran at 0.45×
+  the speed of torch's path on an H100 at 32K × 152K × 4096 (bf16), cuBLAS chunks at 0.65×.
 - kept-set pairs (sampling mask): ``pair_dot`` is a gather-dot over the N (position, id)
   pairs, ``pair_scatter`` adds their gradient with fp32 atomics. The [N]-vector math in
   between stays in torch.
-
-Triton's interpreter (TRITON_INTERPRET=1, CPU) mishandles bf16 ``tl.dot``; there the
-tiles are upcast to fp32 first, which computes the same exact products.
 """
 
 # T tokens, V vocabulary, Vl this rank's vocabulary shard, H hidden, N kept (position, id) pairs
@@ -34,37 +31,17 @@ from moerl.kernels.dispatch import interpreting
 # fmt: off
 # Kernel signatures stay packed: one argument per line would double this file.
 @triton.jit
-def _logits_tile(src_ptr, w_ptr, rows, cols, row_ok, col_ok, H, s_src0, s_src1, s_w0, s_w1,
-                 FROM_HIDDEN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                 BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
+def _logits_tile(src_ptr, rows, cols, row_ok, col_ok, s_src0, s_src1):
     """Raw (untempered) logits of one [BT, BV] tile in fp32."""
     rows = rows.to(tl.int64)  # 32K tokens × 152K vocabulary overflows int32 offsets
     cols = cols.to(tl.int64)
-    if FROM_HIDDEN:
-        acc = tl.zeros((BT, BV), dtype=tl.float32)
-        for h0 in range(0, H, BH):
-            hk = h0 + tl.arange(0, BH)
-            h_ok = hk < H
-            a = tl.load(src_ptr + rows[:, None] * s_src0 + hk[None, :] * s_src1,
-                        mask=row_ok[:, None] & h_ok[None, :], other=0.0)
-            b = tl.load(w_ptr + cols[None, :] * s_w0 + hk[:, None] * s_w1,
-                        mask=h_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    else:
-        acc = tl.load(src_ptr + rows[:, None] * s_src0 + cols[None, :] * s_src1,
-                      mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    return acc
+    return tl.load(src_ptr + rows[:, None] * s_src0 + cols[None, :] * s_src1,
+                   mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _stats_kernel(src_ptr, w_ptr, temp_ptr, label_ptr, stats_ptr, T, V, H, chunk_v,
-                  s_src0, s_src1, s_w0, s_w1,
-                  FROM_HIDDEN: tl.constexpr, ENTROPY: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  BH: tl.constexpr):
+def _stats_kernel(src_ptr, temp_ptr, label_ptr, stats_ptr, T, V, chunk_v, s_src0, s_src1,
+                  ENTROPY: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """Online max / Σexp / Σexp·x / label logit of a token block over one vocab chunk."""
     pid_t = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -81,9 +58,7 @@ def _stats_kernel(src_ptr, w_ptr, temp_ptr, label_ptr, stats_ptr, T, V, H, chunk
     for v0 in range(v_lo, v_hi, BV):
         cols = v0 + tl.arange(0, BV)
         col_ok = cols < v_hi
-        x = _logits_tile(src_ptr, w_ptr, rows, cols, row_ok, col_ok, H, s_src0, s_src1,
-                         s_w0, s_w1, FROM_HIDDEN, UPCAST, PRECISION, BT, BV, BH)
-        x = x / temp[:, None]
+        x = _logits_tile(src_ptr, rows, cols, row_ok, col_ok, s_src0, s_src1) / temp[:, None]
         x_inf = tl.where(col_ok[None, :], x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x_inf, axis=1))
         p = tl.exp(x_inf - m_new[:, None])
@@ -102,18 +77,15 @@ def _stats_kernel(src_ptr, w_ptr, temp_ptr, label_ptr, stats_ptr, T, V, H, chunk
 
 
 @triton.jit
-def _dlogits_kernel(src_ptr, w_ptr, temp_ptr, label_ptr, logz_ptr, mean_ptr, gd_ptr, ge_ptr,
-                    gl_ptr, out_ptr, t0, t1, v0, v1, H, s_src0, s_src1, s_w0, s_w1, s_out0,
-                    FROM_HIDDEN: tl.constexpr, ENTROPY: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                    BH: tl.constexpr):
-    """One [BT, BV] tile of d logits, recomputed from the per-token log-normaliser."""
+def _dlogits_kernel(src_ptr, temp_ptr, label_ptr, logz_ptr, mean_ptr, gd_ptr, ge_ptr, gl_ptr,
+                    out_ptr, t0, t1, v0, v1, s_src0, s_src1, s_out0, ENTROPY: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr):
+    """One [BT, BV] tile of d logits from the per-token log-normaliser."""
     rows = t0 + tl.program_id(0) * BT + tl.arange(0, BT)
     cols = v0 + tl.program_id(1) * BV + tl.arange(0, BV)
     row_ok = rows < t1
     col_ok = cols < v1
-    x = _logits_tile(src_ptr, w_ptr, rows, cols, row_ok, col_ok, H, s_src0, s_src1, s_w0,
-                     s_w1, FROM_HIDDEN, UPCAST, PRECISION, BT, BV, BH)
+    x = _logits_tile(src_ptr, rows, cols, row_ok, col_ok, s_src0, s_src1)
     temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)
     x = x / temp[:, None]
     p = tl.exp(x - tl.load(logz_ptr + rows, mask=row_ok, other=0.0)[:, None])
@@ -169,61 +141,39 @@ def _pair_scatter_kernel(h_ptr, w_ptr, pos_ptr, ids_ptr, d_ptr, dh_ptr, dw_ptr, 
 # fmt: on
 
 
-def _config(from_hidden: bool, dtype: torch.dtype) -> dict[str, object]:
-    """Tile sizes and dot precision. Small tiles in the interpreter so tiny test shapes
-    still span several ragged blocks; fp32 inputs use IEEE dots (no TF32) so the kernel
-    matches its fp32 twin tightly."""
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+def _blocks() -> dict[str, int]:
+    """Tile sizes: small in the interpreter, so tiny test shapes still span several ragged
+    blocks."""
     if interpreting():
-        blocks: dict[str, object] = dict(BT=16, BV=32, BH=16)
-    elif from_hidden:
-        blocks = dict(BT=64, BV=128, BH=64, num_warps=8, num_stages=3)
-    else:
-        blocks = dict(BT=16, BV=512, BH=16, num_warps=4)
-    return dict(blocks, UPCAST=interpreting(), PRECISION=precision)
-
-
-def _operands(src: torch.Tensor, weight: torch.Tensor | None) -> tuple[torch.Tensor, int, tuple]:
-    """(weight pointer stand-in, H, strides): given logits have no weight and no H loop."""
-    if weight is None:
-        return src, 0, (src.stride(0), src.stride(1), 0, 0)
-    return weight, src.shape[1], (src.stride(0), src.stride(1), weight.stride(0), weight.stride(1))
+        return dict(BT=16, BV=32)
+    return dict(BT=16, BV=512, num_warps=4)
 
 
 def dense_stats(
-    src: torch.Tensor,
-    weight: torch.Tensor | None,
+    logits_TVl: torch.Tensor,
     temp_T: torch.Tensor,
     local_T: torch.Tensor,
     chunk_vocab: int,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's (max, Σexp(x−max), Σexp(x−max)·x, label logit) per token, fp32 [T].
-
-    ``src`` is hidden [T, H] with ``weight`` [Vl, H], or logits [T, Vl] with no weight;
-    ``local_T`` holds label ids relative to this shard (out of range: not here).
-    """
-    tokens = src.shape[0]
-    vocab = weight.shape[0] if weight is not None else src.shape[1]
-    cfg = _config(weight is not None, src.dtype)
-    bv = int(cfg["BV"])  # type: ignore[call-overload]
-    chunk = max(bv, triton.cdiv(chunk_vocab, bv) * bv)
+    """This rank's (max, Σexp(x−max), Σexp(x−max)·x, label logit) per token, fp32 [T], of
+    logits [T, Vl] (any float dtype); ``local_T`` holds label ids relative to this shard
+    (out of range: not here)."""
+    tokens, vocab = logits_TVl.shape
+    cfg = _blocks()
+    chunk = max(cfg["BV"], triton.cdiv(chunk_vocab, cfg["BV"]) * cfg["BV"])
     splits = triton.cdiv(vocab, chunk)
-    stats_S4T = torch.empty(splits, 4, tokens, dtype=torch.float32, device=src.device)
-    w_ptr, hidden, strides = _operands(src, weight)
-    grid = (triton.cdiv(tokens, cfg["BT"]), splits)  # type: ignore[call-overload]
+    stats_S4T = torch.empty(splits, 4, tokens, dtype=torch.float32, device=logits_TVl.device)
+    grid = (triton.cdiv(tokens, cfg["BT"]), splits)
     _stats_kernel[grid](
-        src,
-        w_ptr,
+        logits_TVl,
         temp_T,
         local_T,
         stats_S4T,
         tokens,
         vocab,
-        hidden,
         chunk,
-        *strides,
-        FROM_HIDDEN=weight is not None,
+        *logits_TVl.stride(),
         ENTROPY=with_entropy,
         **cfg,
     )
@@ -234,8 +184,7 @@ def dense_stats(
 
 
 def dlogits(
-    src: torch.Tensor,
-    weight: torch.Tensor | None,
+    logits_TVl: torch.Tensor,
     token_rows: tuple[int, int],
     vocab_cols: tuple[int, int],
     per_token: dict[str, torch.Tensor],
@@ -249,14 +198,12 @@ def dlogits(
     whose kept-set gradient the pair path adds), ``g_label``.
     """
     (t0, t1), (v0, v1) = token_rows, vocab_cols
-    out = torch.empty(t1 - t0, v1 - v0, dtype=out_dtype, device=src.device)
-    cfg = _config(weight is not None, src.dtype)
-    w_ptr, hidden, strides = _operands(src, weight)
-    grid = (triton.cdiv(t1 - t0, cfg["BT"]), triton.cdiv(v1 - v0, cfg["BV"]))  # type: ignore[call-overload]
+    out = torch.empty(t1 - t0, v1 - v0, dtype=out_dtype, device=logits_TVl.device)
+    cfg = _blocks()
+    grid = (triton.cdiv(t1 - t0, cfg["BT"]), triton.cdiv(v1 - v0, cfg["BV"]))
     v = per_token
     _dlogits_kernel[grid](
-        src,
-        w_ptr,
+        logits_TVl,
         v["temp"],
         v["label"],
         v["log_z"],
@@ -269,10 +216,8 @@ def dlogits(
         t1,
         v0,
         v1,
-        hidden,
-        *strides,
+        *logits_TVl.stride(),
         out.stride(0),
-        FROM_HIDDEN=weight is not None,
         ENTROPY=with_entropy,
         **cfg,
     )

@@ -42,3 +42,20 @@ def test_kernels_benchmark_quick_cpu(tmp_path, capsys):
     assert saved["device"] == "cpu"
     assert [r["kernel"] for r in saved["rows"]] == names
     assert all(r["kernel_ms"] is None and r["torch_ms"] > 0 for r in saved["rows"])
+
+
+def test_logprob_chunk_sweep_dry_run(capsys):
+    """tools/bench/logprob_chunks.py (a GPU tool) runs its code on the CPU interpreter: one
+    line for the torch path and one per chunk shape, each with both timings."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_logprob_chunks", ROOT / "tools/bench/logprob_chunks.py"
+    )
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    rows = bench.main(["--dry-run"])
+    assert [(r["path"], r["chunks"]) for r in rows] == [
+        ("torch", "-"), ("fused", "8x64"), ("fused", "16x32")
+    ]  # fmt: skip
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert out.count("path=fused chunks=") == 2 and "fwd_bwd_ms=" in out
