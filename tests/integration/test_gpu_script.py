@@ -70,3 +70,18 @@ def test_wheel_list_is_pinned_and_leaves_the_image_alone():
     assert not NEVER_CARRIED & set(names)
     mcore = next(r for r in reqs if r.startswith("megatron-core=="))
     assert mcore.split("==")[1].startswith(("0.16.", "0.17.", "0.18."))  # setup.py's range
+
+
+def test_engine_profile_runs_on_the_cpu(capsys):
+    """tools/gpu/profile_engine.py (a GPU diagnostic) on the CPU: the engine's step time
+    beside transformers' forward, and op counts from the scheduler thread's profile."""
+    from profile_engine import main
+
+    from moerl.engine.scheduler import Scheduler
+
+    step = Scheduler._step
+    got = main(["--device", "cpu", "--requests", "2", "--new-tokens", "20"])
+    assert Scheduler._step is step  # the timing hook is removed again
+    assert got["engine_step_ms"] > 0 and got["hf_step_ms"] > 0
+    assert got["aten_ops_per_step"] > 100  # a decode step of 4 layers, not an empty profile
+    assert "engine/hf" in capsys.readouterr().out

@@ -8,7 +8,7 @@ on moerl's own copy_digits prompts and `shaped` reward, with the recipe's settin
 new tokens, temperature 1, top_p 1, no top-k; AdamW lr 5e-3 after a 2-step linear
 warmup from 0, betas 0.9/0.999, eps 1e-6, weight decay 0.01, grad clip 1.0; beta 0 (no
 KL, no reference model), one optimizer step per generation batch, PPO clip 0.2 with a
-token mean over the batch (loss_type="dapo"); fp32 on the CPU, nothing logged or saved.
+token mean over the batch (loss_type="dapo"); fp32 (on the GPU when there is one, as moerl picks it), nothing logged or saved.
 
 Writes OUT/steps.jsonl: a `train_begin` line (unix time when the trainer's loop starts,
 after the model, tokenizer and trainer are built), then one line per optimizer step
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = GRPOConfig(
         output_dir=str(args.out / "trl"),
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),  # the GPU when there is one, as moerl's run
         bf16=False,
         fp16=False,
         seed=SEED,
