@@ -190,7 +190,7 @@ def test_committed_gpu_run_renders_with_its_baselines(tmp_path):
     """bench/gpu/results.json (tools/gpu/run.py on a GPU machine) becomes the GPU section:
     each figure beside its baseline and the status its target gives."""
     report = _module("report")
-    run = json.loads(report.GPU_RUN.read_text())
+    newest, run = json.loads(report.GPU_RUN.read_text())["runs"][:2]
     run["part2_kernels"] = {
         "lora_gmm@E8": {"kernel_ms": 1.0, "torch_ms": 3.0, "speedup": 3.0,
                         "kernel_peak_mb": 1.0, "torch_peak_mb": 1.0, "mem_ratio": 1.0},
@@ -201,6 +201,18 @@ def test_committed_gpu_run_renders_with_its_baselines(tmp_path):
     text = report._gpu_run(run)
     rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ")}
     assert rows["lora_gmm E8: time; peak memory"].endswith("| ≥ 1× | met |")
-    assert rows["fused_logprobs T: time; peak memory"].endswith("| not met |")  # 0.5× time
+    fused = rows["fused_logprobs T: time; peak memory"]  # 0.5× the time, 1/9 the memory
+    assert fused.endswith("| memory met, time not |")
     main = [r for k, r in rows.items() if k.startswith("`+recipe=deepseek_moe`")][0]
     assert "0.010 → 0.200" in main and main.endswith("| met |")
+    # the newest run: the colocated job, TRL side by side, the chunk sweep, the profile
+    newest["vs_trl"]["ratio_sync"], newest["vs_trl"]["ratio_async"] = 0.9, 0.7
+    text = report._gpu_runs({"runs": [newest, run]})
+    assert text.count("| part | metric |") == 2 and "newest first" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert any("colocated, sync, engine asleep" in r for r in rows)
+    trl = [r for r in rows if r.startswith("| vs TRL |")]
+    assert len(trl) == 2 and trl[0].endswith("| met |")  # the ratios set above
+    assert trl[1].endswith("| not met |")  # colocated as measured
+    assert any("chunks 4096x8192" in r for r in rows)
+    assert any("kernel launches" in r for r in rows)
