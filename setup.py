@@ -76,6 +76,9 @@ setup(
         # 4.51 is the first release with Qwen3MoE and DeepseekV3 model classes.
         "transformers>=4.51",
         "safetensors",
+        # the engine's stop_regex searches take a timeout (re's take none); transformers
+        # needs it too
+        "regex>=2022.1.18",
         # megatron-core imports einops lazily (rank grids, MLA, attention reshapes).
         "einops",
         # megatron-core's checkpoint writer needs psutil but does not declare it; without

@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per prefill forward: a longer input runs in chunks of this size "
         "(-1: no chunking)",
     )
+    p.add_argument(
+        "--stop-regex-timeout-ms",
+        type=float,
+        default=50.0,
+        help="longest one stop_regex search may take; a request whose pattern takes longer "
+        "is aborted with a 400 (moerl's own bound: Python's re has none)",
+    )
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument(
         "--disable-radix-cache",

@@ -51,6 +51,7 @@ def build_state(args: argparse.Namespace) -> Any:
         weight_version=args.weight_version,
         enable_routed_experts=args.enable_return_routed_experts,
         prefix_cache=prefix_cache,
+        stop_regex_timeout_s=args.stop_regex_timeout_ms / 1e3,
     )
     state = EngineState(
         runner=runner,

@@ -34,11 +34,11 @@ for it as for any other off-policy sample.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+import regex
 import torch
 
 GREEDY_EPS = 1e-5  # SGLang's _SAMPLING_EPS is 1e-6; below either, sampling is greedy
@@ -98,7 +98,7 @@ class SamplingParams:
     watermark: dict[str, Any] | None = None
     # normalised forms, filled by from_request (not API fields)
     stop_strs: list[str] = field(default_factory=list, repr=False)
-    stop_regexes: list[re.Pattern[str]] = field(default_factory=list, repr=False)
+    stop_regexes: list[regex.Pattern[str]] = field(default_factory=list, repr=False)
 
     @classmethod
     def api_fields(cls) -> set[str]:
@@ -212,12 +212,15 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _compile_stop_regex(pattern: str) -> re.Pattern[str]:
+def _compile_stop_regex(pattern: str) -> regex.Pattern[str]:
+    """Compiled with the ``regex`` package (``re``'s syntax, its version 0), whose searches
+    take a timeout: the scheduler bounds each one (``--stop-regex-timeout-ms``), so a
+    pattern that backtracks catastrophically ends its own request, not the engine."""
     if len(pattern.encode()) > MAX_STOP_REGEX_LEN:
         raise ValueError(f"stop_regex: {pattern[:40]!r}... is over {MAX_STOP_REGEX_LEN} bytes")
     try:
-        return re.compile(pattern)
-    except (re.error, RecursionError) as err:
+        return regex.compile(pattern)
+    except (regex.error, RecursionError) as err:
         raise ValueError(
             f"stop_regex: {pattern!r} is not a valid regular expression: {err}"
         ) from None

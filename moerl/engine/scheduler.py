@@ -121,8 +121,14 @@ class Scheduler:
         weight_version: str = "0",
         enable_routed_experts: bool = False,
         prefix_cache: PrefixCache | None = None,
+        stop_regex_timeout_s: float = 0.05,
     ) -> None:
         self.runner = runner
+        if stop_regex_timeout_s <= 0:
+            raise ValueError(f"--stop-regex-timeout-ms {1e3 * stop_regex_timeout_s:g} must be > 0")
+        # one stop_regex search on the scheduler thread may take this long; past it, the
+        # request ends with a 400 and every other request goes on
+        self.stop_regex_timeout_s = stop_regex_timeout_s
         self.prefix_cache = prefix_cache  # None: --disable-radix-cache
         if max_running_requests < 1:
             raise ValueError(f"--max-running-requests {max_running_requests} must be >= 1")
@@ -805,7 +811,18 @@ class Scheduler:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
             for pattern in params.stop_regexes:
-                if pattern.search(tail):
+                try:
+                    hit = pattern.search(tail, timeout=self.stop_regex_timeout_s)
+                except TimeoutError:
+                    return _abort(
+                        f"stop_regex {pattern.pattern!r} took over "
+                        f"{1e3 * self.stop_regex_timeout_s:g} ms to search {len(tail)} "
+                        "characters of output (a pattern that backtracks catastrophically, "
+                        "such as nested quantifiers); request aborted. Simplify the pattern "
+                        "(or raise the engine's --stop-regex-timeout-ms)",
+                        400,
+                    )
+                if hit:
                     return {"type": "stop", "matched": pattern.pattern}
         if not params.ignore_eos and (token in self.eos or token in (params.stop_token_ids or ())):
             return {"type": "stop", "matched": token}

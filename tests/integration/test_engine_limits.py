@@ -128,3 +128,31 @@ def test_a_disconnected_client_leaves_no_traceback_in_the_engine_log(tiny_checkp
         eng.close()
     text = log.read_text()
     assert "Traceback" not in text and "ERROR" not in text and "CancelledError" not in text, text
+
+
+def test_a_backtracking_stop_regex_ends_its_own_request_not_the_engine(http, tiny_checkpoints):
+    """Issue 29: ``stop_regex`` ``(a|aa)+b`` over an output of a's backtracks exponentially
+    (Python's re would search for hours by 60 tokens). The engine bounds each search
+    (--stop-regex-timeout-ms, 50 ms): that request ends with a 400 naming its pattern,
+    while a request sent during it, and /health, are served."""
+    from moerl.models.tokenizer import load_tokenizer
+
+    a = load_tokenizer(tiny_checkpoints["qwen3_moe"]).convert_tokens_to_ids("a")
+    hostile = {
+        "input_ids": [5, 6],
+        "sampling_params": {"max_new_tokens": 120, "ignore_eos": True, "stop_regex": "(a|aa)+b",
+                            "logit_bias": {str(a): 100.0}},
+    }  # fmt: skip
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", http.post("/generate", hostile)))
+    thread.start()
+    http.wait_for("the hostile request runs", lambda i: i["running_requests"] >= 1)
+    other = http.post("/generate", ONE, timeout=30)  # bounded: an unbounded search never ends
+    assert other.status_code == 200 and len(other.json()["output_ids"]) == 1
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the hostile request did not end"
+    answer = box["r"]
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"] if "error" in answer.json() else answer.text
+    assert "(a|aa)+b" in message and "--stop-regex-timeout-ms" in message
+    assert http.get("/health", timeout=5).status_code == 200
