@@ -98,7 +98,7 @@ class SamplingParams:
     watermark: dict[str, Any] | None = None
     # normalised forms, filled by from_request (not API fields)
     stop_strs: list[str] = field(default_factory=list, repr=False)
-    stop_regexes: list[regex.Pattern[str]] = field(default_factory=list, repr=False)
+    stop_regexes: list[Any] = field(default_factory=list, repr=False)  # regex.Pattern
 
     @classmethod
     def api_fields(cls) -> set[str]:
@@ -212,7 +212,7 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _compile_stop_regex(pattern: str) -> regex.Pattern[str]:
+def _compile_stop_regex(pattern: str) -> Any:
     """Compiled with the ``regex`` package (``re``'s syntax, its version 0), whose searches
     take a timeout: the scheduler bounds each one (``--stop-regex-timeout-ms``), so a
     pattern that backtracks catastrophically ends its own request, not the engine."""
