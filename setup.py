@@ -11,7 +11,14 @@ install claims only the name `moerl`:
 The mapping holds for a wheel and for an editable install (`pip install -e .`).
 """
 
+import re
+
 from setuptools import find_packages, setup
+
+# one place for the version: moerl/_version.py (read as text: nothing imported at build)
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', open("moerl/_version.py", encoding="utf-8").read(), re.M
+).group(1)
 
 # Triton 3 runs its kernels on the CPU under TRITON_INTERPRET=1, which is how the tests
 # check every kernel against its torch twin without a GPU.
@@ -49,7 +56,7 @@ packages += ["moerl.conf", "moerl.recipes"]
 
 setup(
     name="moerl",
-    version="0.1.0",
+    version=VERSION,
     description="Asynchronous RL for Mixture-of-Experts LLMs on megatron-core and SGLang",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -1,3 +1,5 @@
 """moerl: asynchronous RL for Mixture-of-Experts LLMs on megatron-core and SGLang."""
 
-__version__ = "0.1.0"
+from moerl._version import __version__
+
+__all__ = ["__version__"]

@@ -378,8 +378,11 @@ def report_dry_run(cfg: DictConfig, typed: MoerlConfig) -> None:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from moerl._version import shadowing
     from moerl.telemetry.logs import hold_console
 
+    if (shadow := shadowing()) is not None:
+        print(f"moerl: warning: {shadow}", file=sys.stderr, flush=True)
     hydra_cfg = HydraConfig.get()
     typed = checked(cfg, list(hydra_cfg.overrides.task))
     hold_console(typed.telemetry.console_level)

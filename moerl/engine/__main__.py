@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    from moerl._version import shadowing
+
+    if (shadow := shadowing()) is not None:
+        logging.getLogger("moerl.engine").warning(shadow)
     app = build_state(args)
     scheduler = app.state.engine.scheduler
 

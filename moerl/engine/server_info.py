@@ -21,13 +21,13 @@ import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
-import moerl
+from moerl._version import __version__
 
 if TYPE_CHECKING:
     from moerl.engine.state import EngineState
 
 SGLANG_API = "0.5.23"  # the SGLang release whose native HTTP API the engine speaks
-VERSION = f"moerl {moerl.__version__} embedded engine (SGLang {SGLANG_API} native API)"
+VERSION = f"moerl {__version__} embedded engine (SGLang {SGLANG_API} native API)"
 
 
 def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any]:
