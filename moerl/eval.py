@@ -2,14 +2,14 @@
 
 Takes the training job's config and overrides (the same schema, recipes included), starts
 one embedded engine on the Hugging Face checkpoint ``model.path`` (a run's init_hf, a
-trainer's HF export from tools/mcore2hf or moerl.convert.exporter), or uses running
-SGLang servers (``engine=sglang engine.urls=[...]``, serving that checkpoint), and
+trainer's HF export from ``tools/convert_checkpoint.py mcore2hf``), or uses running
+SGLang servers (``engine=sglang 'engine.urls=[...]'``, serving that checkpoint), and
 evaluates the held-out sets of the `eval` group exactly as during training
 (moerl.rollout.evaluation): the same sampling, pass@k estimator and metric names. Prints
 the numbers as JSON and writes them to ``eval.json`` in Hydra's run directory.
 
     python -m moerl.eval +recipe=deepseek_moe model.path=outputs/run/init_hf \\
-        eval.num_prompts=64 eval.n=8 eval.k=[1,8]
+        eval.num_prompts=64 eval.n=8 'eval.k=[1,8]'
 
 ``eval.every`` is not read: the sets are evaluated once. Without ``eval.sets`` the set is
 the training task at ``eval.seed``.

@@ -6,7 +6,7 @@ engines, concurrently with training, and logs `eval/<set>/pass@k`, `reward_mean`
 `python -m moerl.eval` runs the same sets once on a checkpoint.
 
 A set is a task spec in the task schema (moerl.config.task), written as a mapping with
-`name` (or `_target_`): `+eval.sets.arith={name:arithmetic,seed:7,max_operand:50}`.
+`name` (or `_target_`): `'+eval.sets.arith={name:arithmetic,seed:7,max_operand:50}'`.
 A mapping rather than a group per set because Hydra cannot type a dict whose values are
 different task dataclasses; `moerl.validate` checks each spec against its task's options
 at start-up. No sets = one set named after the training task, its stream at `eval.seed`.
@@ -33,7 +33,7 @@ class EvalConfig:
     """Evaluate after every this many steps, and after the last one; 0 = off."""
     sets: dict[str, Any] = field(default_factory=dict)
     """Named held-out prompt sets, each a task spec mapping (`name` plus that task's
-    options, or `_target_`): `+eval.sets.arith={name:arithmetic,seed:7}`. Empty = one
+    options, or `_target_`): `'+eval.sets.arith={name:arithmetic,seed:7}'`. Empty = one
     set named after the training task: its options with `seed` replaced by eval.seed."""
     seed: int = 1_000_003
     """Prompt-stream seed of the default set (no `sets`); keep it apart from task.seed."""
@@ -105,7 +105,7 @@ class EvalConfig:
             raise ValueError(
                 "eval without eval.sets evaluates the training task at another seed, but a "
                 "jsonl task reads the same file whatever the seed; add a held-out file: "
-                "+eval.sets.heldout={name:jsonl,path:/data/test.jsonl}"
+                "'+eval.sets.heldout={name:jsonl,path:/data/test.jsonl}'"
             )
         name = str(getattr(task, "name", None) or task.get("name", "task"))
         if dataclasses.is_dataclass(task) and not isinstance(task, type):

@@ -200,6 +200,23 @@ def _render_sbatch(env: dict[str, str], args: list[str], cwd: Path) -> list[list
     return [shlex.split(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
+def _bash_words(cmd: str, cwd: Path) -> list[str]:
+    """The words bash gives ``cmd`` (brace expansion, globs with failglob as zsh fails on
+    an unmatched one), without running it."""
+    script = f"shopt -s failglob; words() {{ printf '%s\\0' \"$@\"; }}; words {cmd}"
+    out = subprocess.run(["bash", "-c", script], cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, f"bash cannot take it as typed: {out.stderr.strip()}"
+    return out.stdout.split("\0")[:-1]
+
+
+@pytest.mark.parametrize("where,cmd", doc_commands())
+def test_doc_commands_mean_in_bash_what_this_test_runs(where, cmd, tmp_path):
+    """The dry runs above split each command with shlex; bash (and zsh) also expand
+    braces and globs, so ``+eval.sets.a={name:x,seed:7}`` unquoted becomes two words and
+    ``k=[1,8]`` may match a file. A command must give bash the same words."""
+    assert _bash_words(cmd, tmp_path) == shlex.split(cmd), f"{where}: quote the override"
+
+
 @pytest.mark.parametrize("where,cmd", [p for p in doc_commands() if "moerl.sbatch" in p[1]])
 def test_sbatch_command_renders_and_dry_runs(where, cmd, tmp_path, monkeypatch, capsys):
     """The documented sbatch command, rendered: one SGLang server per engine node and a
