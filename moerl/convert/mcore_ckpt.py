@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from moerl.common.files import readable
 from moerl.config.model import ModelConfig
 from moerl.convert.exporter import export_hf
 from moerl.convert.hf_io import INDEX, HFCheckpoint
@@ -39,7 +40,12 @@ SIDE_FILES = (
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    "added_tokens.json",
+    # transformers >= 4.43 writes the chat template beside tokenizer_config.json
+    "chat_template.jinja",
+    "chat_template.json",
 )
+EXPORT_JSON = "moerl_export.json"  # what an mcore2hf export was made from
 
 
 def _setup(model: ModelConfig, layout: str) -> list[torch.nn.Module]:
@@ -149,6 +155,7 @@ def mcore_to_hf(mcore_dir: str, out: str, layout: str, shard_mb: float) -> None:
         if bucket and writer:
             name = f"model-pp{stage}-{files:05d}.safetensors"
             save_file(bucket, str(out_dir / name), metadata={"format": "pt"})
+            readable(out_dir / name)
             weight_map.update({k: name for k in bucket})
         files += 1 if bucket else 0
         bucket, size = {}, 0
@@ -169,4 +176,10 @@ def mcore_to_hf(mcore_dir: str, out: str, layout: str, shard_mb: float) -> None:
         index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(merged.items()))}
         (out_dir / INDEX).write_text(json.dumps(index, indent=2))
         _copy_side_files(src, out_dir)
-        print(f"wrote {len(merged)} HF tensors to {out_dir}")
+        made = {"source": str(src)}
+        if (src / TRAINER_PROGRESS).is_file():  # the trainer's step and policy version
+            progress = json.loads((src / TRAINER_PROGRESS).read_text())
+            made.update({k: progress[k] for k in ("step", "version") if k in progress})
+        (out_dir / EXPORT_JSON).write_text(json.dumps(made, indent=2))
+        taken = f" (step {made['step']})" if "step" in made else ""
+        print(f"wrote {len(merged)} HF tensors from {src}{taken} to {out_dir}")

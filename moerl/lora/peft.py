@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from moerl.common.files import readable
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
 from moerl.lora.apply import resolve_targets
@@ -66,6 +67,7 @@ def save_peft(
     directory.mkdir(parents=True, exist_ok=True)
     weights = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
     save_file(weights, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    readable(directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 

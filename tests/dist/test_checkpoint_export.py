@@ -5,6 +5,7 @@ from (no step taken, so the trainer's weights are those)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,8 @@ def test_trainer_checkpoint_exports_to_hf(tmp_path) -> None:
     from moerl.models.tiny import tiny_config
 
     hf = save_tiny_checkpoint(tiny_config("deepseek_moe"), tmp_path / "hf", seed=3)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (hf / "chat_template.jinja").write_text(template)  # kept by checkpoint and export
     root = tmp_path / "ckpt"
     spawn(_save_trainer_checkpoint, 1, str(hf), str(root))
     step = root / (root / "latest").read_text().strip()
@@ -56,6 +59,14 @@ def test_trainer_checkpoint_exports_to_hf(tmp_path) -> None:
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "(step 1)" in proc.stdout  # which checkpoint the export took, said and kept
+    made = json.loads((out / "moerl_export.json").read_text())
+    assert made["step"] == 1 and made["version"] == 1 and made["source"] == str(step)
+    assert (out / "chat_template.jinja").read_text() == template
+    mask = os.umask(0)
+    os.umask(mask)
+    for weights in out.glob("*.safetensors"):  # safetensors alone writes 0600
+        assert weights.stat().st_mode & 0o777 == 0o666 & ~mask
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     exported = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()

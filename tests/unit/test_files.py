@@ -1,0 +1,35 @@
+"""Files a checkpoint or export writes beside its weights: the tokenizer's chat template
+travels with them, and weights get the umask's mode (safetensors alone writes 0600)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from moerl.common.files import readable
+from moerl.convert.mcore_ckpt import write_model_files
+from moerl.models.tiny import tiny_config
+
+
+def test_weights_get_the_mode_the_umask_allows(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(2)}, str(path))
+    mask = os.umask(0o027)
+    try:
+        readable(path)
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_model_files_carry_the_chat_template(tmp_path):
+    hf, out = tmp_path / "hf", tmp_path / "ckpt"
+    hf.mkdir()
+    out.mkdir()
+    (hf / "tokenizer_config.json").write_text("{}")
+    (hf / "chat_template.jinja").write_text("{{ messages }}")
+    write_model_files(out, tiny_config("deepseek_moe"), hf)
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
