@@ -57,6 +57,7 @@ def _evaluate(cfg: MoerlConfig, path: Path, urls: list[str], api_key: str | None
     from moerl.tasks import build_task
 
     tokenizer = load_tokenizer(path)
+    made = exported_from(path)
     specs = cfg.eval.resolve_sets(cfg.task)
     sets = {name: build_task(spec, tokenizer) for name, spec in specs.items()}
 
@@ -66,16 +67,32 @@ def _evaluate(cfg: MoerlConfig, path: Path, urls: list[str], api_key: str | None
             await client.wait_until_healthy(cfg.engine.startup_timeout_s)
             runner = EvalRunner(
                 client, sets, cfg.eval, cfg.rollout.sampling_params(),
-                reward_workers=cfg.rollout.reward_workers,
+                reward_workers=cfg.rollout.reward_workers, version=made.get("version", 0),
             )  # fmt: skip
             try:
-                return await runner.evaluate(step=0)
+                return await runner.evaluate(step=made.get("step", 0))
             finally:
                 await runner.stop()
         finally:
             await client.aclose()
 
     return asyncio.run(run())
+
+
+def exported_from(path: Path) -> dict[str, Any]:
+    """What an mcore2hf export was made from (its ``moerl_export.json``: source, step,
+    policy version), so the metrics carry the trained step; {} for any other checkpoint
+    (a run's init_hf is step 0, version 0)."""
+    from moerl.convert.mcore_ckpt import EXPORT_JSON
+
+    file = Path(path) / EXPORT_JSON
+    if not file.is_file():
+        return {}
+    try:
+        made = json.loads(file.read_text())
+    except ValueError as err:
+        raise ValueError(f"{file} is not JSON ({err}): export the checkpoint again") from None
+    return {k: int(made[k]) for k in ("step", "version") if isinstance(made.get(k), int)}
 
 
 @hydra.main(config_path="pkg://moerl.conf", config_name="config", version_base="1.3")

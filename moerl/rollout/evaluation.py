@@ -64,6 +64,20 @@ def eval_sampling(cfg: EvalConfig, rollout_params: Mapping[str, Any]) -> dict[st
     return {"greedy": greedy, "sampled": {**base, "temperature": cfg.temperature}}
 
 
+def _distinct_prompts(name: str, task: Task, wanted: int) -> list[Prompt]:
+    """The first ``wanted`` prompts of ``task``, but each item once: a set of fewer items
+    (a task's finite ``num_items``) is evaluated whole, not cycled, which would count
+    repeats as new prompts and skew pass@k; logged once."""
+    items = getattr(task, "num_items", None)
+    take = wanted if not isinstance(items, int) else min(wanted, items)
+    if take < wanted:
+        log.warning(
+            "eval.sets.%s has %d items, fewer than eval.num_prompts=%d: evaluating each once",
+            name, take, wanted,
+        )  # fmt: skip
+    return list(itertools.islice(task.prompts(0), take))
+
+
 class EvalRunner:
     """Evaluates held-out sets through ``client``; lives on the rollout loop."""
 
@@ -89,8 +103,7 @@ class EvalRunner:
         """The policy version the engines serve (after_update)."""
         self._sampling = eval_sampling(cfg, rollout_params)
         self._prompts: dict[str, list[Prompt]] = {
-            name: list(itertools.islice(task.prompts(0), cfg.num_prompts))
-            for name, task in sets.items()
+            name: _distinct_prompts(name, task, cfg.num_prompts) for name, task in sets.items()
         }
         for name, prompts in self._prompts.items():
             if not prompts:

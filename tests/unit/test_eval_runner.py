@@ -192,3 +192,31 @@ def test_a_failing_eval_is_counted_and_training_goes_on():
 
     m = asyncio.run(main())
     assert m["eval/errors_total"] == 1 and m["eval/done_total"] == 0
+
+
+class ThreeItems(EvenTask):
+    """A finite set: items 0, 1, 2, then the same again (as a dataset task cycles)."""
+
+    num_items = 3
+
+    def prompts(self, start: int = 0) -> Iterator[Prompt]:
+        for i, prompt in enumerate(super().prompts(start)):
+            yield Prompt(prompt.prompt_id, np.array([(start + i) % 3 + 1], np.int32), answer=RIGHT)
+
+
+def test_a_set_smaller_than_num_prompts_is_evaluated_once_each(caplog):
+    """Issue 31: three test rows and eval.num_prompts=4 gave 4 prompts (a row twice),
+    counting a repeat as a new prompt in pass@k."""
+
+    async def main() -> dict[str, float]:
+        client = ScriptedClient()
+        r = EvalRunner(client, {"small": ThreeItems()}, CFG, SAMPLING,  # type: ignore[arg-type,dict-item]
+                       partial_rollout="in_place", version=3)  # fmt: skip
+        out = await r.evaluate(step=1)
+        assert len(client.calls) == 3 * 5  # 3 prompts x (1 greedy + 4 samples)
+        return out
+
+    m = asyncio.run(main())
+    assert m["eval/small/prompts"] == 3
+    assert "has 3 items, fewer than eval.num_prompts=4" in caplog.text
+    assert m["eval/small/pass@1"] == pytest.approx(2 / 3)  # greedy right on items 0 and 2

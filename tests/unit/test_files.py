@@ -33,3 +33,20 @@ def test_model_files_carry_the_chat_template(tmp_path):
     write_model_files(out, tiny_config("deepseek_moe"), hf)
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
+
+
+def test_offline_eval_reads_the_step_an_export_was_made_at(tmp_path):
+    """Issue 31: ``python -m moerl.eval`` on a step-4 export reported step 0, version 0."""
+    import json
+
+    import pytest
+
+    from moerl.convert.mcore_ckpt import EXPORT_JSON
+    from moerl.eval import exported_from
+
+    assert exported_from(tmp_path) == {}  # a run's init_hf: step 0, version 0
+    (tmp_path / EXPORT_JSON).write_text(json.dumps({"source": "x", "step": 4, "version": 4}))
+    assert exported_from(tmp_path) == {"step": 4, "version": 4}
+    (tmp_path / EXPORT_JSON).write_text("{not json")
+    with pytest.raises(ValueError, match="export the checkpoint again"):
+        exported_from(tmp_path)
