@@ -26,6 +26,7 @@ from moerl.config.engine import EngineConfig
 from moerl.config.env import EnvConfig, register_env_configs
 from moerl.config.eval import EvalConfig
 from moerl.config.help import register_help_resolver
+from moerl.config.run_stamp import register_stamp_resolver
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -86,3 +87,4 @@ def register_configs() -> None:
     register_env_configs(cs)
     register_recipes(cs)
     register_help_resolver()
+    register_stamp_resolver()

@@ -386,3 +386,19 @@ def test_a_killed_run_leaves_no_shared_memory_behind(tmp_path):
     while set(os.listdir("/dev/shm")) - before and time.time() < deadline:
         time.sleep(0.1)  # the shm manager unlinks as its clients go
     assert not set(os.listdir("/dev/shm")) - before
+
+
+@pytest.mark.slow  # two torchrun ranks start (a minute)
+def test_torchrun_ranks_write_one_run_directory(tmp_path):
+    """Issue 31: each rank resolved Hydra's ${now:} itself, and ranks a second apart made
+    two run directories (rank 1's holding only its log)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+         "moerl.launch", "+recipe=deepseek_moe", *QUIET, "parallel=ep2",
+         "trainer.train_iters=2", "trainer.lr_warmup_steps=0"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    runs = [d for d in (tmp_path / "outputs").glob("*/*") if d.is_dir()]
+    assert len(runs) == 1, runs
+    assert [r["step"] for r in read_metrics(runs[0])] == [0, 1]
