@@ -42,6 +42,20 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+def stop_ranks(processes: list[Any], grace_s: float = 10.0) -> None:
+    """SIGTERM every live rank, then SIGKILL what still runs after ``grace_s``: a SIGINT
+    sent to the launcher alone (``kill -INT``) does not reach its ranks, and
+    multiprocessing would wait at exit for ranks that go on training."""
+    live = [p for p in processes if p.is_alive()]
+    for proc in live:
+        proc.terminate()
+    for proc in live:
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -143,6 +157,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | No
     try:
         while not context.join():
             pass
+    except BaseException:  # Ctrl-C / SIGINT here, or a failed rank: no rank runs on
+        stop_ranks(context.processes)
+        raise
     finally:
         # torch passes a failed rank's traceback through /tmp/pytorch-errorfile-*.pickle
         # and leaves the file there; the exception raised above already carries it

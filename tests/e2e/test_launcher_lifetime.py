@@ -72,3 +72,34 @@ def test_a_failed_launch_leaves_nothing_in_tmp(tmp_path):
     # megatron-core is imported: a cache shared by every run, not one run's litter
     left = [p for p in Path(temp).rglob("*") if p.is_file() or not p.name.startswith("torch")]
     assert left == []
+
+
+@pytest.mark.slow
+def test_sigint_of_the_launcher_alone_stops_its_ranks_and_exits(tmp_path):
+    """Issue 31: ``kill -INT`` of the launcher printed "ranks and engines stopped" while
+    its rank trained on, and the launcher waited for it (until a SIGTERM)."""
+    run = tmp_path / "interrupted"
+    run.mkdir()
+    args = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", *QUIET,
+            f"hydra.run.dir={run}", "trainer.train_iters=500"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    family: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 300
+        while not (run / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.time() < deadline, "the run did not start"
+            time.sleep(0.2)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGINT)  # the launcher's main process only
+        _, err = proc.communicate(timeout=60)  # it ends, not waits for its ranks
+        assert proc.returncode == 130, err[-3000:]
+        assert "interrupted; ranks and engines stopped" in err
+        _, alive = psutil.wait_procs(family, timeout=5)  # already gone: it said so
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    finally:
+        for p in family:
+            if p.is_running():
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
