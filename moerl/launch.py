@@ -354,6 +354,8 @@ def split_threads(cfg: MoerlConfig, world: int) -> None:
 
     split = resolve_threads(cfg, world, device.has_cuda())
     cfg.launcher.threads, cfg.engine.threads = split.trainer, split.engine
+    if split.omp_cap is not None:
+        print(f"moerl: OMP_NUM_THREADS={split.omp_cap} caps each process's CPU threads")
     if split.rule == "colocated":
         print(
             f"moerl: CPU threads: {split.trainer} per trainer rank; the colocated engine "

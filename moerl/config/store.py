@@ -26,7 +26,6 @@ from moerl.config.engine import EngineConfig
 from moerl.config.env import EnvConfig, register_env_configs
 from moerl.config.eval import EvalConfig
 from moerl.config.help import register_help_resolver
-from moerl.config.run_stamp import register_stamp_resolver
 from moerl.config.launcher import LauncherConfig
 from moerl.config.lora import LoraConfig
 from moerl.config.model import ModelConfig
@@ -34,6 +33,7 @@ from moerl.config.parallel import ParallelConfig
 from moerl.config.recipe import RECIPE_GROUP, load_recipe, recipe_names
 from moerl.config.reward_model import RewardModelConfig
 from moerl.config.rollout import RolloutConfig
+from moerl.config.run_stamp import register_stamp_resolver
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import SyncConfig
 from moerl.config.task import TaskConfig, register_task_configs

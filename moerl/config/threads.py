@@ -14,6 +14,9 @@ by a stated rule unless the user sets `launcher.threads` / `engine.threads`:
   and uses its torch threads, so the trainer ranks split all cores.
 
 With CUDA the engines' and ranks' work is on the GPU and the split does not apply.
+``OMP_NUM_THREADS``, when set, caps every process's share (it is the number a user sets
+to say how many threads one process may take); `launcher.threads` / `engine.threads`
+still override both.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ class CoreSplit:
     rule: str
     """Why: 'alternating', 'overlapped', 'colocated', 'trainer' (no embedded engine),
     'cuda' or 'set' (both given by the user)."""
+    omp_cap: int | None = None
+    """OMP_NUM_THREADS, where it lowered a share."""
+
+
+def omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when set to a positive integer (None otherwise)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def split_cores(cores: int, ranks: int, engines: int, overlapped: bool) -> CoreSplit:
@@ -70,10 +81,14 @@ def resolve_threads(cfg: Any, world_size: int, has_cuda: bool) -> CoreSplit:
         split = CoreSplit(per_rank, per_rank, "colocated")
     else:
         split = split_cores(usable_cores(), world_size, engines, overlapped(cfg.staleness))
+    cap = omp_threads()
+    if cap is not None and max(split.trainer, split.engine) > cap:
+        split = CoreSplit(min(split.trainer, cap), min(split.engine, cap), split.rule, cap)
     trainer, engine = cfg.launcher.threads, cfg.engine.threads
     rule = "set" if trainer is not None and engine is not None else split.rule
     return CoreSplit(
         split.trainer if trainer is None else trainer,
         split.engine if engine is None else engine,
         rule,
+        split.omp_cap if rule != "set" else None,
     )

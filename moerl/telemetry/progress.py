@@ -11,7 +11,8 @@ Metric keys read from ``update(step, metrics)`` (all optional, missing ones are 
 out of the line): ``reward_mean``, ``tokens_per_s``, ``staleness_max``,
 ``buffer_size`` with ``buffer_capacity`` (or a ``buffer_occupancy`` fraction; the
 ``buffer/occupancy`` key of ``RolloutBuffer.metrics()`` is read as its alias),
-``trainer_idle_frac``.
+``trainer_idle_frac``. The plain line ends with the mean seconds per step so far, the
+elapsed time and the estimated time left (the rich bar shows the last two itself).
 """
 
 from __future__ import annotations
@@ -59,10 +60,25 @@ def format_stats(metrics: Mapping[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def format_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
-    """The whole plain line, e.g. ``step 3/10 | reward 0.512 | ...``."""
-    stats = format_stats(metrics)
-    return f"step {step}/{total}" + (f" | {stats}" if stats else "")
+def _hms(seconds: float) -> str:
+    minutes, sec = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{sec:02d}" if hours else f"{minutes}:{sec:02d}"
+
+
+def format_line(
+    step: int, total: int, metrics: Mapping[str, Any], elapsed_s: float | None = None
+) -> str:
+    """The whole plain line, e.g. ``step 3/10 | reward 0.512 | ... | 2.10 s/step |
+    0:06 elapsed | ETA 0:15`` (the timing with ``elapsed_s``, after a step)."""
+    parts = [f"step {step}/{total}"]
+    if stats := format_stats(metrics):
+        parts.append(stats)
+    if elapsed_s is not None and step > 0:
+        per_step = elapsed_s / step
+        parts.append(f"{per_step:.2f} s/step | {_hms(elapsed_s)} elapsed | "
+                     f"ETA {_hms(per_step * max(0, total - step))}")  # fmt: skip
+    return " | ".join(parts)
 
 
 class Progress:
@@ -92,6 +108,7 @@ class Progress:
             tty = bool(isatty and isatty())
         self.tty = tty
         self._clock = clock
+        self._start = clock()
         self._last_print: float | None = None
         self._pending: str | None = None  # newest line not yet printed (plain mode)
         self._closed = False
@@ -133,8 +150,8 @@ class Progress:
         if self._rich is not None:
             self._rich.update(self._task, completed=step, stats=format_stats(metrics))
             return
-        line = format_line(step, self.total_steps, metrics)
         now = self._clock()
+        line = format_line(step, self.total_steps, metrics, now - self._start)
         due = self._last_print is None or now - self._last_print >= self.min_interval_s
         if due or step >= self.total_steps:
             self._print(line, now)

@@ -121,18 +121,22 @@ def test_progress_plain_lines_when_not_a_tty(capsys):
         "step 10/10",
     ]
     assert lines[-1] == (
-        "step 10/10 | reward 1.000 | 1.01k tok/s | stale<=1 | buffer 4/16 | trainer idle 25%"
+        "step 10/10 | reward 1.000 | 1.01k tok/s | stale<=1 | buffer 4/16 | trainer idle 25% "
+        "| 1.80 s/step | 0:18 elapsed | ETA 0:00"
     )
+    assert lines[1].endswith("| 1.50 s/step | 0:06 elapsed | ETA 0:09")  # step 4 at 6 s
 
 
 def test_progress_close_flushes_held_back_line(capsys):
-    p = Progress(10, min_interval_s=1e9)
+    now = [0.0]
+    p = Progress(10, min_interval_s=1e9, clock=lambda: now[0])
     p.update(1, {"reward_mean": 0.5})
+    now[0] = 3725.0
     p.update(2, {"reward_mean": 0.6})  # throttled
     p.close()
     assert capsys.readouterr().out.splitlines() == [
-        "step 1/10 | reward 0.500",
-        "step 2/10 | reward 0.600",
+        "step 1/10 | reward 0.500 | 0.00 s/step | 0:00 elapsed | ETA 0:00",
+        "step 2/10 | reward 0.600 | 1862.50 s/step | 1:02:05 elapsed | ETA 4:08:20",
     ]
     assert format_line(3, 5, {"buffer_occupancy": 0.5}) == "step 3/5 | buffer 50%"
     assert format_line(3, 5, {"buffer/occupancy": 0.25}) == "step 3/5 | buffer 25%"

@@ -34,7 +34,8 @@ def test_overlap_follows_the_staleness_policy():
     assert overlapped(StalenessConfig(max_staleness=0, throttle=False))  # drop: runs freely
 
 
-def test_user_settings_win_and_the_rest_follows_the_rule():
+def test_user_settings_win_and_the_rest_follows_the_rule(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = MoerlConfig()
     cfg.staleness.max_staleness = 1
     split = resolve_threads(cfg, world_size=1, has_cuda=False)
@@ -48,9 +49,10 @@ def test_user_settings_win_and_the_rest_follows_the_rule():
     assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 5
 
 
-def test_a_colocated_engine_shares_rank_zeros_threads():
+def test_a_colocated_engine_shares_rank_zeros_threads(monkeypatch):
     """launcher.placement=colocated on CPU: no cores set aside for an engine process,
     whatever the schedule; user settings still win."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = MoerlConfig()
     cfg.launcher.placement = "colocated"
     for staleness in (0, 1):
@@ -59,6 +61,24 @@ def test_a_colocated_engine_shares_rank_zeros_threads():
         assert (split.trainer, split.rule) == (usable_cores(), "colocated")
     cfg.launcher.threads = 1
     assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 1
+
+
+def test_omp_num_threads_caps_every_process_share(monkeypatch):
+    """Issue 31: the split ignored OMP_NUM_THREADS=1 and gave each process 2 threads."""
+    cfg = MoerlConfig()
+    cfg.staleness.max_staleness = 0  # alternating: each side would take every core
+    monkeypatch.setattr("moerl.config.threads.usable_cores", lambda: 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    split = resolve_threads(cfg, world_size=1, has_cuda=False)
+    assert (split.trainer, split.engine, split.omp_cap) == (2, 2, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")  # above every share: nothing to cap
+    assert resolve_threads(cfg, world_size=1, has_cuda=False).omp_cap is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")  # not a count: ignored
+    assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg.launcher.threads = 3  # the user's launcher.threads still wins
+    split = resolve_threads(cfg, world_size=1, has_cuda=False)
+    assert (split.trainer, split.engine) == (3, 1)
 
 
 def test_the_colocated_engine_sleeps_by_default_only_with_cuda():
