@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from moerl.config.recipe import check_recipe_choices
 from moerl.config.schema import MoerlConfig
 from moerl.config.store import CONFIG_GROUPS, register_configs
-from moerl.validate import validate_config
+from moerl.validate import resolve_checkpoint_dir, validate_config
 
 register_configs()
 
@@ -389,6 +389,7 @@ def main(cfg: DictConfig) -> None:
     typed = checked(cfg, list(hydra_cfg.overrides.task))
     hold_console(typed.telemetry.console_level)
     run_dir = hydra_cfg.runtime.output_dir
+    resolve_checkpoint_dir(typed.trainer, run_dir)
     world = typed.launcher.world_size()
     if typed.launcher.dry_run:  # set by a recipe rather than on the command line
         report_dry_run(cfg, typed)

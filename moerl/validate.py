@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -188,11 +189,23 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
             f"{p.micro_batch_size} × {p.dp(world_size)} = {per_step * t.minibatches}; "
             f"use a multiple of {per_step * t.minibatches}"
         )
-    if t.resume and not t.checkpoint_dir:
+    if t.resume and (not t.checkpoint_dir or t.checkpoint_dir == AUTO_CHECKPOINTS):
         raise ValueError(
-            "trainer.resume=true needs trainer.checkpoint_dir; set the folder to resume from"
+            "trainer.resume=true needs trainer.checkpoint_dir set to the folder to resume from "
+            "(the default 'auto' is the new run's own, empty folder: pass the earlier run's "
+            "RUN_DIR/checkpoints)"
         )
     _check_checkpointing(t)
+
+
+AUTO_CHECKPOINTS = "auto"  # trainer.checkpoint_dir: <run dir>/checkpoints
+
+
+def resolve_checkpoint_dir(t: TrainerConfig, run_dir: str | Path) -> None:
+    """``trainer.checkpoint_dir=auto`` (the launcher's default) becomes the run's own
+    ``checkpoints`` folder."""
+    if t.checkpoint_dir == AUTO_CHECKPOINTS:
+        t.checkpoint_dir = str(Path(run_dir) / "checkpoints")
 
 
 def _check_checkpointing(t: TrainerConfig) -> None:

@@ -34,7 +34,9 @@ class TrainerConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron-core DistributedOptimizer)."""
     checkpoint_dir: str | None = None
-    """Where checkpoints are written and read; None = no checkpoints."""
+    """Where checkpoints are written and read; None = no checkpoints. The launcher's
+    default (conf/trainer/default.yaml) is 'auto': ``<run dir>/checkpoints``, so a run
+    keeps its trained weights (at the end, with save_every 0); set null to keep none."""
     save_every: int = 0
     """Checkpoint every this many steps (and always after the last); 0 = only at the end."""
     keep_checkpoints: int = 0

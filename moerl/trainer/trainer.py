@@ -405,8 +405,11 @@ class Trainer:
         also the adapters as a PEFT directory (``adapter/``)."""
         from moerl.trainer import checkpoint
 
-        if not self.cfg.checkpoint_dir:
-            raise ValueError("trainer.checkpoint_dir is not set: nowhere to save")
+        if not self.cfg.checkpoint_dir or self.cfg.checkpoint_dir == "auto":
+            raise ValueError(
+                f"trainer.checkpoint_dir={self.cfg.checkpoint_dir!r}: nowhere to save "
+                "('auto' is resolved by moerl.launch to <run dir>/checkpoints; set a folder)"
+            )
         from moerl.convert.mcore_ckpt import write_model_files
 
         adapters = None

@@ -289,6 +289,10 @@ def test_max_staleness_zero_is_synchronous(tmp_path, way):
     assert gen and train
     overlap = [(g, t) for g in gen for t in train if g[0] < t[1] and t[0] < g[1]]
     assert not overlap, "generation ran while the trainer trained"
+    # issue 31: the trained weights are kept by default (trainer.checkpoint_dir=auto), once
+    saved = run / "checkpoints"
+    assert (saved / "latest").read_text().strip() == "step_000004", list(saved.iterdir())
+    assert [d.name for d in saved.glob("step_*")] == ["step_000004"]
 
 
 @pytest.mark.slow

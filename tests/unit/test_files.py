@@ -50,3 +50,21 @@ def test_offline_eval_reads_the_step_an_export_was_made_at(tmp_path):
     (tmp_path / EXPORT_JSON).write_text("{not json")
     with pytest.raises(ValueError, match="export the checkpoint again"):
         exported_from(tmp_path)
+
+
+def test_auto_checkpoints_go_into_the_run_and_cannot_be_resumed_from(tmp_path):
+    """The launcher's default trainer.checkpoint_dir=auto is the run's own folder; a
+    resume needs the earlier run's folder named."""
+    import pytest
+
+    from moerl.config.schema import MoerlConfig
+    from moerl.validate import resolve_checkpoint_dir, validate_config
+
+    cfg = MoerlConfig()
+    cfg.trainer.checkpoint_dir = "auto"
+    validate_config(cfg)
+    resolve_checkpoint_dir(cfg.trainer, tmp_path)
+    assert cfg.trainer.checkpoint_dir == str(tmp_path / "checkpoints")
+    cfg.trainer.checkpoint_dir, cfg.trainer.resume = "auto", True
+    with pytest.raises(ValueError, match="RUN_DIR/checkpoints"):
+        validate_config(cfg)
