@@ -21,6 +21,7 @@ prints the config without running.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -339,11 +340,51 @@ def dry_run(overrides: list[str]) -> None:
 
     try:
         with initialize_config_module("moerl.conf", version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
-    except HydraException as err:  # a bad override: Hydra's message, no traceback
+            try:
+                cfg = compose("config", overrides=overrides)
+            except HydraException as err:  # a bad override: its reason, no traceback
+                print(f"moerl: {override_error(err, overrides, compose)}", file=sys.stderr)
+                raise SystemExit(2) from None
+    except HydraException as err:  # the config module itself
         print(f"moerl: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     report_dry_run(cfg, checked(cfg, overrides))
+
+
+def override_error(err: BaseException, overrides: list[str], compose: Any) -> str:
+    """Hydra's message with the reason it chains (``Error merging override trainer.lr=abc``
+    alone hid "could not be converted to Float"), and for a key the config lacks, the
+    closest keys of the config the other overrides compose."""
+    import difflib
+
+    lines, cause = [str(err).strip()], err.__cause__ or err.__context__
+    while cause is not None and len(lines) < 4:
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        if first and "$" not in first and all(first not in line for line in lines):
+            lines.append(first)
+        cause = cause.__cause__ or cause.__context__
+    text = "\n".join(lines)
+    missing = re.search(r"Could not override '([^']+)'", text)
+    if missing is None:
+        return text
+    key = missing.group(1)
+    rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        known = _keys(OmegaConf.to_container(compose("config", overrides=rest)))
+    except Exception:  # another override is bad too: Hydra's message alone
+        return text
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    return text + (f"\ndid you mean: {', '.join(close)}?" if close else "")
+
+
+def _keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return []
+    out = []
+    for name, value in node.items():  # the settable leaves
+        key = f"{prefix}{name}"
+        out += _keys(value, key + ".") if isinstance(value, dict) else [key]
+    return out
 
 
 def split_threads(cfg: MoerlConfig, world: int) -> None:

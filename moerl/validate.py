@@ -131,13 +131,23 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def _check_layout(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
-    p.validate(
-        world_size,
-        num_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        num_experts=m.num_experts,
-    )
+    try:
+        p.validate(
+            world_size,
+            num_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            num_experts=m.num_experts,
+        )
+    except ValueError as err:
+        need = p.pp * math.lcm(p.tp, p.expert_tp * p.ep if m.is_moe else 1)
+        if world_size < need:  # e.g. parallel=ep2 on the default one rank
+            raise ValueError(
+                f"{err}. The layout needs at least {need} ranks and this run has "
+                f"{world_size}: add launcher.nproc={need} (one machine) or start it with "
+                f"torchrun --nproc-per-node {need}"
+            ) from None
+        raise
     if m.is_moe and p.tp > 1 and not p.use_sequence_parallel():
         raise ValueError(
             f"parallel.sequence_parallel=false with parallel.tp={p.tp} on an MoE model; "

@@ -1,0 +1,37 @@
+"""Issue 31: a bad override in a dry run says why (``trainer.lr=abc`` printed only
+"Error merging override"), and a mistyped key gets the nearest keys of the config."""
+
+from __future__ import annotations
+
+import pytest
+
+import moerl.launch as launch
+
+
+def _dry_run_error(capsys, *overrides: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        launch.dry_run(["+recipe=deepseek_moe", *overrides, "launcher.dry_run=true"])
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_bad_value_says_why(capsys):
+    err = _dry_run_error(capsys, "trainer.lr=abc")
+    assert "Error merging override trainer.lr=abc" in err
+    assert "could not be converted to Float" in err and "$VALUE" not in err
+
+
+def test_a_mistyped_key_gets_the_nearest_keys(capsys):
+    err = _dry_run_error(capsys, "rollout.temprature=0.7", "trainer.train_iters=3")
+    assert "Could not override 'rollout.temprature'" in err
+    assert "did you mean: rollout.temperature" in err
+
+
+def test_a_layout_bigger_than_the_world_says_how_to_start_more_ranks(capsys, monkeypatch):
+    """Issue 31: ``parallel=ep2`` on the default single rank named only the divisibility."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        launch.dry_run(["+recipe=deepseek_moe", "parallel=ep2", "launcher.dry_run=true"])
+    err = capsys.readouterr().err
+    assert "needs at least 2 ranks" in err and "launcher.nproc=2" in err
+    assert "torchrun --nproc-per-node 2" in err
