@@ -203,13 +203,16 @@ class Registry(Generic[In, Out]):
         names each option's config key for the error."""
         from hydra.utils import get_method
 
+        from moerl.common.imports import quiet_hydra_utils
+
         if not target:
             raise ValueError(
                 f"{self.key}._target_ is empty; set it to the import path of your "
                 f"{self.kind} function, e.g. {self.key}._target_=mylab.module.function"
             )
         try:
-            fn = get_method(target)
+            with quiet_hydra_utils():
+                fn = get_method(target)
         except Exception as err:  # hydra wraps import errors in its own types
             reason = " ".join(str(err).split())  # hydra's message spans several lines
             raise ValueError(

@@ -125,8 +125,11 @@ def _import(path: str) -> ModelFamily:
     """The ModelFamily at import path ``path``, registered under ``path``."""
     from hydra.utils import get_object
 
+    from moerl.common.imports import quiet_hydra_utils
+
     try:
-        found = get_object(path)
+        with quiet_hydra_utils():
+            found = get_object(path)
     except Exception as err:  # hydra wraps import errors in its own types
         reason = " ".join(str(err).split())
         raise ValueError(

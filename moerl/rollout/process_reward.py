@@ -49,8 +49,11 @@ def build_step_parser(delimiter: str, target: str = "") -> StepParser:
         return delimiter_parser(delimiter)
     from hydra.utils import get_method
 
+    from moerl.common.imports import quiet_hydra_utils
+
     try:
-        return get_method(target)  # type: ignore[no-any-return]
+        with quiet_hydra_utils():
+            return get_method(target)  # type: ignore[no-any-return]
     except Exception as err:  # hydra wraps import errors in its own types
         reason = " ".join(str(err).split())
         raise ValueError(

@@ -35,3 +35,13 @@ def test_a_layout_bigger_than_the_world_says_how_to_start_more_ranks(capsys, mon
     err = capsys.readouterr().err
     assert "needs at least 2 ranks" in err and "launcher.nproc=2" in err
     assert "torchrun --nproc-per-node 2" in err
+
+
+def test_a_bad_target_is_reported_once(caplog):
+    """Issue 31: hydra.utils logged "Error getting callable" before moerl's own message."""
+    from moerl.common.registry import Registry
+
+    registry: Registry = Registry("thing", "algo.thing")
+    with pytest.raises(ValueError, match=r"algo.thing._target_='mylab.nope.fn' could not be"):
+        registry.build({"_target_": "mylab.nope.fn"})
+    assert not [r for r in caplog.records if "Error getting callable" in r.getMessage()]
