@@ -111,6 +111,9 @@ def main(cfg: DictConfig) -> None:
     except ValueError as err:
         print(f"moerl: invalid config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ImportError as err:  # an optional extra the config needs
+        print(f"moerl: missing package: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     metrics = evaluate_checkpoint(typed, run_dir)
     report = {"checkpoint": str(typed.model.path), "metrics": metrics}

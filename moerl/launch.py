@@ -317,6 +317,9 @@ def checked(cfg: DictConfig, overrides: Sequence[str]) -> MoerlConfig:
     except ValueError as err:  # CheckpointError too
         print(f"moerl: invalid config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ImportError as err:  # an optional extra the config needs (task=dataset, ...)
+        print(f"moerl: missing package: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 TRUE_WORDS = ("true", "yes", "on", "1")

@@ -45,3 +45,17 @@ def test_a_bad_target_is_reported_once(caplog):
     with pytest.raises(ValueError, match=r"algo.thing._target_='mylab.nope.fn' could not be"):
         registry.build({"_target_": "mylab.nope.fn"})
     assert not [r for r in caplog.records if "Error getting callable" in r.getMessage()]
+
+
+def test_a_missing_extra_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path):
+    """Issue 31: task=dataset without `datasets` printed a 30-line traceback."""
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises
+    err = _dry_run_error(capsys, "task=dataset", f"task.path={data}")
+    assert (
+        err.strip()
+        == "moerl: missing package: task=dataset needs HF datasets: pip install 'moerl[data]'"
+    )
