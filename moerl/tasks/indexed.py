@@ -17,6 +17,7 @@ Prompt ids are the stream positions, so a resumed run's data cursor is just an i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,8 @@ from moerl.tasks.rewards import RewardInput, build_reward, decode_response
 
 Messages = list[dict[str, Any]]
 """A chat prompt: [{"role": "user", "content": "..."}, ...], as apply_chat_template takes."""
+log = logging.getLogger(__name__)
+_UNK_WARNED: set[int] = set()  # tokenizers already warned about (by id)
 
 
 def encode_prompt(
@@ -58,7 +61,24 @@ def encode_prompt(
         bos = tokenizer.bos_token_id
         if bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]  # tokenizers without a post-processor (the tiny one) skip it
+        _warn_unknown(tokenizer, prompt, ids)
     return np.asarray(ids, dtype=np.int32)
+
+
+def _warn_unknown(tokenizer: Any, text: str, ids: list[int]) -> None:
+    """Say once per tokenizer when a prompt's characters became its unknown token (the
+    tiny models' tokenizer knows only what the built-in tasks write)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in ids or id(tokenizer) in _UNK_WARNED:
+        return
+    _UNK_WARNED.add(id(tokenizer))
+    lost = sorted({c for c in text if tokenizer.convert_tokens_to_ids(c) == unk})
+    log.warning(
+        "prompt characters the tokenizer does not know became %s: %s (e.g. in %r); the "
+        "model cannot read them. Use a checkpoint whose tokenizer covers the data "
+        "(model.path=...), or keep the data to what the tokenizer knows",
+        tokenizer.unk_token, " ".join(repr(c) for c in lost[:20]) or "?", text[:60],
+    )  # fmt: skip
 
 
 def chat_messages(prompt: str | Messages, system_prompt: str = "") -> Messages:
