@@ -7,6 +7,7 @@ the same methods, so the loop calls them unconditionally.
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -39,6 +40,40 @@ def step_metrics(trajs: list[Any], version: int, wall_s: float, wait_s: float) -
         "step_s": wall_s,
     }
     out.update(staleness_hist_metrics(staleness_histogram(versions, version)))
+    out.update(zero_reward_metrics(trajs))
+    return out
+
+
+def _reason_key(reason: str) -> str:
+    """A metric-name slug of a verifier's reward_reason: its head before ':', ';' or '(',
+    without digits ("truncated (require_stop)" -> "truncated", "2/3 passed; test 1: ..."
+    -> "passed")."""
+    head = re.split(r"[:;(]", reason, maxsplit=1)[0].lower()
+    words = re.findall(r"[a-z_]+", head)
+    return "_".join(words)[:40] or "other"
+
+
+def zero_reward_metrics(trajs: list[Any]) -> dict[str, float]:
+    """Why rewards were 0: ``response_truncated_frac`` (cut at max_new_tokens: a verifier
+    with require_stop scores those 0), ``reward_zero_frac``, and for the reasons the
+    verifiers recorded (``traj.meta["reward_reason"]``) ``reward_zero/<reason>``, each a
+    fraction of the batch (the 8 most common reasons; the rest under ``other``)."""
+    n = max(len(trajs), 1)
+    out = {
+        "response_truncated_frac": sum(t.finish_reason == "length" for t in trajs) / n,
+        "reward_zero_frac": sum(float(t.reward or 0.0) == 0.0 for t in trajs) / n,
+    }
+    counts: dict[str, int] = {}
+    for t in trajs:
+        reason = (getattr(t, "meta", None) or {}).get("reward_reason")
+        if reason and float(t.reward or 0.0) == 0.0:
+            key = _reason_key(str(reason))
+            counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    for key, count in ranked[:8]:
+        out[f"reward_zero/{key}"] = count / n
+    if len(ranked) > 8:
+        out["reward_zero/other"] = sum(c for _, c in ranked[8:]) / n
     return out
 
 
