@@ -21,7 +21,8 @@ router's margin is small::
     def small_margin(inp: ReplayInput, threshold: float = 0.05) -> ReplayOutput:
         top = inp.scores_TE.topk(inp.recorded_TK.shape[1] + 1, dim=-1).values
         close = (top[:, -2] - top[:, -1]) < threshold        # the k-th vs the (k+1)-th
-        return ReplayOutput(torch.where(close[:, None], inp.recorded_TK, inp.fresh_TK))
+        routes = torch.where(close[:, None], inp.recorded_TK, inp.fresh_TK)
+        return ReplayOutput(routes, metrics={"replayed_frac": close.float().mean().item()})
 
     trainer.replay={_target_: mylab.replay.small_margin, threshold: 0.02}
 """
@@ -62,6 +63,10 @@ class ReplayInput:
 class ReplayOutput:
     routes_TK: torch.Tensor
     """The expert ids the trainer's router uses, [T, K] int64."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Numbers of the policy's own (e.g. the fraction of tokens it replayed): each key is
+    averaged over the step's calls (layers × micro-batches × ranks) and logged as
+    ``replay/<key>`` in metrics.jsonl."""
 
 
 REPLAY_POLICIES: Registry[ReplayInput, ReplayOutput] = Registry("replay policy", "trainer.replay")

@@ -38,6 +38,8 @@ class RoutingReplay:
         )
         self.layers: list[dict[int, Any]] = []  # per chunk: global layer number → RouterReplay
         self.topk = 0
+        # the policy's ReplayOutput.metrics this step: key -> [sum, calls]
+        self.policy_metrics: dict[str, list[float]] = {}
         for chunk in chunks:
             module = getattr(chunk, "module", chunk)
             found = {}
@@ -52,6 +54,7 @@ class RoutingReplay:
                 found[layer.layer_number] = router.router_replay
                 self.topk = router.topk
                 self._instrument(router.router_replay)
+                router.router_replay.moerl_metrics = self.policy_metrics
             self.layers.append(found)
         self.config = getattr(chunks[0], "module", chunks[0]).config
         self.modules = [getattr(c, "module", c) for c in chunks]
@@ -101,6 +104,10 @@ class RoutingReplay:
                     )  # fmt: skip
                 )
                 target = _checked(out.routes_TK, target.shape, scores.shape[-1])
+                for key, value in (getattr(out, "metrics", None) or {}).items():
+                    total = inst.moerl_metrics.setdefault(str(key), [0.0, 0])
+                    total[0] += float(value)
+                    total[1] += 1
             inst.moerl_used = target  # what the router actually used (for flip counting)
             if inst.moerl_recompute:
                 inst.moerl_backward.append(target)
@@ -163,6 +170,27 @@ class RoutingReplay:
             inst.moerl_recompute = recompute
             inst.moerl_expected += 1
             inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def metrics(self) -> dict[str, float]:
+        """``replay/<key>``: each of the policy's metrics averaged over its calls on every
+        rank (collective over the world, once per step); cleared for the next step."""
+        import torch.distributed as dist
+
+        if self.choose is None:  # 'all' or 'none' (the same on every rank): nothing to say
+            return {}
+        mine = dict(self.policy_metrics)
+        self.policy_metrics.clear()
+        parts = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(parts, mine)
+        total: dict[str, list[float]] = {}
+        for part in parts:
+            for key, (value, calls) in part.items():
+                acc = total.setdefault(key, [0.0, 0])
+                acc[0] += value
+                acc[1] += calls
+        return {f"replay/{k}": v / n for k, (v, n) in total.items() if n}
 
     def finish(self) -> None:
         """Check every target was consumed exactly once, then clear all replay state

@@ -253,10 +253,11 @@ def rl_train_step(
         forward_only=False, head=head,
     )  # fmt: skip
     replayer.finish()
+    replay_metrics = replayer.metrics()  # collective: every rank, every step
     grad_norm = optimizer.step()[1] if step else None
     outputs = [o for o in outputs or [] if o]  # padding-only micro-batches report nothing
     metrics: dict[str, float] = {}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and outputs:
         metrics = _reduce_metrics(outputs, parallel_state.get_data_parallel_group())
-    metrics = _from_last_stage(metrics)
+    metrics = {**_from_last_stage(metrics), **replay_metrics}
     return RLStepResult(loss=metrics.get("loss"), grad_norm=grad_norm, metrics=metrics)

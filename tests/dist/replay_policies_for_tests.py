@@ -25,4 +25,7 @@ def small_margin(inp: ReplayInput, threshold: float) -> ReplayOutput:
     k = inp.recorded_TK.shape[1]
     top_TK1 = inp.scores_TE.topk(k + 1, dim=-1).values
     close_T = (top_TK1[:, k - 1] - top_TK1[:, k]) < threshold
-    return ReplayOutput(torch.where(close_T[:, None], inp.recorded_TK, inp.fresh_TK))
+    routes = torch.where(close_T[:, None], inp.recorded_TK, inp.fresh_TK)
+    # its own numbers, logged as replay/<key> (averaged over the step's calls)
+    return ReplayOutput(routes, metrics={"replayed_frac": close_T.float().mean().item(),
+                                         "layer": float(inp.layer)})  # fmt: skip

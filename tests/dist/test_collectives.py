@@ -19,7 +19,10 @@ def _uneven(_: int) -> None:
     local = torch.arange(SIZES[rank] * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
     gathered = mappings._gather_along_first_dim(local, group, output_split_sizes=SIZES)
     expected = torch.cat(
-        [torch.arange(n * 2, dtype=torch.float32).view(-1, 2) + 100 * r for r, n in enumerate(SIZES)]
+        [
+            torch.arange(n * 2, dtype=torch.float32).view(-1, 2) + 100 * r
+            for r, n in enumerate(SIZES)
+        ]
     )
     assert torch.equal(gathered, expected), (gathered, expected)
 

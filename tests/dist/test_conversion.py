@@ -117,7 +117,13 @@ def _bad_inputs(hf_dir: str, other_dir: str, scratch: str) -> None:
 
 
 def test_bad_checkpoints_fail_clearly(checkpoints, tmp_path):
-    spawn(_bad_inputs, 1, str(checkpoints["deepseek_moe"][0]), str(checkpoints["qwen3_moe"][0]), str(tmp_path))
+    spawn(
+        _bad_inputs,
+        1,
+        str(checkpoints["deepseek_moe"][0]),
+        str(checkpoints["qwen3_moe"][0]),
+        str(tmp_path),
+    )
 
 
 def _streaming(hf_dir: str) -> None:
@@ -166,9 +172,37 @@ def test_convert_checkpoint_roundtrip(checkpoints, tmp_path):
     hf, _ = checkpoints["qwen3_moe"]
     tool = str(ROOT / "tools" / "convert_checkpoint.py")
     run = dict(capture_output=True, text=True, timeout=600)
-    a = subprocess.run([sys.executable, tool, "hf2mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc"), "--layout", "ep2"], **run)
+    a = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "hf2mcore",
+            "--hf-dir",
+            str(hf),
+            "--out",
+            str(tmp_path / "mc"),
+            "--layout",
+            "ep2",
+        ],
+        **run,
+    )
     assert a.returncode == 0, a.stderr[-3000:]
-    b = subprocess.run([sys.executable, tool, "mcore2hf", "--mcore-dir", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"), "--layout", "pp2", "--shard-mb", "0.2"], **run)
+    b = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "mcore2hf",
+            "--mcore-dir",
+            str(tmp_path / "mc"),
+            "--out",
+            str(tmp_path / "hf"),
+            "--layout",
+            "pp2",
+            "--shard-mb",
+            "0.2",
+        ],
+        **run,
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     original, back = HFCheckpoint(hf), HFCheckpoint(tmp_path / "hf")
     assert original.names() == back.names()
@@ -181,7 +215,14 @@ def test_convert_checkpoint_roundtrip(checkpoints, tmp_path):
 @pytest.mark.slow  # out of the default run (the suite's 20-minute budget)
 def test_check_conversion_cli():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "check_conversion.py"), "--family", "qwen3_moe", "--layouts", "single"],
+        [
+            sys.executable,
+            str(ROOT / "tools" / "check_conversion.py"),
+            "--family",
+            "qwen3_moe",
+            "--layouts",
+            "single",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -56,4 +56,3 @@ def _sharded_equals_whole() -> None:
 
 def test_tp2_vocab_shards_equal_one_process():
     spawn(_sharded_equals_whole, 2)
-

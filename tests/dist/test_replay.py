@@ -20,11 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def fp32_rollouts(tiny_checkpoints, tmp_path_factory):
     path = tmp_path_factory.mktemp("rollouts") / "fp32.jsonl"
-    collect_rollouts(tiny_checkpoints["deepseek_moe"], path, num_prompts=8, max_new_tokens=16, dtype="float32")
+    collect_rollouts(
+        tiny_checkpoints["deepseek_moe"], path, num_prompts=8, max_new_tokens=16, dtype="float32"
+    )
     return tiny_checkpoints["deepseek_moe"], path
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2ep2", pytest.param("pp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout", ["single", "tp2ep2", pytest.param("pp2", marks=pytest.mark.slow)]
+)
 def test_on_policy_is_ratio_is_one_with_replay_and_mask(layout, fp32_rollouts, tmp_path):
     """Fresh rollouts, same weights, fp32: the trainer's logprob of every sampled token
     over the kept set equals the engine's, |log ratio| < 1e-5, and replay flips nothing."""
@@ -57,7 +61,10 @@ def test_episode_is_ratio_is_one_across_turns(layout, fp32_episodes, tmp_path):
     # later turns reused the earlier turns' KV (and their routes) from the prefix cache
     assert all(t.meta["episode"]["cached_tokens"] > 0 for t in trajs)
     settings = [("on", "on"), ("on", "off")]
-    results = {(r.replay, r.mask): r for r in score(layout, hf, rollouts, tmp_path / "s.json", settings=settings)}
+    results = {
+        (r.replay, r.mask): r
+        for r in score(layout, hf, rollouts, tmp_path / "s.json", settings=settings)
+    }
     both = results[("on", "on")]
     assert both.max_abs_log_ratio < 1e-5, both
     assert both.flip_rate == 0.0

@@ -33,7 +33,9 @@ def _step(hf_dir: str, rollouts: str, out: str, mode: str) -> None:
     model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
     cfg = TrainerConfig(lr=1e-3, minibatches=2)
     algo = AlgoConfig(advantage=ReinforcePPConfig())
-    trainer = Trainer(model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir)
+    trainer = Trainer(
+        model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir
+    )
     trajs = load_jsonl(rollouts)
     for t in trajs:
         t.reward = float(np.mean(t.response_ids % 2 == 0))
@@ -79,6 +81,8 @@ def test_dp2_step_on_shards_equals_the_whole_batch_and_one_process(rollouts, tmp
     for a, b in zip(runs["shard"]["after"], runs["whole"]["after"]):
         assert a == b
     for key in ("loss", "grad_norm", "mismatch/k3", "router_flip/mean"):
-        assert runs["shard"]["metrics"][key] == pytest.approx(runs["one"]["metrics"][key], rel=1e-4, abs=1e-7), key
+        assert runs["shard"]["metrics"][key] == pytest.approx(
+            runs["one"]["metrics"][key], rel=1e-4, abs=1e-7
+        ), key
     for a, b in zip(runs["shard"]["after"], runs["one"]["after"]):
         assert np.allclose(a, b, atol=1e-5)

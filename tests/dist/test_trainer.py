@@ -166,6 +166,11 @@ def _replay_none(hf_dir: str, rollouts: str, out: str) -> None:
         record[replay] = float(np.abs(recorded - misrouted).max())
     record["step"] = trainer.step(wrong)
     record["flips"] = trainer.router_flip_rates(trajs, sample=4)
+    # a policy of one's own logs its numbers: replay where unsure, which is everywhere here
+    own = {"_target_": "replay_policies_for_tests.small_margin", "threshold": 1e9}
+    cfg = TrainerConfig(lr=1e-3, replay=own, sampling_mask=False)
+    mine = Trainer(model, ParallelConfig(), cfg, algo, CorrectionConfig(name="tis"), hf_dir=hf_dir)
+    record["own"] = mine.step(trajs)
     record["flips_wrong"] = trainer.router_flip_rates(wrong, sample=4)
     Path(out).write_text(json.dumps(record))
 
@@ -190,3 +195,7 @@ def test_trainer_without_replay_steps(tiny_checkpoints, tmp_path):
     assert record["flips"] and all(0.0 <= v <= 1.0 for v in record["flips"].values())
     # the fresh routes are near the rollout's, nowhere near sets that share no token's
     assert record["flips"]["router_flip/mean"] < 0.5 < record["flips_wrong"]["router_flip/mean"]
+    # issue 31: a replay policy's own metrics reach the step's metrics, averaged per key
+    own = record["own"]
+    assert own["replay/replayed_frac"] == 1.0  # an infinite threshold replays every token
+    assert 1.0 <= own["replay/layer"] <= 4.0  # the mean of the MoE layers' numbers

@@ -69,7 +69,13 @@ def engines(tiny_checkpoints, engine_factory, tmp_path_factory):
 
 
 def _trainer(
-    hf_dir: str, url: str, layout: str, scale: float, version: int, bucket_mb: float, out: str,
+    hf_dir: str,
+    url: str,
+    layout: str,
+    scale: float,
+    version: int,
+    bucket_mb: float,
+    out: str,
     transport: str,
 ) -> None:
     from moerl.convert import load_hf
