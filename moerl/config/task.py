@@ -14,6 +14,7 @@ Torch-free, like the other config modules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moerl.common.checks import at_least
@@ -49,10 +50,24 @@ class TaskConfig:
     system_prompt: str = ""
     """With `chat_template`: a system message put before each prompt's messages (unless
     they already start with one); '' = none."""
+    chat_template_file: str = ""
+    """With `chat_template`: a Jinja file that replaces the tokenizer's own chat template
+    for this run (its prompts, training and eval alike); '' = the tokenizer's."""
 
     def validate(self, key: str) -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
         at_least(f"{key}.num_prompts", self.num_prompts, 0)
+        if self.chat_template_file:
+            if not self.chat_template:
+                raise ValueError(
+                    f"{key}.chat_template_file is set but {key}.chat_template=false; set "
+                    f"{key}.chat_template=true to wrap prompts in it"
+                )
+            if not Path(self.chat_template_file).is_file():
+                raise ValueError(
+                    f"{key}.chat_template_file={self.chat_template_file!r} is not a file; give "
+                    "the path of a Jinja chat template"
+                )
         if self.system_prompt and not self.chat_template:
             raise ValueError(
                 f"{key}.system_prompt is set but {key}.chat_template=false; a system prompt "

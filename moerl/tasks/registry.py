@@ -9,6 +9,7 @@ must satisfy the `Task` protocol (moerl.tasks.base).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from moerl.common.registry import Registry
@@ -76,7 +77,12 @@ def check_task_config(spec: str | TaskConfig | Any) -> None:
 
 def build_task(spec: str | TaskConfig | Any, tokenizer: Any) -> Task:
     """The task for a name, an options dataclass (what Hydra composes, `DictConfig` too),
-    a mapping with `name` or `_target_`; checked against the `Task` protocol."""
+    a mapping with `name` or `_target_`; checked against the `Task` protocol. A spec's
+    ``chat_template_file`` replaces ``tokenizer``'s chat template first."""
+    file = spec.get("chat_template_file") if isinstance(spec, Mapping) else None
+    file = file or getattr(spec, "chat_template_file", None)
+    if file:
+        tokenizer.chat_template = Path(file).read_text()
     task = TASKS.build(spec)(tokenizer)
     if not isinstance(task, Task):
         raise TypeError(

@@ -22,3 +22,24 @@ def test_unknown_characters_are_named_once(caplog):
     (record,) = caplog.records
     assert "'C'" in record.getMessage() and "'\u00e9'" in record.getMessage()
     assert "model.path" in record.getMessage()
+
+
+def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
+    """Issue 31: a custom chat template had no config key (only the on/off switch)."""
+    import pytest
+
+    from moerl.config.task import CopyDigitsTaskConfig
+    from moerl.tasks.registry import build_task
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}({{ m.content }}){% endfor %}:")
+    tokenizer = build_tiny_tokenizer()
+    cfg = CopyDigitsTaskConfig(chat_template=True, chat_template_file=str(template))
+    cfg.validate("task")
+    prompt = next(build_task(cfg, tokenizer).prompts(0))
+    text = tokenizer.decode(prompt.input_ids, skip_special_tokens=True)
+    assert text.startswith("(") and text.endswith("):")  # the file's template, not the tiny one
+    with pytest.raises(ValueError, match="chat_template=true"):
+        CopyDigitsTaskConfig(chat_template_file=str(template)).validate("task")
+    with pytest.raises(ValueError, match="is not a file"):
+        CopyDigitsTaskConfig(chat_template=True, chat_template_file="/nope.jinja").validate("task")
