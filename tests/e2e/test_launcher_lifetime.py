@@ -21,6 +21,15 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", **extra}
 
 
+def _reap(proc: subprocess.Popen, family: list[psutil.Process]) -> None:
+    """Whatever a failed test left running: the launcher and its descendants."""
+    for p in family:
+        if p.is_running():
+            p.kill()
+    if proc.poll() is None:
+        proc.kill()
+
+
 def _ignore_sigint() -> None:
     # as for `python -m moerl.launch ... &` in a script: background jobs of a
     # non-interactive shell start with SIGINT ignored, and so do their children
@@ -49,11 +58,7 @@ def test_sigkill_of_the_launcher_leaves_no_process(tmp_path):
         _, alive = psutil.wait_procs(family, timeout=60)
         assert not alive, [p.cmdline()[:4] for p in alive]
     finally:
-        for p in family:
-            if p.is_running():
-                p.kill()
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc, family)
 
 
 @pytest.mark.slow
@@ -98,8 +103,4 @@ def test_sigint_of_the_launcher_alone_stops_its_ranks_and_exits(tmp_path):
         _, alive = psutil.wait_procs(family, timeout=5)  # already gone: it said so
         assert not alive, [p.cmdline()[:4] for p in alive]
     finally:
-        for p in family:
-            if p.is_running():
-                p.kill()
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc, family)
