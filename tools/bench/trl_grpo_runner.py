@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from moerl.device import has_cuda
+
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = GRPOConfig(
         output_dir=str(args.out / "trl"),
-        use_cpu=not torch.cuda.is_available(),  # the GPU when there is one, as moerl's run
+        use_cpu=not has_cuda(),  # the GPU when there is one, as moerl's run picks it
         bf16=False,
         fp16=False,
         seed=SEED,
