@@ -10,6 +10,7 @@ from moerl.common.checks import non_negative_int, one_of
 DTYPES = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OLD_POLICY_PASSES = ("auto", "separate")
+EXPERT_GEMMS = ("auto", "grouped", "loop")
 
 
 @dataclass
@@ -110,6 +111,12 @@ class TrainerConfig:
     'auto' = Triton kernels on CUDA tensors when Triton is installed, their torch twins
     otherwise; 'triton' forces the kernels (an error where they cannot run); 'torch'
     forces the twins (debugging)."""
+    expert_gemm: str = "auto"
+    """How the routed experts of a local (non-TE) model compute: 'loop' (megatron-core's
+    SequentialMLP, one expert after another), 'grouped' (two grouped GEMMs over all local
+    experts, ``moerl.models.grouped_experts``; the same modules and parameters, and on CPU
+    bitwise the loop's results), or 'auto' = 'grouped' on CPU, 'loop' on CUDA (where the
+    grouped path copies the stacked expert weights every forward)."""
 
     def check_microbatching(self, micro_batch_size: int) -> None:
         """Refuse a micro-batching setup that cannot mean what it says."""

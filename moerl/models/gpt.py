@@ -166,8 +166,10 @@ def build_model(
     routing_replay: bool = False,
     per_token_loss: bool = False,
     recompute: str = "none",
+    expert_gemm: str = "auto",
 ) -> list[torch.nn.Module]:
-    """This rank's ``GPTModel`` chunks (one per virtual pipeline stage)."""
+    """This rank's ``GPTModel`` chunks (one per virtual pipeline stage). ``expert_gemm``:
+    trainer.expert_gemm (``moerl.models.grouped_experts.use_grouped``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -178,12 +180,17 @@ def build_model(
         model, parallel, dtype, routing_replay=routing_replay, per_token_loss=per_token_loss,
         recompute=recompute,
     )  # fmt: skip
+    from moerl.models.grouped_experts import use_grouped
+
+    grouped = use_grouped(expert_gemm, device.has_cuda())
     chunks: list[torch.nn.Module] = []
     for vp in range(parallel.virtual_pp or 1):
         vp_stage = vp if parallel.virtual_pp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage, use_te=use_te),
+            transformer_layer_spec=decoder_block_spec(
+                config, vp_stage=vp_stage, use_te=use_te, grouped_experts=grouped
+            ),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(

@@ -71,11 +71,13 @@ def decoder_block_spec(
     vp_stage: int | None = None,
     use_te: bool | None = None,
     pp_rank: int | None = None,
+    grouped_experts: bool = False,
 ) -> Any:
     """megatron-core's decoder block spec for this pipeline stage (dense and MoE layers
     placed by ``config.moe_layer_freq``), with TE modules when transformer-engine is
     installed and the local modules plus an SP-capable norm otherwise. ``pp_rank``
-    defaults to this process's pipeline rank."""
+    defaults to this process's pipeline rank; ``grouped_experts``: the local spec's
+    routed experts are ``GroupedSequentialMLP`` (``moerl.models.grouped_experts``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_te is None:
@@ -90,4 +92,15 @@ def decoder_block_spec(
     if use_te:
         return spec
     spec = replace_norms(spec)
+    if grouped_experts:
+        spec = use_grouped_experts(spec)
     return use_local_attention(spec)
+
+
+def use_grouped_experts(node: Any) -> Any:
+    """Give every ``SequentialMLP`` of a local spec tree the grouped-GEMM forward."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moerl.models.grouped_experts import GroupedSequentialMLP
+
+    return map_spec(node, lambda n: GroupedSequentialMLP if n is SequentialMLP else n)

@@ -73,6 +73,7 @@ class Trainer:
             per_token_loss=True,
             recompute=trainer.recompute,
             use_te=self.use_te,
+            expert_gemm=trainer.expert_gemm,
         )
         if hf_dir is not None:
             from moerl.convert import load_hf
@@ -134,7 +135,7 @@ class Trainer:
 
         ref = build_model(
             model, parallel, self.cfg.dtype, routing_replay=True, per_token_loss=True,
-            use_te=self.use_te,
+            use_te=self.use_te, expert_gemm=self.cfg.expert_gemm,
         )  # fmt: skip
         for mine, theirs in zip(ref, chunks):
             mine.load_state_dict(theirs.state_dict())

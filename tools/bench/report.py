@@ -796,6 +796,12 @@ def _gpu_run(run: dict[str, Any]) -> str:
             f"{r['loss_abs']:.1e} | the same step on the CPU | within tools/gpu/step_parity.py's "
             f"tolerances | {'met' if r['ok'] == 'True' or r['ok'] is True else 'not met'} |"
         )
+    for r in run.get("grouped_experts", []):
+        lines.append(
+            f"| experts | {r['shape']} {r['dtype']}, {r['tokens']} tokens: model forward + "
+            f"backward, ms (tools/bench/grouped_experts.py; trainer.expert_gemm=grouped) | "
+            f"{r['grouped_ms']:.1f} | loop {r['loop_ms']:.1f} ({r['speedup']:.2f}×) | — | — |"
+        )
     for line in run.get("part4_engine_vs_generate", []):
         m = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
         if "ratio" in m:
