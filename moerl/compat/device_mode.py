@@ -15,10 +15,13 @@ when CUDA is available.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 CPU = torch.device("cpu")
 
@@ -69,3 +72,41 @@ def exit_() -> None:
 
 def active() -> bool:
     return _mode is not None
+
+
+def _on_this_thread() -> bool:
+    """Whether the mode is on this thread's torch function mode stack."""
+    return _mode is not None and any(m is _mode for m in _get_current_function_mode_stack())
+
+
+def everywhere() -> bool:
+    """MOERL_CPU_MODE_EVERYWHERE=1: never suspend the mode (a debugging escape hatch)."""
+    return os.environ.get("MOERL_CPU_MODE_EVERYWHERE", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """The block runs without the mode when the mode is this thread's innermost one
+    (otherwise, or with ``everywhere()``, the block runs as it would have)."""
+    stack = _get_current_function_mode_stack()
+    if _mode is None or not stack or stack[-1] is not _mode or everywhere():
+        yield
+        return
+    _mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _mode.__enter__()
+
+
+@contextlib.contextmanager
+def resumed() -> Iterator[None]:
+    """The block runs with the mode (entered for it if ``suspended()`` took it off)."""
+    if _mode is None or _on_this_thread():
+        yield
+        return
+    _mode.__enter__()
+    try:
+        yield
+    finally:
+        _mode.__exit__(None, None, None)

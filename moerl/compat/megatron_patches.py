@@ -116,10 +116,87 @@ def _uneven_collectives() -> tuple[Any, Any]:
     return gather_along_first_dim, reduce_scatter_along_first_dim
 
 
+def _without_mode(fn: Any) -> Any:
+    import functools
+
+    from moerl.compat import device_mode
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with device_mode.suspended():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _with_mode(fn: Any) -> Any:
+    import functools
+
+    from moerl.compat import device_mode
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with device_mode.resumed():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def compute_without_mode() -> None:
+    """Site: every torch op of the model's forward and backward passes through
+    ``moerl.compat.device_mode``'s Python ``__torch_function__`` (a tenth of a tiny
+    model's step). The schedules' ``forward_step`` (the model and the loss) and
+    ``backward_step`` name no CUDA device, so they run without the mode; the helpers
+    they may reach that do (the causal masks of megatron-core's unfused attention) get
+    it back."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils
+
+    for name in ("forward_step", "backward_step"):
+        _patch(schedules, name, _without_mode(getattr(schedules, name)))
+    for owner in (utils, fused_softmax):
+        for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+            if hasattr(owner, name):
+                _patch(owner, name, _with_mode(getattr(owner, name)))
+
+
+def _sort_chunks_skipping_identity(original: Any) -> Any:
+    import functools
+
+    import torch
+
+    @functools.wraps(original)
+    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):  # type: ignore[no-untyped-def]
+        idxs = sorted_idxs.tolist() if torch.is_tensor(sorted_idxs) else list(sorted_idxs)
+        if idxs == list(range(len(idxs))):  # chunks already in order: the cat is a copy
+            return input, probs
+        return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    return sort_chunks_by_idxs
+
+
+def skip_identity_sorts() -> None:
+    """Site: the alltoall dispatcher reorders the received tokens by local expert with
+    ``sort_chunks_by_idxs`` (a split and a cat of every chunk) also when there is one
+    expert-parallel and one expert-TP rank, where the order is the identity; at a tiny
+    model's sizes that was 7% of a training step. The same tensors come back, unsorted
+    and uncopied, when the indices are in order."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(
+        token_dispatcher,
+        "sort_chunks_by_idxs",
+        _sort_chunks_skipping_identity(token_dispatcher.sort_chunks_by_idxs),
+    )
+
+
 def install() -> None:
     if _originals:
         return
     fix_missing_te()
+    compute_without_mode()
+    skip_identity_sorts()
     from megatron.core.transformer.moe import token_dispatcher
 
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _move_tensor_to_host)

@@ -54,6 +54,65 @@ def test_type_reports_cuda_names_for_megatron_checks():
     assert torch.ones(1).type(torch.float64).dtype == torch.float64
 
 
+def _mode_on() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from moerl.compat import device_mode
+
+    return any(m is device_mode._mode for m in _get_current_function_mode_stack())
+
+
+def test_model_compute_runs_without_the_mode_and_cuda_helpers_get_it_back(monkeypatch):
+    """The schedules' forward_step/backward_step (the model, the loss, backward) run
+    without the per-op Python mode; the helpers in them that name CUDA get it back."""
+    import threading
+
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils
+
+    from moerl.compat import device_mode
+
+    seen = {}
+    assert _mode_on()
+    with device_mode.suspended():
+        seen["inside"] = _mode_on()
+        mask = utils.get_default_causal_mask(3)  # names device="cuda": resumed for it
+        seen["nested"] = _mode_on()
+        with device_mode.resumed():
+            seen["resumed"] = _mode_on()
+            seen["cuda"] = torch.zeros(1, device="cuda").device.type
+        seen["after"] = _mode_on()
+    assert seen == {
+        "inside": False,
+        "nested": False,
+        "resumed": True,
+        "cuda": "cpu",
+        "after": False,
+    }
+    assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    assert _mode_on()
+    for name in ("forward_step", "backward_step"):  # wrapped by moerl.compat.megatron_patches
+        assert getattr(schedules, name).__wrapped__.__module__ == schedules.__name__
+    # a thread that never had the mode: both are no-ops there
+    box = []
+    worker = threading.Thread(target=lambda: box.append(_suspend_resume_on_this_thread()))
+    worker.start()
+    worker.join()
+    assert box == [(False, False)]
+    # the escape hatch keeps the mode on
+    monkeypatch.setenv("MOERL_CPU_MODE_EVERYWHERE", "1")
+    with device_mode.suspended():
+        assert _mode_on()
+
+
+def _suspend_resume_on_this_thread() -> tuple[bool, bool]:
+    from moerl.compat import device_mode
+
+    with device_mode.suspended():
+        inside = _mode_on()
+    return inside, _mode_on()
+
+
 def test_megatron_rng_tracker_forks_and_restores_the_cpu_generator():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -168,3 +227,17 @@ def test_local_spec_uses_sp_norm_everywhere():
     walk(spec)
     # input + pre-MLP norm per layer (2 layers) and the final norm
     assert len(found) >= 5
+
+
+def test_dispatcher_skips_identity_chunk_sorts_and_sorts_the_rest():
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    x, probs = torch.arange(12.0).reshape(6, 2), torch.arange(6.0)
+    sizes = torch.tensor([1, 3, 2])
+    same, same_probs = token_dispatcher.sort_chunks_by_idxs(x, sizes, torch.arange(3), probs)
+    assert same is x and same_probs is probs  # in order already: no split, no cat
+    order = torch.tensor([2, 0, 1])
+    got, got_probs = token_dispatcher.sort_chunks_by_idxs(x, sizes, order, probs)
+    want, want_probs = moe_utils.sort_chunks_by_idxs(x, sizes, order, probs)
+    assert torch.equal(got, want) and torch.equal(got_probs, want_probs)
+    assert got[:2].tolist() == [[8.0, 9.0], [10.0, 11.0]]  # the third chunk first
