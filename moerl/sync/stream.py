@@ -84,7 +84,7 @@ class Bucket:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor made: this runs once per pushed tensor
 
 
 def _on_cpu(*tensors: torch.Tensor) -> bool:

@@ -161,26 +161,30 @@ def build_microbatch(
     if rows is None:
         rows = [[i] for i in range(len(trajs))]
     b = len(rows)
-    tokens = torch.zeros(b, seq_len, dtype=torch.long)
-    labels = torch.zeros(b, seq_len, dtype=torch.long)
-    position_ids = torch.zeros(b, seq_len, dtype=torch.long)
-    seq_ids = torch.full((b, seq_len), -1, dtype=torch.long)
-    loss_mask = torch.zeros(b, seq_len, dtype=torch.bool)
-    response_mask = torch.zeros(b, seq_len, dtype=torch.bool)
-    rollout = torch.zeros(b, seq_len)
-    sampling = torch.zeros(b, seq_len)
-    versions = torch.zeros(b, seq_len, dtype=torch.long)
-    temperature = torch.ones(b, seq_len)
-    adv = torch.zeros(b, seq_len)
+    # filled as numpy arrays (a slice assignment there costs a fraction of a torch one,
+    # and this loop makes about twenty per trajectory), made tensors once at the end
+    tokens = np.zeros((b, seq_len), dtype=np.int64)
+    labels = np.zeros((b, seq_len), dtype=np.int64)
+    position_ids = np.zeros((b, seq_len), dtype=np.int64)
+    seq_ids = np.full((b, seq_len), -1, dtype=np.int64)
+    loss_mask = np.zeros((b, seq_len), dtype=bool)
+    response_mask = np.zeros((b, seq_len), dtype=bool)
+    rollout = np.zeros((b, seq_len), dtype=np.float32)
+    sampling = np.zeros((b, seq_len), dtype=np.float32)
+    versions = np.zeros((b, seq_len), dtype=np.int64)
+    temperature = np.ones((b, seq_len), dtype=np.float32)
+    adv = np.zeros((b, seq_len), dtype=np.float32)
     # per response token, given per trajectory: reference, old policy, correction weights
     given = {"ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs, "is_weights": is_weights}
-    per_token = {k: torch.zeros(b, seq_len) for k, v in given.items() if v is not None}
+    per_token = {
+        k: np.zeros((b, seq_len), dtype=np.float32) for k, v in given.items() if v is not None
+    }
     routes = None
     if use_routes:
         # Padding positions route to experts 0..K-1 (valid, distinct); they carry no loss.
-        routes = torch.arange(topk).expand(b, seq_len, num_layers, topk).clone()
+        routes = np.broadcast_to(np.arange(topk), (b, seq_len, num_layers, topk)).copy()
     pos_parts, id_parts = [], []
-    lengths = torch.zeros(b, dtype=torch.long)
+    lengths = [0] * b
     for row, members in enumerate(rows):
         for i in members:
             t = trajs[i]
@@ -198,7 +202,7 @@ def build_microbatch(
             )
             full = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
             n, p, r = len(full) - 1, t.prompt_len, t.response_len
-            o = int(lengths[row])  # this sequence's offset in its row
+            o = lengths[row]  # this sequence's offset in its row
             if o + n > seq_len:
                 raise ValueError(
                     f"trajectory {t.group_id}/{t.index} has {n} input tokens > {seq_len - o} "
@@ -206,21 +210,21 @@ def build_microbatch(
                 )
             lengths[row] = o + n
             span = slice(o, o + n)
-            tokens[row, span] = torch.from_numpy(full[:-1])
-            labels[row, span] = torch.from_numpy(full[1:])
-            position_ids[row, span] = torch.arange(n)
+            tokens[row, span] = full[:-1]
+            labels[row, span] = full[1:]
+            position_ids[row, span] = np.arange(n)
             seq_ids[row, span] = i
             resp = slice(o + p - 1, o + p - 1 + r)  # positions whose label is a response token
-            loss_mask[row, resp] = torch.from_numpy(t.trained)
+            loss_mask[row, resp] = t.trained
             response_mask[row, resp] = True
-            rollout[row, resp] = torch.from_numpy(t.response_logprobs.astype(np.float32))
-            sampling[row, resp] = torch.from_numpy(behaviour_logprobs(t, use_mask))
-            versions[row, resp] = torch.from_numpy(t.versions.astype(np.int64))
+            rollout[row, resp] = t.response_logprobs
+            sampling[row, resp] = behaviour_logprobs(t, use_mask)
+            versions[row, resp] = t.versions
             if r:  # prompt rows were routed by the forward that sampled token 0 (route_versions)
                 versions[row, o : o + p - 1] = int(t.versions[0])
             temperature[row, span] = float(t.temperature)
             if advantages is not None:
-                adv[row, resp] = torch.from_numpy(token_advantages(advantages[i], t))
+                adv[row, resp] = token_advantages(advantages[i], t)
             for key, values in per_token.items():
                 given_i = np.asarray(given[key][i], dtype=np.float32)  # type: ignore[index]
                 if given_i.shape != (r,):
@@ -228,44 +232,46 @@ def build_microbatch(
                         f"{key} of trajectory {t.group_id}/{t.index} has shape "
                         f"{given_i.shape}; expected ({r},), one per response token"
                     )
-                values[row, resp] = torch.from_numpy(given_i)
+                values[row, resp] = given_i
             if use_routes:
                 assert routes is not None
-                routes[row, span] = torch.from_numpy(np.asarray(t.routed_experts, dtype=np.int64))
+                routes[row, span] = np.asarray(t.routed_experts, dtype=np.int64)
             if use_mask and t.mask_ids is not None and t.mask_offsets is not None:
                 counts = np.diff(t.mask_offsets).astype(np.int64)
                 pos_parts.append(row * seq_len + o + (p - 1) + np.repeat(np.arange(r), counts))
                 id_parts.append(np.asarray(t.mask_ids, dtype=np.int64))
     if not packed:
-        position_ids = torch.arange(seq_len).expand(b, seq_len).clone()
+        position_ids = np.broadcast_to(np.arange(seq_len), (b, seq_len)).copy()
+    seq_ids_t = torch.from_numpy(seq_ids)
     attention_mask = None
     if packed:
         # True = masked (megatron's convention): other sequences and the future. Padding
         # (seq id -1) sees only padding: a fully masked row would give NaN in SDPA.
-        same = seq_ids[:, :, None] == seq_ids[:, None, :]
+        same = seq_ids_t[:, :, None] == seq_ids_t[:, None, :]
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
         attention_mask = ~(same & causal)[:, None]
     mask_pos = torch.from_numpy(np.concatenate(pos_parts)) if pos_parts else None
     mask_ids = torch.from_numpy(np.concatenate(id_parts)) if id_parts else None
+    as_t = torch.from_numpy
     return MicroBatch(
-        tokens=tokens,
-        labels=labels,
-        position_ids=position_ids,
-        loss_mask=loss_mask,
-        rollout_logprobs=rollout,
-        sampling_logprobs=sampling,
-        versions=versions,
-        temperature=temperature.reshape(-1),
-        advantages=adv,
-        routes=routes,
+        tokens=as_t(tokens),
+        labels=as_t(labels),
+        position_ids=as_t(position_ids),
+        loss_mask=as_t(loss_mask),
+        rollout_logprobs=as_t(rollout),
+        sampling_logprobs=as_t(sampling),
+        versions=as_t(versions),
+        temperature=as_t(temperature.reshape(-1)),
+        advantages=as_t(adv),
+        routes=None if routes is None else as_t(routes),
         mask_pos=mask_pos,
         mask_ids=mask_ids,
         seq_index=seq_index,
-        lengths=lengths,
-        seq_ids=seq_ids,
-        response_mask=response_mask,
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        seq_ids=seq_ids_t,
+        response_mask=as_t(response_mask),
         attention_mask=attention_mask,
-        **per_token,
+        **{k: as_t(v) for k, v in per_token.items()},
     )
 
 
