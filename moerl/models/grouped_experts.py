@@ -72,6 +72,25 @@ def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
     return all((size * item) % 16 == 0 for size in sizes)
 
 
+NATIVE_BACKWARD_MAX_WEIGHT = 8192
+"""Experts' weights of at most this many elements take torch's own grouped backward
+(measured on 2 CPU cores: 0.35 ms against 0.59 for 8 experts of 64×64, where the
+per-expert weight-gradient loop is mostly overhead); larger ones take ``GroupedLinear``'s
+(torch's was 0.2 s against 0.03 s for 16 experts of 512×512)."""
+
+
+def grouped_linear(
+    x: torch.Tensor, offs: torch.Tensor, counts: list[int], weights: list[torch.Tensor]
+) -> torch.Tensor:
+    """``x[g] @ W[g]ᵀ`` for every group of rows, with the faster backward for the size."""
+    if weights[0].numel() > NATIVE_BACKWARD_MAX_WEIGHT:
+        return GroupedLinear.apply(x, offs, counts, *weights)  # type: ignore[no-any-return]
+    out = grouped_mm_fn()(x, torch.stack(weights).transpose(1, 2), offs=offs)
+    if out.requires_grad:  # torch's grouped backward refuses a broadcast (stride-0) gradient
+        out.register_hook(lambda grad: grad.contiguous())
+    return out  # type: ignore[no-any-return]
+
+
 class GroupedLinear(torch.autograd.Function):
     """``y[g] = x[g] @ W[g]ᵀ`` for every group ``g`` of rows (``counts``): the forward and
     the input gradient as grouped GEMMs, the weight gradients as one plain GEMM per
@@ -148,7 +167,7 @@ class GroupedSequentialMLP(SequentialMLP):
         counts = [int(n) for n in torch.as_tensor(tokens_per_expert).tolist()]
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(hidden.device, torch.int32)
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
-        inter = GroupedLinear.apply(hidden, offs, counts, *fc1)
+        inter = grouped_linear(hidden, offs, counts, fc1)
         gate, linear = torch.chunk(inter, 2, dim=-1)
         if (clamp := cfg.activation_func_clamp_value) is not None:
             gate = gate.clamp(min=None, max=clamp)
@@ -156,4 +175,4 @@ class GroupedSequentialMLP(SequentialMLP):
         inter = cfg.activation_func(gate) * (linear + cfg.glu_linear_offset)
         inter = (inter * permuted_probs.unsqueeze(-1)).to(inter.dtype)
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        return GroupedLinear.apply(inter, offs, counts, *fc2), None
+        return grouped_linear(inter, offs, counts, fc2), None

@@ -50,9 +50,7 @@ def _compare(hf_dir: str, layout: str) -> None:
             chunks = build_model(model, pcfg, dtype, expert_gemm=gemm)
             load_hf(chunks, hf_dir, model)
             built[gemm] = chunks
-        experts = [
-            m for m in built["grouped"][0].modules() if isinstance(m, GroupedSequentialMLP)
-        ]
+        experts = [m for m in built["grouped"][0].modules() if isinstance(m, GroupedSequentialMLP)]
         assert experts and not any(
             isinstance(m, GroupedSequentialMLP) for m in built["loop"][0].modules()
         )
@@ -61,8 +59,9 @@ def _compare(hf_dir: str, layout: str) -> None:
         ref_logits, ref_grads = _forward_backward(built["loop"], tokens, weights)
         assert calls["n"] == before  # the loop never calls the grouped kernel
         logits, grads = _forward_backward(built["grouped"], tokens, weights)
-        # per MoE layer two grouped GEMMs forward, two for the input gradients backward
-        assert calls["n"] - before == 4 * len(experts), (calls["n"] - before, len(experts))
+        # per MoE layer two grouped GEMMs forward (backward: torch's own, or ours)
+        full = calls["n"] - before
+        assert full >= 2 * len(experts) and full % len(experts) == 0, (full, len(experts))
         assert torch.equal(logits, ref_logits), (dtype, (logits - ref_logits).abs().max())
         assert grads.keys() == ref_grads.keys()
         for name in grads:
@@ -74,7 +73,7 @@ def _compare(hf_dir: str, layout: str) -> None:
         before = calls["n"]
         hooked, _ = _forward_backward(built["grouped"], tokens, weights)
         handle.remove()
-        assert seen and calls["n"] - before == 4 * (len(experts) - 1)
+        assert seen and calls["n"] - before == full - full // len(experts)
         assert torch.equal(hooked, ref_logits)
 
 
