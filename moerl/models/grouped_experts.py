@@ -15,7 +15,7 @@ fused activation) with the probabilities applied after the activation; the input
 gradient is a grouped GEMM too, the weight gradients one GEMM per expert
 (``GroupedLinear``). On CPU, torch's grouped GEMM runs each group as the plain GEMM the
 loop runs, so the results and gradients are bitwise the loop's
-(``tests/dist/test_grouped_experts.py``); ``tools/bench/grouped_experts.py`` measures
+(``tests/dist/test_grouped_experts_layouts.py``); ``tools/bench/grouped_experts.py`` measures
 1.5× on the tiny model's forward + backward and parity at the mid shape. The stack
 copies the experts' weights in every forward and backward, which is nothing on a tiny
 CPU model and real bandwidth on a large GPU one, so ``trainer.expert_gemm=auto`` takes
