@@ -12,6 +12,9 @@ on the machine hits all alike (each run records the load average before it):
 - moerl_sync: `python -m moerl.launch +recipe=deepseek_moe model.path=DIR staleness=sync`
   (the result records each run's largest staleness, which must be 0);
 - moerl_async: the same command as the recipe ships it (max_staleness 1);
+- every moerl run adds `trainer.checkpoint_dir=null`: TRL's runner saves nothing
+  (`save_strategy="no"`), and moerl's default final checkpoint forks megatron-core's
+  writer processes, whose copy-on-write pages count again in the tree's RSS (+400 MB);
 - with `--placements recipe,disaggregated` (or any list), moerl_sync_<p> and
   moerl_async_<p> run the same with `launcher.placement=<p>`, in the same rotation, and a
   line `vs_trl placement=<p> … ratio_sync=… ratio_async=… startup_ratio=… memory_ratio=…`
@@ -216,7 +219,8 @@ def command(
                "--steps", str(steps), "--out", str(out)]  # fmt: skip
         return cmd + (["--threads", str(threads)] if threads else [])
     cmd = [sys.executable, "-m", "moerl.launch", f"+recipe={RECIPE}", f"model.path={ckpt}",
-           f"trainer.train_iters={steps}", f"hydra.run.dir={out}"]  # fmt: skip
+           f"trainer.train_iters={steps}", f"hydra.run.dir={out}",
+           "trainer.checkpoint_dir=null"]  # fmt: skip
     if threads:
         cmd.append(f"launcher.threads={threads}")
     if name.startswith("moerl_sync"):
