@@ -116,27 +116,17 @@ def _uneven_collectives() -> tuple[Any, Any]:
     return gather_along_first_dim, reduce_scatter_along_first_dim
 
 
-def _without_mode(fn: Any) -> Any:
+def _inside(context: str, fn: Any) -> Any:
+    """``fn`` run inside ``device_mode.<context>()`` ('suspended' or 'resumed')."""
     import functools
 
     from moerl.compat import device_mode
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with device_mode.suspended():
-            return fn(*args, **kwargs)
-
-    return run
-
-
-def _with_mode(fn: Any) -> Any:
-    import functools
-
-    from moerl.compat import device_mode
+    enter = getattr(device_mode, context)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with device_mode.resumed():
+        with enter():
             return fn(*args, **kwargs)
 
     return run
@@ -154,11 +144,11 @@ def compute_without_mode() -> None:
     from megatron.core.transformer import utils
 
     for name in ("forward_step", "backward_step"):
-        _patch(schedules, name, _without_mode(getattr(schedules, name)))
+        _patch(schedules, name, _inside("suspended", getattr(schedules, name)))
     for owner in (utils, fused_softmax):
         for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
             if hasattr(owner, name):
-                _patch(owner, name, _with_mode(getattr(owner, name)))
+                _patch(owner, name, _inside("resumed", getattr(owner, name)))
 
 
 def _sort_chunks_skipping_identity(original: Any) -> Any:

@@ -190,7 +190,11 @@ def test_committed_gpu_run_renders_with_its_baselines(tmp_path):
     """bench/gpu/results.json (tools/gpu/run.py on a GPU machine) becomes the GPU section:
     each figure beside its baseline and the status its target gives."""
     report = _module("report")
-    newest, run = json.loads(report.GPU_RUN.read_text())["runs"][:2]
+    runs = json.loads(report.GPU_RUN.read_text())["runs"]
+    newest = next(r for r in runs if "vs_trl" in r)  # the colocated job, TRL, the sweep
+    run = next(r for r in runs if "part1_pytest_gpu" in r and "part5_main_job" in r)
+    grouped = [r for r in report._gpu_run(runs[0]).splitlines() if r.startswith("| experts |")]
+    assert grouped and all("trainer.expert_gemm=grouped" in r and "×)" in r for r in grouped)
     run["part2_kernels"] = {
         "lora_gmm@E8": {"kernel_ms": 1.0, "torch_ms": 3.0, "speedup": 3.0,
                         "kernel_peak_mb": 1.0, "torch_peak_mb": 1.0, "mem_ratio": 1.0},
