@@ -11,8 +11,9 @@ see no difference) and, where it can, computes all local experts at once with
     h = grouped_mm(x, stack(W1)ᵀ, offs);  h = act(h₁) · (h₂ + offset) · p;  y = grouped_mm(h, stack(W2)ᵀ, offs)
 
 which is the ``MLP.forward`` path moerl's config takes (gated linear unit, no bias, no
-fused activation) with the probabilities applied after the activation; the input
-gradient is a grouped GEMM too, the weight gradients one GEMM per expert
+fused activation) with the probabilities applied after the activation. Backward is
+torch's own grouped backward for small experts; above ``NATIVE_BACKWARD_MAX_WEIGHT``
+the input gradient is a grouped GEMM and the weight gradients one GEMM per expert
 (``GroupedLinear``). On CPU, torch's grouped GEMM runs each group as the plain GEMM the
 loop runs, so the results and gradients are bitwise the loop's
 (``tests/dist/test_grouped_experts_layouts.py``); ``tools/bench/grouped_experts.py`` measures
@@ -68,8 +69,7 @@ def _plain_linear(module: Any) -> bool:
 
 def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
     """The grouped kernel wants every row stride a multiple of 16 bytes."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return all((size * item) % 16 == 0 for size in sizes)
+    return all((size * dtype.itemsize) % 16 == 0 for size in sizes)
 
 
 NATIVE_BACKWARD_MAX_WEIGHT = 8192
