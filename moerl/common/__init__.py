@@ -1,6 +1,7 @@
 """The bottom layer: pieces every other package may use and that import nothing from moerl.
 
     registry.py    name → function registries (`Registry`) and name → value tables (`Catalog`)
+    deferred_compile.py  megatron-core's `@jit_fuser` compiles on first call, not at import
     checks.py      start-up checks with user words: `one_of` for string options, range helpers
     trajectory.py  `Trajectory`, one sampled completion, as the engine returns it and the
                    buffer, tasks and trainer read it

@@ -32,6 +32,13 @@ def _correction(name: str):  # type: ignore[no-untyped-def]
     return {"tis": TISConfig(cap=1.5), "opsm": OPSMConfig(delta=1e-4)}[name]
 
 
+def _steps(hf_dir: str, rollouts: str, layout: str, runs: list[tuple[str, ...]]) -> None:
+    """One process group, several runs: each (out, correction, passes, budget) builds its
+    own Trainer from the checkpoint and takes one step (saves a process start per run)."""
+    for out, correction, passes, budget in runs:
+        _step(hf_dir, rollouts, out, layout, correction, passes, int(budget))
+
+
 def _step(
     hf_dir: str, rollouts: str, out: str, layout: str, correction: str, passes: str, budget: int
 ) -> None:
@@ -94,9 +101,12 @@ def runs(tiny_checkpoints, tmp_path_factory):
         "tis-sequences": ("single", "tis", "auto", 0),
         "tis-ep2": ("ep2", "tis", "auto", BUDGET),
     }
-    for name, (layout, *args) in plan.items():
-        world = parse_layout(layout)[1]
-        spawn(_step, world, str(hf), str(path), str(tmp / f"{name}.pt"), layout, *args)
+    by_layout: dict[str, list[tuple[str, ...]]] = {}
+    for name, (layout, correction, passes, budget) in plan.items():
+        run = (str(tmp / f"{name}.pt"), correction, passes, str(budget))
+        by_layout.setdefault(layout, []).append(run)
+    for layout, layout_runs in by_layout.items():
+        spawn(_steps, parse_layout(layout)[1], str(hf), str(path), layout, layout_runs)
     return {n: torch.load(tmp / f"{n}.pt", weights_only=False) for n in plan}
 
 

@@ -257,7 +257,8 @@ SYNC_WAYS = {
     [
         "broadcast",
         pytest.param("tensor", marks=pytest.mark.slow),  # tests/dist/test_weight_sync.py: pp2
-        "colocated",
+        # colocated_sleep runs the same placement and also frees and refills the engine
+        pytest.param("colocated", marks=pytest.mark.slow),
         "colocated_sleep",
         pytest.param("colocated_ep2_lora", marks=pytest.mark.slow),
     ],

@@ -5,6 +5,7 @@ tests/unit/test_preflight.py)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +33,13 @@ def _group(overrides: list[str], group: str) -> object:
     return OmegaConf.to_container(node, resolve=False)
 
 
+@functools.cache
+def _alone(group: str, option: str) -> object:
+    """The group's node when ``option`` is chosen without a recipe (the reference every
+    recipe's composition is compared with; composed once per option)."""
+    return _group([f"{group}={option}"], group)
+
+
 def _options(group: str) -> list[str]:
     """The options a user picks from (not the schemas, not the recipes' derived options)."""
     loader = GlobalHydra.instance().config_loader()
@@ -50,7 +58,7 @@ def test_staleness_choice_wins_over_every_recipe(hydra_ready, recipe: str) -> No
     for option in STALENESS:
         overrides = [f"+recipe={recipe}", f"staleness={option}"]
         check_recipe_choices(overrides, CONFIG_GROUPS)
-        assert _group(overrides, "staleness") == _group([f"staleness={option}"], "staleness")
+        assert _group(overrides, "staleness") == _alone("staleness", option)
     sync = compose("config", overrides=[f"+recipe={recipe}", "staleness=sync"]).staleness
     assert (sync.name, sync.max_staleness, sync.throttle) == ("depth", 0, True)
 
@@ -69,7 +77,7 @@ def test_a_recipes_group_keys_leave_with_its_choice(hydra_ready, recipe: str, gr
     for option in _options(group):
         overrides = [f"+recipe={recipe}", f"{group}={option}"]
         check_recipe_choices(overrides, CONFIG_GROUPS)
-        assert _group(overrides, group) == _group([f"{group}={option}"], group), option
+        assert _group(overrides, group) == _alone(group, option), option
 
 
 def test_the_recipe_still_sets_its_groups_keys(hydra_ready) -> None:
