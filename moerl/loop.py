@@ -74,6 +74,7 @@ def _weights_mb(hf_dir: Path) -> float:
 
 def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
     """Train for ``cfg.trainer.train_iters`` steps; returns rank 0's last metrics."""
+    from moerl.models.tokenizer import load_tokenizer
     from moerl.rollout.service import RolloutService
     from moerl.sync.publish import build_publisher
     from moerl.telemetry.runlog import open_run_log
@@ -85,6 +86,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         cfg.model, cfg.parallel, cfg.trainer, cfg.algo, cfg.correction, hf_dir=ctx.hf_dir,
         lora=cfg.lora,
     )  # fmt: skip
+    # the tokenizer (0.5 s of transformers' imports) loads while the engines still start
+    tokenizer = load_tokenizer(ctx.hf_dir) if leader else None
     for engine in ctx.engines:  # started by the launcher while the trainer was built
         engine.wait_healthy()
     start, last = trainer.version, cfg.trainer.train_iters - 1
@@ -94,7 +97,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         rollout = RolloutService(
             cfg, hf_dir=ctx.hf_dir, run_dir=ctx.run_dir, engine_urls=ctx.engine_urls,
             engines=ctx.engines, reward_urls=ctx.reward_urls, version=start,
-            progress=trainer.progress, groups_per_step=per_step,
+            progress=trainer.progress, groups_per_step=per_step, tokenizer=tokenizer,
         )  # fmt: skip
     publisher = run_log = None
     try:

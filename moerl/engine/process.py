@@ -124,7 +124,7 @@ class EngineProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.close()
         raise RuntimeError(
             f"engine did not become healthy within {timeout_s:.0f} s; log: {self.log_path}"

@@ -47,11 +47,13 @@ class RolloutService:
         version: int,
         progress: dict[str, Any],
         groups_per_step: int,
+        tokenizer: Any = None,
     ) -> None:
         """Connect to the engines (waits until they are healthy) and build the buffer and
         orchestrator at ``version`` (scoring with the reward model at ``reward_urls`` when
         ``reward_model.enabled``), resuming from a checkpoint's ``progress`` record
-        (cursor, buffer, orchestrator) when it has one. Nothing generates until start()."""
+        (cursor, buffer, orchestrator) when it has one. Nothing generates until start().
+        ``tokenizer``: ``hf_dir``'s, when the caller loaded it already (None: loaded here)."""
         from moerl.models.tokenizer import load_tokenizer
         from moerl.rollout.faults import make_client
         from moerl.tasks import build_task
@@ -74,7 +76,7 @@ class RolloutService:
             mounts = engine_mounts(engines)  # in-process engines: reached without a socket
             self.client = self.aio.run(_call(make_client, engine_urls, cfg.rollout, mounts=mounts))
             self.aio.run(self.client.wait_until_healthy(cfg.engine.startup_timeout_s))
-            tokenizer = load_tokenizer(hf_dir)
+            tokenizer = load_tokenizer(hf_dir) if tokenizer is None else tokenizer
             task = build_task(cfg.task, tokenizer)
             episodes = _episodes(cfg, tokenizer)
             rm = _reward_model(cfg, tokenizer, reward_urls or [])
