@@ -10,6 +10,11 @@ ever runs. :func:`install` makes ``megatron.core.jit.jit_fuser`` a decorator tha
 runs (compiled where megatron compiles) is unchanged; only the import moves to the first
 use. It touches nothing when megatron-core is already imported or its ``jit_fuser`` is
 not ``torch.compile`` (older torch: ``torch.jit.script``).
+
+:func:`set_eager` (the CPU layer, ``moerl.compat``, which also switches dynamo off) runs
+every deferred function as written and never calls ``torch.compile``: with dynamo off a
+compiled function runs eagerly anyway, but ``torch.compile`` itself imports inductor on
+its first call (seconds, at the first router forward of every trainer rank).
 """
 
 from __future__ import annotations
@@ -22,9 +27,18 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["defer", "install"]
+__all__ = ["defer", "install", "set_eager"]
 
 _MODULE = "megatron.core.jit"
+_eager = False
+
+
+def set_eager(eager: bool) -> bool:
+    """Run deferred functions uncompiled (True) or compile them on first call (False, the
+    default); returns the previous setting."""
+    global _eager
+    previous, _eager = _eager, bool(eager)
+    return previous
 
 
 def defer(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,6 +53,8 @@ def defer(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             nonlocal compiled
+            if _eager:
+                return fn(*args, **kwargs)
             if compiled is None:
                 compiled = compile_fn(fn, **options)
             return compiled(*args, **kwargs)

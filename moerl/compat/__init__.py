@@ -57,6 +57,7 @@ def activate(force: bool = False) -> bool:
 
 
 _dynamo_was_disabled: bool | None = None
+_eager_was = False
 
 
 def _disable_dynamo() -> None:
@@ -64,11 +65,15 @@ def _disable_dynamo() -> None:
     Under the CPU device mode dynamo traces into the mode's ``__torch_function__`` and
     recompiles on every new call shape until its limit, warning each time; compiled
     code gains nothing on this path, so dynamo is switched off while the layer is on."""
-    global _dynamo_was_disabled
+    global _dynamo_was_disabled, _eager_was
     import torch._dynamo
+
+    from moerl.common import deferred_compile
 
     _dynamo_was_disabled = torch._dynamo.config.disable
     torch._dynamo.config.disable = True
+    # and the functions moerl deferred never call torch.compile (it imports inductor)
+    _eager_was = deferred_compile.set_eager(True)
 
 
 def deactivate() -> None:
@@ -82,7 +87,10 @@ def deactivate() -> None:
     if _dynamo_was_disabled is not None:
         import torch._dynamo
 
+        from moerl.common import deferred_compile
+
         torch._dynamo.config.disable = _dynamo_was_disabled
+        deferred_compile.set_eager(_eager_was)
     megatron_patches.uninstall()
     rng.uninstall()
     cuda_shim.uninstall()

@@ -151,6 +151,19 @@ def compute_without_mode() -> None:
                 _patch(owner, name, _inside("resumed", getattr(owner, name)))
 
 
+def optimizer_without_mode() -> None:
+    """Site: megatron-core's optimizers step torch's ``Adam``/``AdamW``/``SGD``, which on
+    CPU update one parameter at a time, each op through the mode's ``__torch_function__``
+    (15% of a tiny model's step). torch's optimizers name no CUDA device for CPU
+    parameters, so their ``step`` runs without the mode; megatron's gradient clipping and
+    loss-scale code around it, which may, keep it."""
+    import torch
+
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        if "step" in vars(cls):  # AdamW may inherit Adam's: patch the owner only
+            _patch(cls, "step", _inside("suspended", vars(cls)["step"]))
+
+
 def _sort_chunks_skipping_identity(original: Any) -> Any:
     import functools
 
@@ -186,6 +199,7 @@ def install() -> None:
         return
     fix_missing_te()
     compute_without_mode()
+    optimizer_without_mode()
     skip_identity_sorts()
     from megatron.core.transformer.moe import token_dispatcher
 

@@ -257,7 +257,17 @@ class WeightSync:
         """Collective: send every weight to every engine; tokens after the last bucket carry
         ``str(version)``. ``named`` replaces this rank's ``export_hf`` stream with other
         ``(hf_name, tensor)`` pairs (tools, tests). Returns ``{"bytes", "buckets",
-        "tensors", "seconds"}``: totals on rank 0, this rank's own sends elsewhere."""
+        "tensors", "seconds"}``: totals on rank 0, this rank's own sends elsewhere.
+        On CPU it runs without the CPU layer's per-op mode: export, staging and the
+        broadcast name no CUDA device (moerl/compat/device_mode.py)."""
+        from moerl.compat import device_mode
+
+        with device_mode.suspended():
+            return self._push(version, named)
+
+    def _push(
+        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None
+    ) -> dict[str, float]:
         from moerl.convert.exporter import export_hf
 
         start = time.perf_counter()

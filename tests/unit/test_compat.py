@@ -241,3 +241,22 @@ def test_dispatcher_skips_identity_chunk_sorts_and_sorts_the_rest():
     want, want_probs = moe_utils.sort_chunks_by_idxs(x, sizes, order, probs)
     assert torch.equal(got, want) and torch.equal(got_probs, want_probs)
     assert got[:2].tolist() == [[8.0, 9.0], [10.0, 11.0]]  # the third chunk first
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_torch_optimizers_step_without_the_mode(cls):
+    """torch's optimizers (megatron-core's inner ones) step CPU parameters without the
+    per-op mode; the mode is back afterwards, and the step still moves the parameter."""
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 0.5)
+    optimizer = cls([param], lr=0.1)
+    seen = []
+
+    def closure():  # called by step() inside its body
+        seen.append(_mode_on())
+        return torch.zeros(())
+
+    assert _mode_on()
+    optimizer.step(closure)
+    assert seen == [False] and _mode_on()
+    assert torch.all(param.detach() < 1)

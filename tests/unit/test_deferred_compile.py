@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from moerl.common.deferred_compile import defer
+from moerl.common.deferred_compile import defer, set_eager
 
 _PROBE = """
 import sys
@@ -67,3 +67,43 @@ def test_defer_calls_the_compiler_once_on_first_call_with_the_options() -> None:
     assert calls == [{"dynamic": False}]
     assert torch.equal(g(x), x - 1) and calls == [{"dynamic": False}, {}]
     assert torch.equal(jit(lambda x: -x)(x), -x) and len(calls) == 3
+
+
+_CPU_PROBE = """
+import sys
+import torch
+import moerl.compat
+from megatron.core.fusions import fused_bias_swiglu
+assert moerl.compat.activate(force=True)
+x = torch.randn(4, 6)
+a, b = torch.chunk(x, 2, -1)
+same = torch.equal(fused_bias_swiglu.swiglu(x), torch.nn.functional.silu(a) * b)
+print(same, "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+def test_the_cpu_layer_runs_megatrons_fused_functions_uncompiled() -> None:
+    """With the CPU layer on (dynamo off), megatron's @jit_fuser functions run as written
+    and torch.compile is never called: its compiler (torch._inductor.compile_fx, which
+    torch.compile imports; seconds at every rank's first router forward) stays unloaded."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CPU_PROBE], capture_output=True, text=True, timeout=300,
+        check=True,
+    ).stdout.split()  # fmt: skip
+    assert out == ["True", "False"], out
+
+
+def test_set_eager_skips_the_compiler_and_can_be_undone() -> None:
+    calls: list[dict] = []
+
+    def compiler(fn, **options):
+        calls.append(options)
+        return fn
+
+    f = defer(compiler)(lambda x: x + 1)
+    previous = set_eager(True)
+    try:
+        assert f(1) == 2 and calls == []
+    finally:
+        set_eager(previous)
+    assert f(2) == 3 and calls == [{}]
