@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moerl.common.deferred_compile import defer, set_eager
@@ -43,7 +44,16 @@ def test_importing_megatron_core_leaves_torch_compile_until_first_use() -> None:
     assert out[1].split() == ["True", "True"], out
 
 
-def test_defer_calls_the_compiler_once_on_first_call_with_the_options() -> None:
+@pytest.fixture
+def compiling():
+    """Deferred functions compile (the CPU layer, active in other tests of this process,
+    runs them eagerly)."""
+    previous = set_eager(False)
+    yield
+    set_eager(previous)
+
+
+def test_defer_calls_the_compiler_once_on_first_call_with_the_options(compiling) -> None:
     calls: list[dict] = []
 
     def compiler(fn, **options):  # records its calls, then compiles with the eager backend
@@ -93,7 +103,7 @@ def test_the_cpu_layer_runs_megatrons_fused_functions_uncompiled() -> None:
     assert out == ["True", "False"], out
 
 
-def test_set_eager_skips_the_compiler_and_can_be_undone() -> None:
+def test_set_eager_skips_the_compiler_and_can_be_undone(compiling) -> None:
     calls: list[dict] = []
 
     def compiler(fn, **options):
