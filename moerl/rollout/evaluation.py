@@ -211,7 +211,8 @@ class EvalRunner:
         """One completion, generated again from scratch when a weight update aborts it."""
         async with self._slots:
             for attempt in range(MAX_REISSUES + 1):
-                await self._gate.wait()
+                while not self._gate.is_set():  # closed again before it ran: wait again
+                    await self._gate.wait()
                 self._inflight += 1
                 self._idle.clear()
                 try:
@@ -231,9 +232,15 @@ class EvalRunner:
 
     # ---- weight updates and shutdown ---------------------------------------------------
 
-    async def before_update(self) -> None:
-        """Before a push: in abort_resume and drain no eval request may start; drain
-        aborts the running ones itself and waits until they came back."""
+    def quiet(self) -> bool:
+        """No eval request is on the engines."""
+        return self._inflight == 0
+
+    async def before_update(self, hold: bool = False) -> None:
+        """Before a push: in abort_resume and drain (and with ``hold``) no eval request
+        may start; drain aborts the running ones itself and waits until they came back."""
+        if hold:
+            self._gate.clear()
         if self._mode not in ("abort_resume", "drain"):
             return
         self._gate.clear()

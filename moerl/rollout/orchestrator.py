@@ -238,8 +238,9 @@ class Orchestrator:
             except BaseException:
                 self._data.retry(item)
                 raise
-            try:
-                await self._gate.launch_open.wait()
+            try:  # woken, then closed again by the next update before it ran: wait again
+                while not self._gate.launch_open.is_set():
+                    await self._gate.launch_open.wait()
             except BaseException:
                 self.buffer.release(slot)
                 self._data.retry(item)
@@ -459,9 +460,10 @@ class Orchestrator:
 
     # ---- weight updates --------------------------------------------------------------
 
-    async def before_update(self) -> None:
-        """Await before the trainer pushes new weights to the engines."""
-        await self._gate.before(self._wait_idle)
+    async def before_update(self, others_quiet: bool = True) -> None:
+        """Await before the trainer pushes new weights to the engines. ``others_quiet``:
+        no other request of the run (evaluation) is on the engines either."""
+        await self._gate.before(self._wait_idle, quiet=others_quiet and self._generating == 0)
 
     async def after_update(self, version: int) -> None:
         """Await once every engine serves `version`; generation goes on."""

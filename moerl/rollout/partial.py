@@ -323,15 +323,23 @@ class UpdateGate:
         self.on_control_error = on_control_error
         self.launch_open = asyncio.Event()
         self.engines_open = asyncio.Event()
+        self.held = False  # this update closed the gates instead of pausing the engines
         self.open()
 
     def open(self) -> None:
         self.launch_open.set()
         self.engines_open.set()
 
-    async def before(self, wait_idle: Callable[[], Awaitable[None]]) -> None:
-        """Before the push. wait_idle: returns once no group is generating (drain)."""
-        if self.mode == "drain":
+    async def before(self, wait_idle: Callable[[], Awaitable[None]], quiet: bool = False) -> None:
+        """Before the push. wait_idle: returns once no group is generating (drain).
+        ``quiet``: no request of this run is on the engines (the synchronous loop's every
+        push); in_place then closes both gates instead of pausing the engines, which has
+        nothing to hold (two HTTP round trips less per push)."""
+        if self.mode == "in_place" and self.in_place_pause and quiet:
+            self.launch_open.clear()
+            self.engines_open.clear()
+            self.held = True
+        elif self.mode == "drain":
             self.launch_open.clear()
             await wait_idle()
         elif self.mode == "abort_resume":
@@ -343,7 +351,9 @@ class UpdateGate:
 
     async def after(self) -> None:
         """Every engine serves the new weights: requests and launches go on."""
-        if self.mode == "abort_resume" or (self.mode == "in_place" and self.in_place_pause):
+        if self.held:
+            self.held = False
+        elif self.mode == "abort_resume" or (self.mode == "in_place" and self.in_place_pause):
             await self._control(self.client.continue_generation())
         self.open()
 

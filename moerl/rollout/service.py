@@ -167,11 +167,20 @@ class RolloutService:
         paused by the partial-rollout policy when the push disturbs requests. True when
         engines were restarted and the weight group must be built again."""
         rejoin = bool(self.aio.run(self.supervisor.before_push()))
-        if pauses_generation and self.evals is not None:  # no eval request starts first
-            self.aio.run(self.evals.before_update())
         if pauses_generation:
-            self.aio.run(self.orchestrator.before_update())
+            self.aio.run(self._before_update())
         return rejoin
+
+    async def _before_update(self) -> None:
+        """On the loop, so nothing starts between the look and the gates: with no request
+        on the engines (the synchronous loop) the gates close and the engines are not
+        paused; else no eval request starts first, then generation pauses."""
+        evals_quiet = self.evals is None or self.evals.quiet()
+        rollout = self.cfg.rollout
+        holds = rollout.partial_rollout == "in_place" and rollout.in_place_pause
+        if self.evals is not None:
+            await self.evals.before_update(hold=evals_quiet and holds)
+        await self.orchestrator.before_update(others_quiet=evals_quiet)
 
     def after_update(
         self, version: int, *, paused: bool, adapter: str | None = None, rejoined: bool = False

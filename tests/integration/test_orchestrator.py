@@ -405,3 +405,53 @@ def test_config_yaml_and_validation():
         replace(cfg, group_size=1, filter_uniform_groups=True).validate("rollout")
     with pytest.raises(ValueError, match="oversample_factor"):
         replace(cfg, oversample_factor=0.5).validate("rollout")
+
+
+class ControlRecording(EngineClient):
+    """An EngineClient that records the pause/continue calls it sends (then sends them)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.controls: list[str] = []
+
+    async def pause_generation(self, mode, **kwargs):  # type: ignore[no-untyped-def]
+        self.controls.append(f"pause:{mode}")
+        return await super().pause_generation(mode, **kwargs)
+
+    async def continue_generation(self, **kwargs):  # type: ignore[no-untyped-def]
+        self.controls.append("continue")
+        return await super().continue_generation(**kwargs)
+
+
+def test_in_place_update_pauses_the_engines_only_when_a_group_is_generating(ds_engine):
+    """The synchronous loop pushes with nothing generating: the orchestrator closes its
+    gates and sends no pause/continue (nothing would be held). With groups generating,
+    the engines pause in place and continue after the push."""
+    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="in_place")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with ControlRecording([ds_engine.url]) as client:
+            old = int((await client.model_info())[ds_engine.url]["weight_version"])
+            buffer = new_buffer()
+            orch = Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
+            gate = orch._gate
+            await orch.before_update()  # nothing generating yet
+            quiet = (list(client.controls), gate.launch_open.is_set(), gate.engines_open.is_set())
+            await orch.after_update(old)
+            reopened = gate.launch_open.is_set() and gate.engines_open.is_set()
+
+            async def update():  # type: ignore[no-untyped-def]
+                await wait_running(client, ds_engine.url, 2)
+                await orch.before_update()
+                paused = list(client.controls)
+                await client.update_weight_version(old + 1)
+                await orch.after_update(old + 1)
+                await buffer.get_batch(1, old + 1)
+                return paused
+
+            busy = await drive(orch, update)
+            return quiet, reopened, busy, client.controls
+
+    quiet, reopened, busy, controls = asyncio.run(go())
+    assert quiet == ([], False, False) and reopened
+    assert busy == ["pause:in_place"] and controls == ["pause:in_place", "continue"]

@@ -164,6 +164,29 @@ def test_in_place_updates_leave_eval_requests_running():
     assert not client.aborts and len(client.calls) == 2
 
 
+def test_a_held_update_starts_no_eval_request_until_after_it():
+    """quiet() says whether an eval request is on the engines; before_update(hold=True)
+    (a push that pauses nothing: the synchronous loop's) lets none start until
+    after_update, then the eval runs on the new version."""
+
+    async def main() -> tuple[list[bool], int, dict[str, float]]:
+        client = ScriptedClient()
+        r = runner(client, "in_place", EvalConfig(every=1, num_prompts=1, n=1, k=[1]))
+        quiet = [r.quiet()]
+        await r.before_update(hold=True)
+        r.launch(step=0, version=0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        sent = len(client.calls)
+        r.after_update(1)
+        await r.wait()
+        return [*quiet, r.quiet()], sent, r.pop_metrics()
+
+    quiet, sent, m = asyncio.run(main())
+    assert quiet == [True, True] and sent == 0
+    assert m["eval/even/version"] == 0 and m["eval/even/version_end"] == 1
+
+
 def test_stop_cancels_the_eval_and_aborts_its_requests():
     async def main() -> tuple[EvalRunner, ScriptedClient]:
         client = ScriptedClient(hold=True)
