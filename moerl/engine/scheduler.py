@@ -481,23 +481,47 @@ class Scheduler:
                 log.exception("prefill of request %s failed", req.rid)
                 self.fail(req, f"prefill failed: {_words(err)}")
         self._run_rows([r for r in rows if not r.req.done])
+        firsts: list[tuple[Request, torch.Tensor]] = []  # first tokens to draw, in order
         for row in rows:
             if row.req.done or row.logits is None:
                 continue
             if row.resumed:
                 self.running.append(row.req)
                 continue
-            self._first_token(row)
+            self._first_token(row, firsts)
         for req, leader in followers:
             if req.done:
                 continue
             try:
                 if leader.last is None:
                     raise RuntimeError("the request it shares its input with failed")
-                self._follow(req, leader)
+                self._follow(req, leader, firsts)
             except Exception as err:
                 log.exception("prefill of request %s failed", req.rid)
                 self.fail(req, f"prefill failed: {_words(err)}")
+        self._first_tokens(firsts)
+
+    def _first_tokens(self, firsts: list[tuple[Request, torch.Tensor]]) -> None:
+        """Each new request's first token, drawn together as a decode step draws (a
+        GRPO group's n samples share their prompt's logits: one batched draw, not n)."""
+        if not firsts:
+            return
+        batch = [req for req, _ in firsts]
+        try:
+            logits_BV = torch.stack([logits for _, logits in firsts])
+            drawn = self._draw(batch, logits_BV)
+        except Exception:  # each alone then (different vocab widths cannot happen)
+            log.exception("batched first-token sampling failed; sampling one by one")
+            drawn = {}
+        for i, (req, logits) in enumerate(firsts):
+            try:
+                self._emit(req, logits, drawn.get(i))
+            except Exception as err:
+                log.exception("prefill of request %s failed", req.rid)
+                self.fail(req, f"prefill failed: {_words(err)}")
+                continue
+            if not req.done:
+                self.running.append(req)
 
     def _start(self, req: Request) -> None:
         """The request's sampler and stop-string tail length (once)."""
@@ -577,8 +601,9 @@ class Scheduler:
             else:
                 row.logits = torch.cat(pieces[i]) if pieces[i] else None
 
-    def _first_token(self, row: _Row) -> None:
-        """After a new request's prefill: its routes, input logprobs and first token."""
+    def _first_token(self, row: _Row, firsts: list[tuple[Request, torch.Tensor]]) -> None:
+        """After a new request's prefill: its routes and input logprobs; the logits of its
+        first token join ``firsts``."""
         req, tokens = row.req, row.tokens
         try:
             for rows_TLK in row.routes:
@@ -598,17 +623,18 @@ class Scheduler:
             if req.params.max_new_tokens == 0:
                 self.finish(req, {"type": "length", "length": 0})
                 return
-            self._emit(req, logits)
         except Exception as err:
             log.exception("prefill of request %s failed", req.rid)
             self.fail(req, f"prefill failed: {_words(err)}")
             return
-        if not req.done:
-            self.running.append(req)
+        firsts.append((req, logits))
 
-    def _follow(self, req: Request, leader: _Row) -> None:
+    def _follow(
+        self, req: Request, leader: _Row, firsts: list[tuple[Request, torch.Tensor]]
+    ) -> None:
         """A request with the same input as ``leader``, admitted with it: copy its KV,
-        routes and input logprobs (the prefix cache's role within one step)."""
+        routes and input logprobs (the prefix cache's role within one step); its first
+        token is drawn from the leader's logits (``firsts``)."""
         n = len(leader.tokens)
         if leader.req.slot is not None:
             self.pool.copy_slot(leader.req.slot, req.slot, n)  # type: ignore[arg-type]
@@ -629,9 +655,7 @@ class Scheduler:
             self.finish(req, {"type": "length", "length": 0})
             return
         assert leader.last is not None
-        self._emit(req, leader.last)
-        if not req.done:
-            self.running.append(req)
+        firsts.append((req, leader.last))
 
     def _reuse(self, req: Request, tokens: list[int], logits_from: int | None) -> int:
         """Seed ``req``'s slot and routes with the longest cached prefix of ``tokens``
@@ -722,20 +746,32 @@ class Scheduler:
             [r.output_ids[-1] for r in batch],
             [r.lora for r in batch],
         )  # a forward that raises leaves the slots' lengths as they were
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        drawn = self._draw(batch, logits)
+        for i, req in enumerate(batch):
+            try:
+                self._record(req, routes[i : i + 1])
+                self._emit(req, logits[i], drawn.get(i))
+            except Exception as err:  # sampling or the stream callback: this request only
+                log.exception("sampling of request %s failed", req.rid)
+                self.fail(req, f"sampling failed: {_words(err)}")
+
+    def _draw(self, batch: list[Request], logits_BV: torch.Tensor) -> dict[int, Sampled]:
+        """The next token of each request whose draw needs nothing of its own (finite
+        logits, ``Sampler.batchable``): one batched draw per set of sampling parameters.
+        Row → Sampled; the others are sampled alone by ``_emit``."""
+        finite = torch.isfinite(logits_BV).all(dim=-1).tolist()
         drawn: dict[int, Sampled] = {}
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, req in enumerate(batch):
             assert req.sampler is not None
             if finite[i] and req.sampler.batchable(req.top_logprobs_num, req.token_ids_logprob):
                 p = req.params
-                groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), []).append(
-                    i
-                )
-        for rows in groups.values():  # one batched draw per set of sampling parameters
+                key = (p.greedy, p.temperature, p.top_k, p.top_p, p.min_p)
+                groups.setdefault(key, []).append(i)
+        for rows in groups.values():
             try:
                 got = sample_batch(
-                    logits[rows],
+                    logits_BV[rows],
                     batch[rows[0]].params,
                     self.runner.generator,
                     [batch[i].return_sampling_mask for i in rows],
@@ -744,13 +780,7 @@ class Scheduler:
                 log.exception("batched sampling failed; sampling one by one")
                 continue
             drawn.update(zip(rows, got))
-        for i, req in enumerate(batch):
-            try:
-                self._record(req, routes[i : i + 1])
-                self._emit(req, logits[i], drawn.get(i))
-            except Exception as err:  # sampling or the stream callback: this request only
-                log.exception("sampling of request %s failed", req.rid)
-                self.fail(req, f"sampling failed: {_words(err)}")
+        return drawn
 
     def _record(self, req: Request, routes: np.ndarray) -> None:
         if req.return_routed_experts or self.prefix_cache is not None:
