@@ -272,14 +272,19 @@ def test_abort_resume_splices_one_trajectory_across_versions(ds_engine, group_re
         assert np.all(row_versions[P + r1 - 1 :] == old + 1)
 
 
-def test_in_place_versions_change_mid_response(ds_engine):
+async def in_place_run(client: EngineClient, url: str):  # type: ignore[no-untyped-def]
+    """(the engine's weight version, a buffer, an in_place orchestrator of one long
+    group on it)."""
     cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="in_place")
+    old = int((await client.model_info())[url]["weight_version"])
+    buffer = new_buffer()
+    return old, buffer, Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
 
+
+def test_in_place_versions_change_mid_response(ds_engine):
     async def go():  # type: ignore[no-untyped-def]
         async with EngineClient([ds_engine.url]) as client:
-            old = int((await client.model_info())[ds_engine.url]["weight_version"])
-            buffer = new_buffer()
-            orch = Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
+            old, buffer, orch = await in_place_run(client, ds_engine.url)
 
             async def update():  # type: ignore[no-untyped-def]
                 await wait_running(client, ds_engine.url, 2)
@@ -427,13 +432,10 @@ def test_in_place_update_pauses_the_engines_only_when_a_group_is_generating(ds_e
     """The synchronous loop pushes with nothing generating: the orchestrator closes its
     gates and sends no pause/continue (nothing would be held). With groups generating,
     the engines pause in place and continue after the push."""
-    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="in_place")
 
     async def go():  # type: ignore[no-untyped-def]
         async with ControlRecording([ds_engine.url]) as client:
-            old = int((await client.model_info())[ds_engine.url]["weight_version"])
-            buffer = new_buffer()
-            orch = Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
+            old, buffer, orch = await in_place_run(client, ds_engine.url)
             gate = orch._gate
             await orch.before_update()  # nothing generating yet
             quiet = (list(client.controls), gate.launch_open.is_set(), gate.engines_open.is_set())
