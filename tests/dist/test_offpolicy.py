@@ -57,8 +57,11 @@ def _first_half_by_hand(hf_dir: str, rollouts: str, out: str) -> None:
     before = np.concatenate(trainer.policy_logprobs(second))
     trainer.step(first)
     after = np.concatenate(trainer.policy_logprobs(second))
-    ratio = np.exp(after.astype(np.float64) - before)
-    Path(out).write_text(json.dumps({"ratio_mean": float(ratio.mean())}))
+    log_ratio = after.astype(np.float64) - before
+    moved = float(np.abs(log_ratio).max())
+    Path(out).write_text(
+        json.dumps({"ratio_mean": float(np.exp(log_ratio).mean()), "moved": moved})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,9 @@ def test_minibatch_ratios_are_against_the_batch_start(runs):
     second's are π_θ1/π_old with θ1 the weights after the first step, as computed by
     hand; had π_old been recomputed per minibatch they would be 1 again."""
     hand = runs["hand"]["ratio_mean"]
-    assert abs(hand - 1.0) > 1e-3  # the first step moved the policy
+    # the first step moved the policy (token by token: the mean ratio of engine rollouts,
+    # which differ run to run, came within 4e-4 of 1 once as rises and falls cancelled)
+    assert runs["hand"]["moved"] > 1e-2
     # loss/ratio_mean is the mean of the two minibatches' token means; the first is 1
     second = 2 * runs["mbs1"]["loss/ratio_mean"] - 1.0
     assert second == pytest.approx(hand, abs=1e-5)
