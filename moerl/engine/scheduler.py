@@ -510,7 +510,7 @@ class Scheduler:
         try:
             logits_BV = torch.stack([logits for _, logits in firsts])
             drawn = self._draw(batch, logits_BV)
-        except Exception:  # each alone then (different vocab widths cannot happen)
+        except Exception:  # each alone then, where a failure is the request's own
             log.exception("batched first-token sampling failed; sampling one by one")
             drawn = {}
         for i, (req, logits) in enumerate(firsts):

@@ -460,6 +460,11 @@ class Orchestrator:
 
     # ---- weight updates --------------------------------------------------------------
 
+    @property
+    def pauses_in_place(self) -> bool:
+        """Whether a push pauses the engines in place (and a quiet one holds instead)."""
+        return self._gate.pauses_in_place
+
     async def before_update(self, others_quiet: bool = True) -> None:
         """Await before the trainer pushes new weights to the engines. ``others_quiet``:
         no other request of the run (evaluation) is on the engines either."""

@@ -326,6 +326,11 @@ class UpdateGate:
         self.held = False  # this update closed the gates instead of pausing the engines
         self.open()
 
+    @property
+    def pauses_in_place(self) -> bool:
+        """in_place with in_place_pause: the engines pause around a push (unless quiet)."""
+        return self.mode == "in_place" and self.in_place_pause
+
     def open(self) -> None:
         self.launch_open.set()
         self.engines_open.set()
@@ -335,7 +340,7 @@ class UpdateGate:
         ``quiet``: no request of this run is on the engines (the synchronous loop's every
         push); in_place then closes both gates instead of pausing the engines, which has
         nothing to hold (two HTTP round trips less per push)."""
-        if self.mode == "in_place" and self.in_place_pause and quiet:
+        if self.pauses_in_place and quiet:
             self.launch_open.clear()
             self.engines_open.clear()
             self.held = True
@@ -353,7 +358,7 @@ class UpdateGate:
         """Every engine serves the new weights: requests and launches go on."""
         if self.held:
             self.held = False
-        elif self.mode == "abort_resume" or (self.mode == "in_place" and self.in_place_pause):
+        elif self.mode == "abort_resume" or self.pauses_in_place:
             await self._control(self.client.continue_generation())
         self.open()
 

@@ -176,10 +176,9 @@ class RolloutService:
         on the engines (the synchronous loop) the gates close and the engines are not
         paused; else no eval request starts first, then generation pauses."""
         evals_quiet = self.evals is None or self.evals.quiet()
-        rollout = self.cfg.rollout
-        holds = rollout.partial_rollout == "in_place" and rollout.in_place_pause
         if self.evals is not None:
-            await self.evals.before_update(hold=evals_quiet and holds)
+            hold = evals_quiet and self.orchestrator.pauses_in_place
+            await self.evals.before_update(hold=hold)
         await self.orchestrator.before_update(others_quiet=evals_quiet)
 
     def after_update(
