@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
+from moerl.common import triton_hold
+
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("MOERL_KERNELS", "auto")
 
@@ -74,7 +76,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not runnable:
         why = (
             "triton is not installed (pip install 'moerl[kernels]')"
-            if not triton_available()
+            if not triton_available() and not triton_hold.is_held_back()
             else "the inputs are on the CPU; set TRITON_INTERPRET=1 to run Triton's interpreter"
         )
         raise RuntimeError(f"kernels backend 'triton' cannot run here: {why}")

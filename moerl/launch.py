@@ -457,8 +457,9 @@ def main(cfg: DictConfig) -> None:
     # handles over, restarting and stopping them; these die with this process anyway).
     prepared = prepare(typed, Path(run_dir))
     try:
-        if typed.launcher.placement == "colocated" and world == 1:
-            # one process in all: the launcher is the rank, and the rank hosts the engine
+        if world == 1:
+            # the launcher is the only rank (no second process importing torch and
+            # megatron-core); colocated, the rank also hosts the engine: one process in all
             run_here(
                 run_rank, typed, run_dir, prepared, threads=typed.launcher.threads,
                 backend=typed.launcher.backend,

@@ -16,6 +16,9 @@ runs use megatron-core untouched. What it changes, each in its own module:
   weights for the sequence-parallel gradient all-reduce.
 - ``megatron_patches``: the remaining megatron-core call sites that cannot work
   on CPU as written (documented one by one there).
+- ``moerl.common.triton_hold``: ``import triton`` fails in the process, so
+  megatron-core (and torch's compiler, when something imports it) never maps
+  libtriton, which cannot run without a GPU (``TRITON_INTERPRET=1`` lets it load).
 
 Call ``activate()`` before building megatron-core models (``moerl.parallel``
 does this for you). It is idempotent.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from moerl.common import triton_hold
 from moerl.compat import cuda_shim, device_mode, rng
 
 __all__ = ["activate", "deactivate", "is_active", "needed", "quiet_megatron"]
@@ -44,6 +48,8 @@ def activate(force: bool = False) -> bool:
         return True
     if not (needed() or force):
         return False
+    # before megatron-core loads: it imports Triton, which cannot run here (70 MB mapped)
+    triton_hold.hold_back()
     quiet_megatron()
     cuda_shim.install()
     rng.install()
@@ -94,6 +100,7 @@ def deactivate() -> None:
     megatron_patches.uninstall()
     rng.uninstall()
     cuda_shim.uninstall()
+    triton_hold.release()
     _active = False
 
 
