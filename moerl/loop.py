@@ -19,6 +19,7 @@ and data; metrics.jsonl is cut back to the checkpoint's step.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,10 @@ from moerl import device
 from moerl.config.schema import MoerlConfig
 from moerl.config.sync import sync_backend, sync_transport
 from moerl.config.threads import overlapped
+from moerl.sync.wire import WeightSyncError
+
+PUSH_ATTEMPTS = 3
+"""A push that meets an engine dying is repeated after its restart, this often in all."""
 
 
 @dataclass
@@ -119,9 +124,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         for step in range(start, cfg.trainer.train_iters):
             t0 = time.time()
             with run_log.span("wait", step=step):
-                batch = rollout.next_batch(trainer.version) if rollout else None
+                batch, trajs = _next_batch(rollout, publisher, scatter, trainer.version)
             wait_s = time.time() - t0
-            trajs = scatter(batch)
             push = _due(cfg.sync.every, step, last)
             # colocated: the engine's memory goes to the trainer until the push
             slept = bool(
@@ -179,6 +183,24 @@ def _probes(cfg: MoerlConfig, step: int, last: int) -> dict[str, int]:
     }
 
 
+def _next_batch(rollout: Any, publisher: Any, scatter: Any, version: int) -> tuple[Any, Any]:
+    """Collective: the step's batch (rank 0; None elsewhere) and this rank's share. While
+    rank 0 waits, an engine restarted meanwhile holds its requests until it has the
+    current weights; every rank then pushes ``version`` again (``_publish``) and the
+    wait goes on."""
+    while True:
+        batch = rollout.next_batch(version) if rollout else None
+        trajs = scatter(batch)
+        if trajs is not None:
+            return batch, trajs
+        if rollout:
+            logging.getLogger(__name__).warning(
+                "a restarted engine waits for the weights: pushing version %d before "
+                "the step's batch is complete", version,
+            )  # fmt: skip
+        _publish(publisher, rollout, version)
+
+
 def _publish(publisher: Any, rollout: Any, version: int, initial: bool = False) -> dict[str, float]:
     """Collective: push policy ``version`` to the engines, inside the rollout side's
     update bracket; engines restarted since the last push join the group again first.
@@ -187,7 +209,25 @@ def _publish(publisher: Any, rollout: Any, version: int, initial: bool = False) 
     rejoin = _broadcast(rollout.before_update(pauses) if rollout and not initial else False)
     if rejoin:
         publisher.rejoin()
-    pub = publisher.push(version)
+    for attempt in range(1, PUSH_ATTEMPTS + 1):
+        try:
+            pub, error = publisher.push(version), None
+        except WeightSyncError as err:  # rank 0's engine side; the others did their part
+            pub, error = None, err
+        if not _broadcast(error is not None):
+            break
+        # an engine that died during the push is restarted (and waited for) here; the
+        # group is built again with it and the push repeated. Anything else is raised.
+        restarted = _broadcast(rollout.engines_restarted() if rollout else False)
+        if not restarted or attempt == PUSH_ATTEMPTS:
+            raise error or WeightSyncError(f"rank 0 could not push version {version}")
+        logging.getLogger(__name__).warning(
+            "push of version %d failed (%s); an engine was restarted, pushing again",
+            version, error,
+        )  # fmt: skip
+        publisher.rejoin()
+        rejoin = True
+    assert pub is not None
     if not rollout:
         return {}
     rollout.after_update(version, paused=pauses, adapter=pub.adapter, rejoined=rejoin)

@@ -7,7 +7,9 @@ EngineSupervisor that restarts engines. The trainer's loop talks to it in a few 
 - ``start(on_restart)`` — generation and supervision begin (``on_restart`` is the
   publisher's ``restore``, run when an engine was restarted);
 - ``next_batch(version)`` — the next step's trajectories, waiting on the batch and on
-  the orchestrator's and supervisor's failure together (whichever comes first);
+  the orchestrator's and supervisor's failure together (whichever comes first); None
+  when a restarted engine waits for the current weights first (the trainer pushes
+  them, then asks again);
 - ``before_update(pauses)`` / ``after_update(publication, rejoined)`` — the bracket of
   a policy push: engines checked (True when restarted ones need the weight group
   rebuilt), the partial-rollout policy applied, new requests switched to the new
@@ -62,6 +64,8 @@ class RolloutService:
         self.groups_per_step = groups_per_step
         self.aio = EventLoopThread("moerl-rollout")
         self._futures: dict[str, concurrent.futures.Future[None]] = {}
+        # next_batch's batch in the gathering: (version, future), kept across a push
+        self._batch: tuple[int, concurrent.futures.Future[list[Any]]] | None = None
         self.supervisor: Any = None
         self.orchestrator: Any = None
         self.buffer: Any = None
@@ -146,20 +150,42 @@ class RolloutService:
         )
         self._futures["supervisor"] = self.aio.submit(self.supervisor.run())
 
-    def next_batch(self, version: int) -> list[Trajectory]:
+    def next_batch(self, version: int) -> list[Trajectory] | None:
         """The next ``groups_per_step`` groups' trajectories for the trainer at policy
-        ``version``; raises at once if the orchestrator or the supervisor stops first."""
-        batch = self.aio.submit(self.buffer.get_batch(self.groups_per_step, version))
-        waiting = {batch, *self._futures.values()}
-        while not batch.done():
-            done, _ = concurrent.futures.wait(
-                waiting, return_when=concurrent.futures.FIRST_COMPLETED
+        ``version``; raises at once if the orchestrator or the supervisor stops first.
+
+        None when, before the batch is complete, a restarted engine waits for the
+        current weights: it would wait for the push after this step, and this step for
+        its tokens (with one engine, forever). The caller pushes the weights and asks
+        again; the batch being gathered is kept for that call (same ``version``)."""
+        if self._batch is None:
+            self._batch = (
+                version, self.aio.submit(self.buffer.get_batch(self.groups_per_step, version))
+            )  # fmt: skip
+        elif self._batch[0] != version:
+            raise RuntimeError(
+                f"next_batch(version={version}) while the batch for version "
+                f"{self._batch[0]} is still gathered (push the weights and ask again)"
             )
-            for role, fut in self._futures.items():
-                if fut in done and not batch.done():
-                    batch.cancel()
-                    fut.result()  # its error, if it failed
-                    raise RuntimeError(f"the {role} stopped before the run ended")
+        batch = self._batch[1]
+        wants = self.aio.submit(self.supervisor.wants_weights())
+        waiting = {batch, wants, *self._futures.values()}
+        try:
+            while not batch.done():
+                done, _ = concurrent.futures.wait(
+                    waiting, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                for role, fut in self._futures.items():
+                    if fut in done and not batch.done():
+                        batch.cancel()
+                        self._batch = None
+                        fut.result()  # its error, if it failed
+                        raise RuntimeError(f"the {role} stopped before the run ended")
+                if wants in done and not batch.done():
+                    return None
+        finally:
+            wants.cancel()
+        self._batch = None
         return [t for group in batch.result() for t in group]
 
     def before_update(self, pauses_generation: bool) -> bool:
@@ -170,6 +196,11 @@ class RolloutService:
         if pauses_generation:
             self.aio.run(self._before_update())
         return rejoin
+
+    def engines_restarted(self) -> bool:
+        """After a failed push: every engine checked, a dead one restarted and waited for;
+        True when one was (the weight group must be built again and the push repeated)."""
+        return bool(self.aio.run(self.supervisor.before_push()))
 
     async def _before_update(self) -> None:
         """On the loop, so nothing starts between the look and the gates: with no request

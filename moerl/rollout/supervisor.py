@@ -6,8 +6,10 @@ another engine and a failed group is generated again. The supervisor brings the
 capacity back. An embedded engine whose process exited, or whose ``/health`` failed
 ``max_failures`` checks in a row, is killed and started again on the same port (so its
 URL stays valid) with its initial weights; it is paused until the trainer has rebuilt
-the weight-sync group and pushed the current weights at the next step boundary
-(``needs_reconnect`` / ``reconnected``), so it never serves tokens of an old policy. A
+the weight-sync group and pushed the current weights (``needs_reconnect`` /
+``reconnected``), so it never serves tokens of an old policy. The trainer pushes at the
+next step boundary, or at once when it is waiting for a batch (``wants_weights``): the
+batch may need the paused engine, the only one there is. A
 SGLang server is not ours to restart: it is reported (log and metrics) and left to the
 client's retries and cooldown.
 """
@@ -50,6 +52,7 @@ class EngineSupervisor:
         self.on_restart = on_restart
         self.unhealthy: set[str] = set()  # SGLang servers currently failing
         self._pending: set[str] = set()  # restarted, waiting for weights
+        self._wants = asyncio.Event()  # set while _pending is not empty
         self._restarting: set[str] = set()
         self._stopped = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -69,9 +72,15 @@ class EngineSupervisor:
             raise RuntimeError(f"engines {sorted(self._restarting)} did not come back in time")
         return self.needs_reconnect
 
+    async def wants_weights(self) -> None:
+        """Return once a restarted engine waits for the current weights (at once if one
+        does now)."""
+        await self._wants.wait()
+
     async def reconnected(self) -> None:
         """The restarted engines have the current weights: let them generate."""
         urls, self._pending = sorted(self._pending), set()
+        self._wants.clear()
         if urls:
             await self.client.continue_generation(urls=urls)
 
@@ -111,6 +120,7 @@ class EngineSupervisor:
             if not ready:  # hold it until it has the current weights (the trainer's next push)
                 await self.client.pause_generation("abort", urls=[url])
                 self._pending.add(url)
+                self._wants.set()
             self.failures[url] = 0
         finally:
             self._restarting.discard(url)

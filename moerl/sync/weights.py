@@ -42,6 +42,7 @@ from moerl.engine.bucket import dtype_of
 from moerl.engine.group import init_custom_process_group
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
+from moerl.rollout.errors import EngineError
 from moerl.sync.stream import (
     Staging,
     bucketize,
@@ -312,6 +313,15 @@ class WeightSync:
             self._staging[where] = Staging(self.limit_bytes, where, self.transport == "tensor")
         return self._staging[where]
 
+    def _failed(self, wire: Any, err: Exception) -> Exception:
+        """A push failed on rank 0: the wire stopped (abandoned unless broken), the
+        engines' session closed; returns ``err`` to raise once the push is drained."""
+        self._broken = wire.broken
+        if not wire.broken:
+            wire.abandon()
+        self._end_session(quiet=True)
+        return err
+
     def _forward(self, stream: Any, leads: list[int], version: int) -> dict[str, int]:
         """Rank 0: its own stage's buckets, then each other stage's from its lead, to the
         engines; the last bucket of the last stage carries ``version``."""
@@ -331,7 +341,11 @@ class WeightSync:
             )  # fmt: skip
         sent_version = False
         # SGLang loads pushed weights only inside a session (moerl.engine answers the same)
-        self._run(self.client.begin_weight_update()).result(self.timeout_s)
+        error: Exception | None = None
+        try:
+            self._run(self.client.begin_weight_update()).result(self.timeout_s)
+        except Exception as err:  # drained below like a failed send: nothing was sent
+            error = WeightSyncError(f"could not open the engines' weight-update session: {err}")
         try:
             for lead in leads:
                 if lead == 0:
@@ -340,18 +354,28 @@ class WeightSync:
                 else:
                     buckets = receive_buckets(lead, self._staging_on(p2p_device()))
                 for bucket, last in buckets:  # gathered while the previous one is sent
-                    if bucket.names:
+                    if bucket.names and error is None:
                         tag = version if last and lead == leads[-1] else None
-                        wire.send(bucket, tag)
+                        try:
+                            wire.send(bucket, tag)
+                        except Exception as err:
+                            # an engine refused or died: the rest is still gathered and
+                            # received, sent nowhere, so the other ranks finish their
+                            # part of this collective push (and can push again with us)
+                            error = self._failed(wire, err)
                         sent_version |= tag is not None
-            stats = wire.finish()
-        except Exception:
-            self._broken = wire.broken
-            if not wire.broken:
-                wire.abandon()
-            self._end_session(quiet=True)
+            if error is None:
+                stats = wire.finish()
+        except Exception as err:
+            if error is None:
+                self._failed(wire, err)
             raise
-        self._end_session()
-        if not sent_version:  # the last stage exported nothing: bump the version alone
-            self._run(self.client.update_weight_version(str(version))).result(60)
+        if error is not None:
+            raise error
+        try:
+            self._end_session()
+            if not sent_version:  # the last stage exported nothing: bump the version alone
+                self._run(self.client.update_weight_version(str(version))).result(60)
+        except EngineError as err:  # an engine died at the end: the push is repeated
+            raise WeightSyncError(f"closing the push of version {version}: {err}") from err
         return stats

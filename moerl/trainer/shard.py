@@ -55,7 +55,8 @@ class BatchScatter:
     """Collective, built once on every rank after the parallel state exists: learns which
     data-parallel rank each process is. Calling it each step, rank 0 passes the step's
     batch and every rank (rank 0 too) gets its view (``shard_view`` of its
-    data-parallel rank's ``owned_indices``)."""
+    data-parallel rank's ``owned_indices``); rank 0's ``None`` (no batch yet) reaches
+    every rank as ``None``."""
 
     def __init__(self, minibatches: int) -> None:
         from megatron.core import parallel_state
@@ -65,10 +66,12 @@ class BatchScatter:
         self.dp_of: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(self.dp_of, parallel_state.get_data_parallel_rank())
 
-    def __call__(self, trajs: list[Trajectory] | None) -> list[Trajectory]:
-        inputs = None
-        if dist.get_rank() == 0:
-            assert trajs is not None, "rank 0 scatters the batch"
+    def __call__(self, trajs: list[Trajectory] | None) -> list[Trajectory] | None:
+        inputs: list[Any] | None = None
+        if dist.get_rank() == 0 and trajs is None:
+            inputs = [None] * dist.get_world_size()
+        elif dist.get_rank() == 0:
+            assert trajs is not None
             views = {
                 r: shard_view(trajs, owned_indices(len(trajs), self.minibatches, self.dp_size, r))
                 for r in range(self.dp_size)

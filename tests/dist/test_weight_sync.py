@@ -259,3 +259,63 @@ def test_unreachable_engine_fails_fast_and_names_it():
     sync.close()
     assert time.monotonic() - start < 10
     assert url in str(info.value) and "curl" in str(info.value)
+
+
+def _refused_then_pushed(hf_dir: str, url: str, layout: str, out: str) -> None:
+    import contextlib
+
+    import torch.distributed as dist
+
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.state import initialize_for_model
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    model = tiny_config("deepseek_moe")
+    pcfg, _ = parse_layout(layout)
+    initialize_for_model(pcfg, model)
+    chunks = build_model(model, pcfg)
+    load_hf(chunks, hf_dir, model)
+    sync = WeightSync(chunks, model, urls=[url], bucket_mb=0.05)
+    sync.connect()
+    if dist.get_rank() == 0:  # the engine loses the group: it refuses the first bucket
+        gone = httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": sync.group_name})
+        assert gone.json()["success"]
+    dist.barrier()
+    failed = False
+    try:
+        sync.push(version=11)
+    except WeightSyncError:
+        failed = True
+    with contextlib.suppress(WeightSyncError):  # rank 0: the engine has no group to destroy
+        sync.close()
+    seen: list[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(seen, failed)
+    again = WeightSync(chunks, model, urls=[url], bucket_mb=0.05)  # as the loop's rejoin
+    again.connect()
+    try:
+        again.push(version=12)
+    finally:
+        again.close()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(seen))
+
+
+def test_a_refused_push_fails_on_rank_0_only_and_the_ranks_push_again(
+    engines, tiny_checkpoints, tmp_path
+):
+    """pp2: rank 0 sends the engines every stage's buckets (rank 1's by p2p). When the
+    engine refuses the first one, rank 0 still receives and gathers the rest, sent
+    nowhere, so rank 1 finishes its part instead of blocking on a send; the error is rank
+    0's alone, and all ranks then push again into a new group (moerl/loop.py repeats a
+    push this way after an engine restarts)."""
+    out = tmp_path / "seen.json"
+    hf = str(tiny_checkpoints["deepseek_moe"])
+    spawn(_refused_then_pushed, 2, hf, engines[0].url, "pp2", str(out))
+    assert json.loads(out.read_text()) == [True, False]
+    a, _, before = engines
+    got = _generate(a.url)
+    assert got["meta_info"]["weight_version"] == "12"
+    _assert_same(got, before)  # the original weights, pushed whole the second time
