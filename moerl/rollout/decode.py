@@ -231,7 +231,11 @@ def trajectory_from_response(
     versions_R = versions_from_spans(meta.get("weight_versions"), R, meta.get("weight_version"))
 
     routes_TLK = None
-    if routed_experts:
+    finish = finish_type(meta.get("finish_reason"))
+    # aborted before its first token (SGLang: "Abort in waiting queue"): no forward ran,
+    # so there are no routes to give; the partial-rollout path starts it again
+    not_started = R == 0 and finish == "abort"
+    if routed_experts and not not_started:
         b64 = meta.get("routed_experts")
         if b64 is None:
             raise RoutedExpertsMissing(
@@ -282,7 +286,7 @@ def trajectory_from_response(
         mask_ids=mask_ids,
         mask_offsets=mask_offsets,
         temperature=effective_temperature(sampling_params),
-        finish_reason=finish_type(meta.get("finish_reason")),
+        finish_reason=finish,
         group_id=group_id,
         index=index,
         meta={k: v for k, v in info.items() if v is not None},

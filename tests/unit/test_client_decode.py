@@ -169,6 +169,28 @@ def test_aborted_partial_rollout_keeps_its_tokens():
     assert traj.finish_reason == "abort" and traj.response_len == 3
 
 
+@pytest.mark.parametrize("routes", [None, ""])
+def test_a_request_aborted_before_its_first_token_needs_no_routes(routes):
+    """An engine restarted and paused meanwhile aborts a request that never ran: no
+    tokens and no routes (missing, or moerl.engine's empty list). That is a trajectory to
+    start again (moerl.rollout.partial), not a broken response."""
+    response = sglang_response(
+        finish_reason={"type": "abort", "message": "Abort in waiting queue"},
+        output_token_logprobs=[], routed_experts=routes, output_token_sampling_mask=[],
+        output_token_sampling_logprobs=[], weight_versions=[],
+    )  # fmt: skip
+    response["output_ids"] = []
+    traj = trajectory_from_response(
+        response, PROMPT, {}, routed_experts=True, sampling_mask=True, num_layers=2, topk=2
+    )
+    assert traj.finish_reason == "abort" and traj.response_len == 0
+    assert traj.routed_experts is None
+    # once a token was sampled, the routes are required as always
+    started = sglang_response(finish_reason={"type": "abort"}, routed_experts=routes)
+    with pytest.raises((RoutedExpertsMissing, EngineError)):
+        trajectory_from_response(started, PROMPT, {}, routed_experts=True, num_layers=2, topk=2)
+
+
 def test_generate_body_leaves_unset_fields_to_the_server():
     body = build_generate_body(np.array(PROMPT, dtype=np.int32), {"max_new_tokens": 4})
     assert body == {
