@@ -86,3 +86,32 @@ def test_dp2_step_on_shards_equals_the_whole_batch_and_one_process(rollouts, tmp
         ), key
     for a, b in zip(runs["shard"]["after"], runs["one"]["after"]):
         assert np.allclose(a, b, atol=1e-5)
+
+
+def _scatter_nothing_then_a_batch(out: str) -> None:
+    from moerl.common.trajectory import Trajectory
+    from moerl.config.parallel import ParallelConfig
+    from moerl.parallel.state import initialize_model_parallel
+    from moerl.trainer.shard import BatchScatter
+
+    initialize_model_parallel(ParallelConfig(), num_layers=2, num_attention_heads=2)  # DP=2
+    scatter = BatchScatter(1)
+    rank0 = dist.get_rank() == 0
+    first = scatter(None)  # rank 0 has no batch yet (the loop pushes weights, asks again)
+    batch = [
+        Trajectory(prompt_ids=[1], response_ids=[2, i], response_logprobs=[0.0, 0.0], versions=[0, 0])
+        for i in range(4)
+    ]  # fmt: skip
+    second = scatter(batch if rank0 else None)
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (first, None if second is None else len(second)))
+    if rank0:
+        Path(out).write_text(json.dumps(seen))
+
+
+def test_rank_0_without_a_batch_gives_every_rank_none(tmp_path):
+    """moerl/loop.py's _next_batch: rank 0's None (a restarted engine wants the weights
+    first) reaches every rank as None, and the next call scatters as usual."""
+    out = tmp_path / "seen.json"
+    spawn(_scatter_nothing_then_a_batch, 2, str(out))
+    assert json.loads(out.read_text()) == [[None, 4], [None, 4]]
