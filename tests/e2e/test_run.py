@@ -175,9 +175,11 @@ def test_kill_after_checkpoint_and_resume(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "staleness", ["sync", pytest.param("depth", marks=pytest.mark.slow)]
+    "way",
+    ["sync", pytest.param("depth", marks=pytest.mark.slow),
+     pytest.param("sync_torchrun_ep2", marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, staleness):
+def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
     """SIGKILL the embedded engine mid-run: its requests fail over (here: are generated
     again), the supervisor restarts it, the trainer rebuilds the weight group and pushes
     the current weights, and the run finishes every step with no prompt lost twice.
@@ -185,12 +187,19 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, staleness):
     The kill lands wherever the run is. While the trainer waits for a batch (nearly
     always, synchronously) the restarted engine waits for weights the trainer would push
     only after that batch: it pushes them at once instead (it used to wait forever).
-    During a push, the push fails on the dead engine and is repeated after the restart."""
+    During a push, the push fails on the dead engine and is repeated after the restart.
+    Under torchrun (EP=2) both ranks take part: rank 0's "no batch yet" reaches rank 1
+    and both push."""
     import psutil
 
     run = tmp_path / "fault"
     run.mkdir()
-    args = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", *QUIET,
+    staleness, _, torchrun = way.partition("_")
+    prefix = [sys.executable, "-m", "moerl.launch"]
+    if torchrun:
+        prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                  "-m", "moerl.launch", "parallel=ep2"]  # fmt: skip
+    args = [*prefix, "+recipe=deepseek_moe", *QUIET,
             f"hydra.run.dir={run}", "trainer.train_iters=10", "telemetry.flip_every=0",
             f"staleness={staleness}"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
@@ -206,7 +215,7 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, staleness):
     engines[0].kill()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    # with one rank the launcher is rank 0, so the engine's exit code is its own to read
+    # rank 0 started the engine (with one rank the launcher is rank 0): its exit code is known
     assert "exited with code -9; restarting" in out
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(10))
