@@ -33,6 +33,8 @@ from moerl.config.sync import sync_backend, sync_transport
 from moerl.config.threads import overlapped
 from moerl.sync.wire import WeightSyncError
 
+log = logging.getLogger(__name__)
+
 PUSH_ATTEMPTS = 3
 """A push that meets an engine dying is repeated after its restart, this often in all."""
 
@@ -194,7 +196,7 @@ def _next_batch(rollout: Any, publisher: Any, scatter: Any, version: int) -> tup
         if trajs is not None:
             return batch, trajs
         if rollout:
-            logging.getLogger(__name__).warning(
+            log.warning(
                 "a restarted engine waits for the weights: pushing version %d before "
                 "the step's batch is complete", version,
             )  # fmt: skip
@@ -221,7 +223,7 @@ def _publish(publisher: Any, rollout: Any, version: int, initial: bool = False) 
         restarted = _broadcast(rollout.engines_restarted() if rollout else False)
         if not restarted or attempt == PUSH_ATTEMPTS:
             raise error or WeightSyncError(f"rank 0 could not push version {version}")
-        logging.getLogger(__name__).warning(
+        log.warning(
             "push of version %d failed (%s); an engine was restarted, pushing again",
             version, error,
         )  # fmt: skip
@@ -241,7 +243,6 @@ def _close(rollout: Any, publisher: Any, run_log: Any) -> None:
     """Stop generation first (no request outlives the run), then the publisher and the
     run log. A failure to close is raised once everything was tried, unless the run is
     already failing (then it is logged and the run's own error goes on)."""
-    import logging
     import sys
 
     failing = sys.exc_info()[1] is not None  # called from a finally: the run's error
@@ -255,7 +256,7 @@ def _close(rollout: Any, publisher: Any, run_log: Any) -> None:
                 close()
         except Exception as err:
             name = getattr(close, "__qualname__", "close")
-            logging.getLogger(__name__).warning("closing: %s: %s", name, err)
+            log.warning("closing: %s: %s", name, err)
             errors.append(err)
     if errors and not failing:
         raise errors[0]

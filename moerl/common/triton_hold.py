@@ -11,8 +11,9 @@ Triton (megatron's ``HAVE_TRITON = False``; torch's ``has_triton()`` is already 
 without a GPU). moerl's kernels choose their torch twins on the CPU anyway.
 
 The hook checks at each import, so setting ``TRITON_INTERPRET=1`` (the kernel tests do)
-lets Triton load as usual. It does nothing where Triton is already imported or CUDA is
-available. The CPU layer (``moerl.compat.activate``) and the engine's entry point call it.
+lets Triton load as usual. It does nothing where Triton is already imported. Its callers
+install it only where CUDA is absent: the CPU layer (``moerl.compat.activate``) and the
+engine's entry point (``moerl.device.has_cuda``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-
-import torch
 
 __all__ = ["hold_back", "is_held_back", "release"]
 
@@ -51,12 +50,12 @@ _hook: _Hold | None = None
 
 
 def hold_back() -> bool:
-    """Install the hook when this process has no CUDA and has not imported Triton;
-    returns whether the hook is installed (idempotent)."""
+    """Install the hook (call it only where CUDA is absent) unless this process has
+    imported Triton already; returns whether the hook is installed (idempotent)."""
     global _hook
     if _hook is not None:
         return True
-    if "triton" in sys.modules or torch.cuda.is_available():
+    if "triton" in sys.modules:
         return False
     _hook = _Hold()
     sys.meta_path.insert(0, _hook)

@@ -48,8 +48,8 @@ def activate(force: bool = False) -> bool:
         return True
     if not (needed() or force):
         return False
-    # before megatron-core loads: it imports Triton, which cannot run here (70 MB mapped)
-    triton_hold.hold_back()
+    if needed():  # before megatron-core loads: it imports Triton (70 MB mapped, unused)
+        triton_hold.hold_back()
     quiet_megatron()
     cuda_shim.install()
     rng.install()

@@ -108,10 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     from moerl.common import triton_hold
+    from moerl.device import has_cuda
 
     # transformers imports torch's compiler, which imports Triton: 70 MB for nothing
     # without a GPU (a CPU engine never compiles)
-    triton_hold.hold_back()
+    if not has_cuda():
+        triton_hold.hold_back()
     from moerl._version import shadowing
 
     if (shadow := shadowing()) is not None:

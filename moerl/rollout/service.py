@@ -192,14 +192,15 @@ class RolloutService:
         """Before a push: every engine checked and restarts waited for; generation
         paused by the partial-rollout policy when the push disturbs requests. True when
         engines were restarted and the weight group must be built again."""
-        rejoin = bool(self.aio.run(self.supervisor.before_push()))
+        rejoin = self.engines_restarted()
         if pauses_generation:
             self.aio.run(self._before_update())
         return rejoin
 
     def engines_restarted(self) -> bool:
-        """After a failed push: every engine checked, a dead one restarted and waited for;
-        True when one was (the weight group must be built again and the push repeated)."""
+        """Every engine checked, a dead one restarted and waited for (before a push, and
+        after one failed); True when one was restarted since the last push (the weight
+        group must be built again)."""
         return bool(self.aio.run(self.supervisor.before_push()))
 
     async def _before_update(self) -> None:

@@ -68,15 +68,16 @@ class BatchScatter:
 
     def __call__(self, trajs: list[Trajectory] | None) -> list[Trajectory] | None:
         inputs: list[Any] | None = None
-        if dist.get_rank() == 0 and trajs is None:
+        if dist.get_rank() == 0:
             inputs = [None] * dist.get_world_size()
-        elif dist.get_rank() == 0:
-            assert trajs is not None
-            views = {
-                r: shard_view(trajs, owned_indices(len(trajs), self.minibatches, self.dp_size, r))
-                for r in range(self.dp_size)
-            }
-            inputs = [views[int(r)] for r in self.dp_of]
+            if trajs is not None:
+                views = {
+                    r: shard_view(
+                        trajs, owned_indices(len(trajs), self.minibatches, self.dp_size, r)
+                    )
+                    for r in range(self.dp_size)
+                }
+                inputs = [views[int(r)] for r in self.dp_of]
         out: list[Any] = [None]
         dist.scatter_object_list(out, inputs, src=0)
         return out[0]
