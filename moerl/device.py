@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from moerl.common.checks import DEVICE_NAMES, check_device_name  # noqa: F401 (re-exported)
+
+T = TypeVar("T")
 
 
 def has_cuda() -> bool:
@@ -113,6 +115,36 @@ def cuda_time_and_peak(fn: Callable[[], None], reps: int) -> tuple[float, float]
     fn()
     torch.cuda.synchronize()
     return statistics.median(times), (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def graphed(fn: Callable[[], T], dev: torch.device, warmup: int = 2) -> Callable[[], T]:
+    """``fn`` captured as a CUDA graph on ``dev``: run ``warmup`` times on a side stream
+    first (lazy initialisation, cuBLAS workspaces), then captured once. The returned
+    callable replays it and returns what the captured call returned: the same tensors,
+    refilled by every replay, and it keeps ``fn`` (with every tensor its closure holds)
+    alive. ``fn`` must read its inputs from tensors that stay put (copy new inputs into
+    them) and must not wait on the host. Only this thread is held
+    to the capture's rules (another thread, a colocated trainer, may use the GPU)."""
+    with torch.cuda.device(dev):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+
+    def replay() -> T:
+        graph.replay()
+        return out
+
+    # The graph reads by address whatever fn's closure made before the capture (index
+    # tensors, input buffers): it must live as long as the graph, or its memory is reused
+    # and a replay reads garbage (an H200 run: "index out of bounds" in the first replay).
+    replay.keeps = (graph, fn)  # type: ignore[attr-defined]
+    return replay
 
 
 def empty_cache() -> None:

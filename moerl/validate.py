@@ -303,6 +303,10 @@ def _check_engine_numbers(e: EngineConfig) -> None:
             f"engine.chunked_prefill_size={chunk!r} must be a positive integer, or -1 for no "
             "chunking"
         )
+    if e.cuda_graph_max_bs is not None:
+        positive_int("engine.cuda_graph_max_bs", e.cuda_graph_max_bs)
+    if not isinstance(e.cuda_graph, bool):
+        raise ValueError(f"engine.cuda_graph={e.cuda_graph!r} must be true or false")
     non_negative_int("engine.max_restarts", e.max_restarts)
     for key in ("startup_timeout_s", "health_interval_s"):
         positive_seconds(f"engine.{key}", getattr(e, key))

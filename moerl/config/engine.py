@@ -33,6 +33,14 @@ class EngineConfig:
     they overlap)."""
     max_running_requests: int = 64
     """Requests an embedded engine decodes together (continuous batching)."""
+    cuda_graph: bool = False
+    """Embedded engines on CUDA replay their decode steps as CUDA graphs (SGLang's
+    default; one graph per batch size, up to cuda_graph_max_bs; not with LoRA). Off until
+    a GPU run has checked the replay (moerl/engine/decode_graphs.py). SGLang servers
+    choose their own (--disable-cuda-graph)."""
+    cuda_graph_max_bs: int | None = None
+    """The largest decode batch captured as a graph (None: max_running_requests, at most
+    256; SGLang's --cuda-graph-max-bs)."""
     max_prefill_tokens: int = 16384
     """Input tokens an embedded engine prefills together in one scheduler step (at least
     one request), as SGLang's --max-prefill-tokens."""

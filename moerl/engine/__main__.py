@@ -3,7 +3,10 @@
 Flags are named as SGLang's (``--model-path``, ``--port``, ``--host``,
 ``--max-running-requests``, ``--max-queued-requests``, ``--max-prefill-tokens``,
 ``--chunked-prefill-size``, ``--enable-return-routed-experts``,
-``--enable-lora``, ``--disable-radix-cache``, ``--api-key``, ``--device``), so scripts move between the two by changing the module.
+``--enable-lora``, ``--disable-radix-cache``, ``--api-key``, ``--device``,
+``--disable-cuda-graph``, ``--cuda-graph-max-bs``), so scripts move between the two by
+changing the module. One default differs: decode CUDA graphs are off unless
+``--enable-cuda-graph`` (``moerl.engine.decode_graphs``).
 The API key can come from the ``MOERL_API_KEY`` environment variable instead, which keeps
 it out of the process list. SIGTERM or Ctrl-C fails the requests in flight (503) and exits.
 """
@@ -90,11 +93,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the device to use: 'cuda', 'cuda:N' or 'cpu'; 'auto' (the default, SGLang's "
         "auto-detection) is cuda when torch sees a GPU, else cpu",
     )
+    p.add_argument(
+        "--enable-cuda-graph",
+        action="store_true",
+        help="on CUDA, decode steps of up to --cuda-graph-max-bs requests replay captured "
+        "CUDA graphs (not with --enable-lora). SGLang's default; moerl's engine keeps it off "
+        "until a GPU run has checked the replay (tools/gpu/run.py)",
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="every decode step runs eagerly (SGLang's flag; moerl's default, and it wins "
+        "over --enable-cuda-graph)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="the largest decode batch captured as a CUDA graph (default: "
+        "--max-running-requests, at most 256); larger batches decode eagerly",
+    )
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
+        p.error(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be at least 1")
     try:  # before loading anything: a device this machine lacks is a usage error
         resolve(args.device)
     except ValueError as err:

@@ -9,6 +9,15 @@ from typing import Any
 import torch
 
 
+def decode_graphs(runner: Any, args: argparse.Namespace) -> Any:
+    """CUDA graphs for the runner's decode steps (``moerl.engine.decode_graphs``)."""
+    from moerl.device import graphed
+    from moerl.engine.decode_graphs import DEFAULT_MAX_BS, DecodeGraphs
+
+    max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests)
+    return DecodeGraphs(runner, max_bs, lambda fn: graphed(fn, runner.device))
+
+
 def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine import API_KEY_ENV
     from moerl.engine.eos import eos_token_ids
@@ -32,6 +41,9 @@ def build_state(args: argparse.Namespace) -> Any:
             target_modules=args.lora_target_modules,
             max_loras=args.max_loras_per_batch,
         )
+    graphs = args.enable_cuda_graph and not args.disable_cuda_graph
+    if graphs and runner.device.type == "cuda" and runner.lora is None:
+        runner.graphs = decode_graphs(runner, args)
     tokenizer = None
     try:
         from moerl.models.tokenizer import load_tokenizer

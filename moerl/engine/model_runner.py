@@ -10,15 +10,18 @@ new tokens of several requests in one forward (batched prefill, rows left-padded
 
 Everything runs on one device (``--device``): the weights, the KV pool, the masks and
 positions, and the logits the scheduler samples from; the routes leave it as numpy.
+On CUDA, decode steps replay captured graphs where they can (``graphs``, set by the
+engine's launch; ``moerl.engine.decode_graphs``).
 """
 
 # B batch, S tokens, H hidden, L layers, K top-k, V vocab
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +91,7 @@ class ModelRunner:
         # the draws happen where the logits are (a CUDA generator for CUDA logits)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.lora: Any = None  # a LoraManager when the engine runs with --enable-lora
+        self.graphs: Any = None  # DecodeGraphs when decode steps replay CUDA graphs
 
     def _set_adapters(self, adapters: list[str | None] | None) -> None:
         if self.lora is not None:
@@ -110,9 +114,26 @@ class ModelRunner:
         self._captured.clear()
         return out if self.topk else out[..., :0]
 
+    @contextlib.contextmanager
+    def experts_as(self, name: str | None) -> Iterator[None]:
+        """Inside the block the MoE experts run transformers' ``name`` implementation
+        ('grouped_mm', 'batched_mm'); a no-op for None or a model without the choice."""
+        current = getattr(self.model.config, "_experts_implementation", None)
+        settable = hasattr(self.model, "set_experts_implementation")
+        if name is None or current is None or current == name or not settable:
+            yield
+            return
+        self.model.set_experts_implementation(name)
+        try:
+            yield
+        finally:
+            self.model.set_experts_implementation(current)
+
     def release_weights(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Free every parameter's memory (SGLang's release of the 'weights' tag); returns
         their shapes and dtypes for ``resume_weights``. Buffers (rotary tables) stay."""
+        if self.graphs is not None:
+            self.graphs.clear()  # they read the parameters' old memory
         shapes = {}
         for name, param in self.params.items():
             shapes[name] = (param.shape, param.dtype)
@@ -121,6 +142,8 @@ class ModelRunner:
 
     def resume_weights(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
         """Parameters back at their shapes, as zeros: the values come with the next push."""
+        if self.graphs is not None:
+            self.graphs.clear()
         for name, (shape, dtype) in shapes.items():
             param = self.params[name]
             param.data = torch.zeros(shape, dtype=dtype, device=param.device)
@@ -198,12 +221,18 @@ class ModelRunner:
         """One token for each of B requests in one forward; returns logits [B, V] and
         routes [B, L, K]. The slots' lengths grow only if the forward succeeds."""
         starts = [pool.length(s) for s in slots]
-        plan = Plan(slots, starts, [1] * len(slots), self.device)
-        logits = self._forward(pool, plan, [[t] for t in tokens], adapters, False)
-        routes = self._routes(len(tokens), 1)[:, 0]
+        graphed = None
+        if self.graphs is not None and self.graphs.usable(pool, slots, adapters):
+            graphed = self.graphs.decode(pool, starts, tokens)  # None: the capture failed
+        if graphed is not None:
+            logits_BV, routes = graphed
+        else:
+            plan = Plan(slots, starts, [1] * len(slots), self.device)
+            logits = self._forward(pool, plan, [[t] for t in tokens], adapters, False)
+            logits_BV, routes = logits[:, -1].float(), self._routes(len(tokens), 1)[:, 0]
         for slot, start in zip(slots, starts):
             pool.set_length(slot, start + 1)
-        return logits[:, -1].float(), routes
+        return logits_BV, routes
 
     # -- weights -----------------------------------------------------------------------
     def _target(self, name: str) -> tuple[torch.Tensor, tuple[Any, ...]]:

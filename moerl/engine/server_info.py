@@ -54,6 +54,12 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "lora_target_modules": None if lora is None or not lora.targets else sorted(lora.targets),
         "disable_radix_cache": sched.prefix_cache is None,
         "prefix_cache_max_tokens": None if cache is None else cache.max_tokens,
+        # decode steps as CUDA graphs (on CUDA, without LoRA; off on the CPU)
+        **(
+            runner.graphs.info()
+            if runner.graphs is not None
+            else {"disable_cuda_graph": True, "cuda_graph_max_bs": None}
+        ),
         # one process, one model replica, no parallelism
         "tp_size": 1,
         "dp_size": 1,

@@ -28,19 +28,22 @@ def test_dry_run_runs_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert sorted(parts) == ["1", "2", "3", "4", "5", "6", "7"]
+    assert sorted(parts) == ["1", "2", "3", "4", "5", "6", "7", "8"]
     assert {p["status"] for p in parts.values()} <= {"ok", "skipped"}, parts
     assert "skipped" in parts["1"]["results"]["pytest"]  # the kernels' GPU tests, collected
     assert parts["6"]["results"]["benches"] == {"kernels": "ok"}  # run_all's kernel section
     assert any(k.startswith("fused_logprobs") for k in parts["2"]["results"])
     assert parts["3"]["results"]["tiny/fp32"]["ok"]
     assert parts["5"]["results"]["steps"] == 2
+    assert parts["8"]["results"]["steps"] == 2  # engine.cuda_graph=true: no graphs on the CPU
     colocated = parts["7"]["results"]  # in one process, asleep through both steps
     assert colocated["steps"] == 2 and colocated["engine_slept_steps"] == 2
     assert colocated["onpolicy_log_ratio_abs_max"] < 1e-4
     # what comes back from the device machine: at most 8 files, names it accepts
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in files)
+    logs = (out / "parts.log").read_text()  # every part's log, in order
+    assert [int(n) for n in re.findall(r"^# part (\d+):", logs, re.M)] == list(range(1, 9))
     assert "=== summary ===" in proc.stdout
 
 

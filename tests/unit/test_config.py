@@ -159,6 +159,7 @@ def testpackage_header() -> None:
         (["engine.prefix_cache_max_tokens=0"], 1, ["engine.prefix_cache_max_tokens=0"]),
         (["engine.chunked_prefill_size=0"], 1, ["engine.chunked_prefill_size=0", "-1 for no"]),
         (["engine.max_prefill_tokens=0"], 1, ["engine.max_prefill_tokens=0"]),
+        (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
     ],
@@ -192,6 +193,27 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     assert args.disable_radix_cache == (flags == ["--disable-radix-cache"])
     assert args.max_running_requests == cfg.engine.max_running_requests
     assert (args.max_prefill_tokens, args.chunked_prefill_size) == (999, -1)
+
+
+@pytest.mark.parametrize(
+    "overrides, enabled, max_bs",
+    [
+        ([], False, None),
+        (["engine.cuda_graph=true"], True, None),
+        (["engine.cuda_graph=true", "engine.cuda_graph_max_bs=16"], True, 16),
+        (["engine.cuda_graph_max_bs=16"], False, None),  # no graphs: nothing to bound
+    ],
+)
+def test_engine_cuda_graph_becomes_engine_flags(
+    overrides: list[str], enabled: bool, max_bs: int | None
+) -> None:
+    from moerl.engine.__main__ import parse_args
+    from moerl.launch import engine_flags
+
+    cfg = _compose(*overrides)
+    validate_config(cfg, world_size=1)
+    args = parse_args(["--model-path", "m", *engine_flags(cfg.engine)])
+    assert (args.enable_cuda_graph, args.cuda_graph_max_bs) == (enabled, max_bs)
 
 
 def test_validate_accepts_dataclass() -> None:

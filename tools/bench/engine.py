@@ -1,7 +1,7 @@
 """Embedded-engine throughput and weight-update stall, measured side by side.
 
     python tools/bench/engine.py [--family deepseek_moe] [--new-tokens 64] [--quick]
-                                 [--device cpu|cuda|cuda:N]
+                                 [--device cpu|cuda|cuda:N] [--cuda-graph off|on|both]
 
 Prints generated tokens/s at 1, 8 and 32 concurrent requests, the ratio of
 continuous batching (32 concurrent) to the same 32 requests one at a time
@@ -28,8 +28,11 @@ rows' own tokens count. Each prints
 many prompt tokens the engine prefilled (``group_prefill_tokens``, the prompt once).
 
 ``--device`` (default cpu) runs every engine and ``generate`` there; weight updates still
-travel over gloo (a CPU bucket the engine copies into its model). The targets above were
-set on 2 CPU cores.
+travel over gloo (a CPU bucket the engine copies into its model). ``--cuda-graph on``
+starts the engine of the ``generate`` comparison with ``--enable-cuda-graph`` (decode
+steps replayed as CUDA graphs; CUDA only), ``both`` runs the comparison once eager and
+once with graphs, each beside its own ``generate``, and tags each line
+``cuda_graph=off|on``. The targets above were set on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -256,6 +259,7 @@ def _vs_generate(
     reps: int,
     shape: str,
     device: str = "cpu",
+    cuda_graph: bool = False,
 ) -> dict:
     """Engine vs ``model.generate`` tokens/s at fixed and long-tailed lengths (medians of
     ``reps`` alternating repetitions), and the prompt tokens a group of 8 prefills."""
@@ -326,6 +330,7 @@ def _vs_generate(
         device,
         "--max-running-requests",
         str(max(64, prompts)),
+        *(["--enable-cuda-graph"] if cuda_graph else []),
         threads=threads,
     ) as engine:
         asyncio.run(run_engine(engine.url, [4] * prompts))  # warm-up, both sides
@@ -340,10 +345,20 @@ def _vs_generate(
             results[f"{kind}_ratio"] = e / h
             results[f"{kind}_tokens"] = sum(lens)
             print(
-                f"engine lengths={kind} engine_tok_s={e:.1f} hf_tok_s={h:.1f} "
+                f"engine lengths={kind} cuda_graph={'on' if cuda_graph else 'off'} "
+                f"engine_tok_s={e:.1f} hf_tok_s={h:.1f} "
                 f"ratio={e / h:.2f} (prompts={prompts} tokens={sum(lens)} "
                 f"longest={max(lens)} reps={reps}; target >= "
                 f"{'1' if kind == 'fixed' else '2'}x)",
+                flush=True,
+            )
+        info = httpx.get(f"{engine.url}/server_info", timeout=60).json()
+        results["cuda_graph_captures"] = info.get("cuda_graph_captures")
+        if cuda_graph:  # what the engine did with the flag
+            print(
+                f"engine cuda_graph captures={info.get('cuda_graph_captures')} "
+                f"experts={info.get('cuda_graph_experts')} "
+                f"off_because={info.get('cuda_graph_disabled_reason')}",
                 flush=True,
             )
         # a GRPO group: one prompt, n=8 samples, on a flushed prefix cache
@@ -388,25 +403,40 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="model vs model.generate (default: mid; tiny is quicker but overhead-bound)",
     )
+    parser.add_argument(
+        "--cuda-graph",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the generate comparison's engine with decode CUDA graphs (CUDA only); both: "
+        "eager, then graphs",
+    )
     args = parser.parse_args(argv)
     new_tokens = 16 if args.quick else args.new_tokens
+    if args.cuda_graph != "off" and args.device == "cpu":
+        parser.error("--cuda-graph on/both needs a CUDA --device (the CPU has no graphs)")
 
     from moerl.engine.process import EngineProcess
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        results = _vs_generate(
-            args.family,
-            Path(tmp),
-            args.threads,
-            8 if args.quick else args.prompts,
-            new_tokens,
-            1 if args.quick else args.reps,
-            args.generate_shape or "mid",
-            args.device,
-        )
+        results: dict = {}
+        for graphs in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]:
+            got = _vs_generate(
+                args.family,
+                Path(tmp),
+                args.threads,
+                8 if args.quick else args.prompts,
+                new_tokens,
+                1 if args.quick else args.reps,
+                args.generate_shape or "mid",
+                args.device,
+                graphs,
+            )
+            tag = "cuda_graph_" if graphs and args.cuda_graph == "both" else ""
+            results.update({f"{tag}{k}": v for k, v in got.items()})
         results["device"] = args.device
+        results["cuda_graph"] = args.cuda_graph
         if args.only_generate:
             print(json.dumps(results))
             return results

@@ -808,7 +808,9 @@ def _gpu_run(run: dict[str, Any]) -> str:
             target = 1.0 if m["lengths"] == "fixed" else 2.0
             ratio = float(m["ratio"])
             lines.append(
-                f"| engine | {m['lengths']} lengths, tokens/s vs `model.generate` on CUDA | "
+                f"| engine | {m['lengths']} lengths"
+                f"{', decode CUDA graphs' if m.get('cuda_graph') == 'on' else ''}"
+                f", tokens/s vs `model.generate` on CUDA | "
                 f"{float(m['engine_tok_s']):.0f} | {float(m['hf_tok_s']):.0f} ({ratio:.2f}×) | "
                 f"≥ {target:g}× | {'met' if ratio >= target else 'not met'} |"
             )
@@ -822,7 +824,9 @@ def _gpu_run(run: dict[str, Any]) -> str:
             f"{e['hf_step_ms']:.2f} ms ({e['hf_step_ms'] / e['engine_step_ms']:.2f}×) | — | — |"
         )
     for key, what in (("part5_main_job", "trainer and engine on one GPU"),
-                      ("part7_colocated", "colocated, sync, engine asleep while training")):  # fmt: skip
+                      ("part7_colocated", "colocated, sync, engine asleep while training"),
+                      ("part8_main_job_cuda_graph", "trainer and engine on one GPU, engine "
+                       "decode CUDA graphs")):  # fmt: skip
         if key not in run:
             continue
         job = run[key]

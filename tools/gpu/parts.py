@@ -3,7 +3,7 @@
 Budgets (seconds of device time, the 8-minute plan of issue 28; a rerun must fit the
 15 minutes too): install 30, part 1 120, part 2 120, part 3 180 (the CPU side of the mid
 bf16 step is slow: 120 s ran out there on an H100 machine), part 4 100, part 5 150, part 6
-120. ``dry_limit_s`` bounds the CPU dry run.
+120, part 7 120, part 8 150. ``dry_limit_s`` bounds the CPU dry run.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ GPU_TESTS = [
     # the embedded engine with --device cuda against transformers on CUDA
     "tests/unit/test_device.py",
     "tests/unit/test_engine_device.py",
+    "tests/unit/test_engine_decode_graphs.py",
     "tests/integration/test_engine_device_run.py",
 ]
 # the main job: the shipped recipe, 20 steps, trainer on the GPU (moerl.device picks it)
@@ -73,6 +74,13 @@ def _launch(work: Path, dry: bool) -> list[str]:
     return [PY, *LAUNCH, *size, f"hydra.run.dir={work / 'run'}"]
 
 
+def _launch_graphs(work: Path, dry: bool) -> list[str]:
+    # part 5 with the engine's decode steps replayed as CUDA graphs (engine.cuda_graph)
+    argv = _launch(work, dry)[:-1]
+    graphs = ["engine.cuda_graph=true"]  # on the CPU: validated and passed on, no graphs
+    return [*argv, *graphs, f"hydra.run.dir={work / 'graphs'}"]
+
+
 def _colocated(work: Path, dry: bool) -> list[str]:
     # the engine inside the trainer's process on the same GPU, synchronous, asleep while
     # the trainer steps (launcher.sleep_engine's CUDA default), weights by CUDA IPC handle
@@ -86,13 +94,14 @@ def _colocated(work: Path, dry: bool) -> list[str]:
 
 
 def _engine(work: Path, dry: bool) -> list[str]:
-    # fixed and long-tailed lengths against model.generate on the same device and weights
+    # fixed and long-tailed lengths against model.generate on the same device and weights,
+    # the engine eager and with decode CUDA graphs (the CPU has none)
     if dry:
         size = ["--device", "cpu", "--only-generate", "--generate-shape", "tiny",
                 "--prompts", "2", "--reps", "1", "--new-tokens", "4"]  # fmt: skip
     else:
         size = ["--device", "cuda", "--only-generate", "--prompts", "32", "--new-tokens", "32",
-                "--reps", "2"]  # fmt: skip
+                "--reps", "2", "--cuda-graph", "both"]  # fmt: skip
     return [PY, "tools/bench/engine.py", *size]
 
 
@@ -127,6 +136,14 @@ PARTS = [
         "main job colocated on one GPU (sync, engine asleep while training, 10 steps)",
         _colocated,
         120,
+        dry_limit_s=90,
+        sample_gpu_memory=True,
+    ),  # fmt: skip
+    Part(
+        8,
+        "main job on one GPU, engine decode CUDA graphs (engine.cuda_graph=true, 20 steps)",
+        _launch_graphs,
+        150,
         dry_limit_s=90,
         sample_gpu_memory=True,
     ),  # fmt: skip
@@ -179,10 +196,14 @@ def _colocated_results(work: Path, log: Path) -> dict[str, Any]:
     return out
 
 
+def _graphs_results(work: Path, log: Path) -> dict[str, Any]:
+    return _launch_results(work, log, "graphs")
+
+
 def _engine_results(work: Path, log: Path) -> dict[str, Any]:
     # the bench's summary lines: "engine lengths=fixed engine_tok_s=… hf_tok_s=… ratio=…"
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("engine ")]
-    return {"lines": lines[-4:]}
+    return {"lines": lines[-8:]}  # eager and graphs: two lengths, captures, group
 
 
 def _run_all_results(work: Path, log: Path) -> dict[str, Any]:
@@ -200,5 +221,6 @@ def parse_results(number: int, work: Path, log: Path) -> dict[str, Any]:
         5: _launch_results,
         6: _run_all_results,
         7: _colocated_results,
+        8: _graphs_results,
     }
     return parsers[number](work, log) if number in parsers else {}

@@ -1,6 +1,7 @@
 """Where an embedded-engine decode step goes, beside the transformers forward it wraps.
 
     python tools/gpu/profile_engine.py [--device cuda] [--requests 32] [--new-tokens 32]
+                                       [--enable-cuda-graph]
 
 Runs the tiny deepseek_moe checkpoint in an in-process engine, ``--requests`` concurrent
 ``/generate`` calls of ``--new-tokens`` each, and prints
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--enable-cuda-graph", action="store_true", help="decode steps replay CUDA graphs"
+    )
     args = parser.parse_args(argv)
     if args.new_tokens < PROFILED.stop + 4:
         parser.error(f"--new-tokens {args.new_tokens}: at least {PROFILED.stop + 4}")
@@ -66,7 +70,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     Scheduler._step = timed_step  # type: ignore[method-assign]
     try:
-        engine = InProcessEngine(ckpt, "--max-running-requests", "64", "--device", args.device)
+        flags = ["--max-running-requests", "64", "--device", args.device]
+        if args.enable_cuda_graph:
+            flags.append("--enable-cuda-graph")
+        engine = InProcessEngine(ckpt, *flags)
 
         async def generate() -> None:
             async with httpx.AsyncClient(mounts=engine_mounts([engine]), timeout=600) as c:

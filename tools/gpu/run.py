@@ -20,9 +20,12 @@ process under its own time limit (``PARTS``), so one hang costs one part:
 6. ``tools/bench/run_all.py --quick --only kernels``: the suite's GPU section, the
    kernel rows the report renders for a CUDA machine.
 
-Each part's output goes to ``DIR/partN.log`` as it runs (and to stdout); ``DIR/summary.json``
-holds every part's status, seconds and parsed results, and the last lines printed are a
-compact summary. At most 8 files land in DIR.
+Each part's output goes to ``DIR/partN.log`` as it runs (and to stdout), and is moved to
+the end of ``DIR/parts.log`` once the part ends, so a call killed mid-part still returns
+the running part's log and DIR never holds more than four files (a GPU call returns at
+most 8): ``install.log``, ``parts.log``, the running part's log and ``summary.json``,
+which holds every part's status, seconds and parsed results. The last lines printed are
+a compact summary.
 
 ``--dry-run`` runs the same drivers on the CPU at tiny sizes, without installing
 anything (the checkout's environment already has moerl): the test suite runs it, so the
@@ -132,7 +135,9 @@ def run_part(part: Part, env: dict[str, str], out: Path, work: Path, dry: bool) 
     log = out / f"part{part.number}.log"
     log.write_text(f"# part {part.number}: {part.name}\n")
     if part.skip:
-        log.write_text(f"# part {part.number}: {part.name}: skipped: {part.skip}\n")
+        log.unlink()
+        with (out / "parts.log").open("a") as done:
+            done.write(f"# part {part.number}: {part.name}: skipped: {part.skip}\n")
         return {"status": "skipped", "why": part.skip}
     argv = part.argv(work, dry)
     limit = part.dry_limit_s if dry else part.limit_s
@@ -155,6 +160,9 @@ def run_part(part: Part, env: dict[str, str], out: Path, work: Path, dry: bool) 
         result["results"] = parse_results(part.number, work, log)
     except Exception as err:  # a failed part may leave nothing to parse
         result["results"] = {"parse_error": repr(err)}
+    with (out / "parts.log").open("a") as done:
+        done.write(log.read_text(errors="replace") + "\n")
+    log.unlink()
     return result
 
 
@@ -166,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--work", type=Path, default=Path("/tmp/moerl_gpu_work"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "parts.log").unlink(missing_ok=True)  # this run's parts only
     if args.work.exists():
         shutil.rmtree(args.work)
     args.work.mkdir(parents=True)
