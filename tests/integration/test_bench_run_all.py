@@ -193,8 +193,19 @@ def test_committed_gpu_run_renders_with_its_baselines(tmp_path):
     runs = json.loads(report.GPU_RUN.read_text())["runs"]
     newest = next(r for r in runs if "vs_trl" in r)  # the colocated job, TRL, the sweep
     run = next(r for r in runs if "part1_pytest_gpu" in r and "part5_main_job" in r)
-    grouped = [r for r in report._gpu_run(runs[0]).splitlines() if r.startswith("| experts |")]
+    with_grouped = next(r for r in runs if "grouped_experts" in r)
+    grouped = [r for r in report._gpu_run(with_grouped).splitlines() if r.startswith("| experts |")]
     assert grouped and all("trainer.expert_gemm=grouped" in r and "×)" in r for r in grouped)
+    # a run with failed tests says so, and its note follows the header
+    failed = dict(run, part1_pytest_gpu={"pytest": "1 failed, 13 passed"}, note="Graphs on.")
+    text = report._gpu_run(failed)
+    assert "(`bench/gpu/results.json` holds every number and the commands). Graphs on." in text
+    assert next(r for r in text.splitlines() if "`pytest -m gpu`" in r).endswith("| not met |")
+    said = [(r, r.get("part1_pytest_gpu", {}).get("pytest", "")) for r in runs]
+    passing = next(r for r, text in said if "passed" in text and "fail" not in text)
+    assert next(
+        r for r in report._gpu_run(passing).splitlines() if "`pytest -m gpu`" in r
+    ).endswith("| met |")
     run["part2_kernels"] = {
         "lora_gmm@E8": {"kernel_ms": 1.0, "torch_ms": 3.0, "speedup": 3.0,
                         "kernel_peak_mb": 1.0, "torch_peak_mb": 1.0, "mem_ratio": 1.0},
