@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import io
 import pickle
 import secrets
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,8 +126,43 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name} (not tensor data)")
 
 
-def read_named_tensors(payloads: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """The named tensors of TP rank 0's payload; ValueError naming what is wrong."""
+class MappedStorages:
+    """The sender's shared-memory storages this engine mapped, kept mapped (least recently
+    used dropped beyond ``max_bytes``). torch unmaps a storage once its last tensor is
+    gone and maps it again, page by page, on the next push; a sender whose buffers or
+    parameters stay put across pushes (moerl's trainer) then costs a page fault per 4 KB
+    per push, and the unmapping as much again. Keeping them mapped also keeps them alive
+    after the sender frees them, which ``max_bytes`` bounds."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._kept: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
+        self.bytes = 0
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or not tensor.is_shared():
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                continue
+            self._kept[key] = storage
+            self.bytes += storage.nbytes()
+        while self.bytes > self.max_bytes and self._kept:
+            _, dropped = self._kept.popitem(last=False)
+            self.bytes -= dropped.nbytes()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def read_named_tensors(
+    payloads: Any, load_format: str | None, mapped: MappedStorages | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of TP rank 0's payload; ValueError naming what is wrong. With
+    ``mapped``, their shared-memory storages stay mapped for the next push."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format={load_format!r}: this engine loads null, 'direct' or 'flattened_bucket'"
@@ -160,6 +197,8 @@ def read_named_tensors(payloads: Any, load_format: str | None) -> list[tuple[str
                 else ""
             )
         )
+    if mapped is not None:
+        mapped.keep(tensor for _, tensor in named)
     return [(name, tensor) for name, tensor in named]
 
 

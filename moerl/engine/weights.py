@@ -35,7 +35,7 @@ from fastapi import Request as HTTPRequest
 
 from moerl.engine.bucket import dtype_of, nbytes, unflatten
 from moerl.engine.group import broadcast, init_custom_process_group
-from moerl.engine.tensor_payload import read_named_tensors
+from moerl.engine.tensor_payload import MappedStorages, read_named_tensors
 from moerl.engine.validate import nonfinite_tensor
 
 
@@ -118,6 +118,10 @@ def register_weight_routes(
     app: FastAPI, state: Any, ok: Any, fail: Any, body_of: Any, on_scheduler: Any
 ) -> None:
     sched, runner = state.scheduler, state.runner
+    # a sender's buffers and parameters stay mapped between pushes (tensor_payload says
+    # why); up to three times this model's bytes: its parameters plus staging buckets
+    model_bytes = sum(p.numel() * p.element_size() for p in runner.params.values())
+    mapped = MappedStorages(3 * model_bytes)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: HTTPRequest) -> Any:
@@ -200,7 +204,10 @@ def register_weight_routes(
         abort_all = bool(body.get("abort_all_requests", False))
         try:
             named = await asyncio.to_thread(
-                read_named_tensors, body.get("serialized_named_tensors"), body.get("load_format")
+                read_named_tensors,
+                body.get("serialized_named_tensors"),
+                body.get("load_format"),
+                mapped,
             )
             if not named:
                 raise ValueError("serialized_named_tensors holds no tensors")

@@ -12,12 +12,19 @@ Tensors are copied (and cast) straight into one of two reused byte buffers
 so the next bucket is gathered into one while the other is on the wire. A bucket's bytes
 stay valid until the bucket after next is gathered: its sender must be done with them by
 then. Memory stays bounded by two buckets on either side.
+
+The same-host tensor path can *borrow* instead (``bucketize``'s ``borrow``): a tensor the
+engines can already open where it lies (in shared memory, as the trainer's parameters are
+under ``sync.transport=tensor``) and that needs no cast is not copied; it goes, as itself,
+into a bucket of borrowed tensors (``Bucket.tensors``) that is sent after the copied ones.
+Such a bucket has no byte limit (it costs no memory) and its tensors must stay unchanged
+until the engines answered, which a push guarantees: it returns only then.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +72,8 @@ class Bucket:
     shapes: list[list[int]] = field(default_factory=list)
     nbytes: int = 0
     flat: torch.Tensor | None = None
+    tensors: list[torch.Tensor] | None = None
+    """Borrowed: the tensors themselves, no ``flat`` (the tensor path only)."""
 
     def describe(self, name: str, dtype: torch.dtype, shape: torch.Size) -> int:
         """Append one tensor's metadata; returns its byte offset in ``flat``."""
@@ -106,21 +115,35 @@ def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: t
         dst.copy_(tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8))
 
 
+def shared_in_memory(tensor: torch.Tensor) -> bool:
+    """A CPU tensor in shared memory: another process on this host can map it."""
+    return tensor.device.type == "cpu" and tensor.is_shared()
+
+
 def bucketize(
     stream: Iterable[tuple[str, torch.Tensor]],
     limit_bytes: int,
     dtype: torch.dtype | None,
     staging: Staging | None = None,
+    borrow: Callable[[torch.Tensor], bool] | None = None,
 ) -> Iterator[tuple[Bucket, bool]]:
     """``(bucket, is_last)`` of at most ``limit_bytes`` each (a bigger tensor goes alone,
     as its own bytes), cast to ``dtype`` when given, gathered into ``staging`` (two
-    buffers of its own when None). The last bucket may be empty."""
+    buffers of its own when None). With ``borrow``, the tensors it accepts that need no
+    cast are not copied: they follow, after the copied buckets, in one bucket of borrowed
+    tensors (the module docstring). The last bucket may be empty."""
     staging = staging or Staging(limit_bytes)
     assert staging.limit_bytes >= limit_bytes, "staging buffers smaller than a bucket"
     current, buffer = Bucket(), None
+    borrowed = Bucket(tensors=[])
     for name, tensor in stream:
         tensor = tensor.detach()
         target = dtype or tensor.dtype
+        if borrow is not None and target == tensor.dtype and borrow(tensor):
+            borrowed.describe(name, target, tensor.shape)
+            assert borrowed.tensors is not None
+            borrowed.tensors.append(tensor)
+            continue
         size = tensor.numel() * _itemsize(target)
         if current.names and current.nbytes + size > limit_bytes:
             yield current, False
@@ -133,7 +156,12 @@ def bucketize(
             buffer = staging.next()
         _copy_into(buffer, offset, tensor, target)
         current.flat = buffer[: current.nbytes]
-    yield current, True
+    if not borrowed.names:
+        yield current, True
+        return
+    if current.names:
+        yield current, False
+    yield borrowed, True
 
 
 def p2p_device() -> torch.device:

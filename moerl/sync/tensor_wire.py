@@ -9,14 +9,20 @@ which SGLang and moerl's engine both load. The engines copy the values into thei
 before they answer, so a buffer is written again only after every engine answered the
 bucket it held: :meth:`TensorWire.send` returns once bucket k is posted, having waited for
 bucket k-1's answer, so the engines load bucket k while the caller gathers bucket k+1 into
-the other staging buffer. An engine inside this process (``launcher.placement=colocated``)
-gets in-process handles instead (moerl/engine/tensor_payload.py says why). Same interface
-as :class:`moerl.sync.wire.Wire`.
+the other staging buffer. Tensors the engines can open where they lie are not gathered at
+all (``borrows``): CPU tensors in shared memory, as the trainer's parameters are once
+:func:`share_parameters` moved them there, so a push of an unconverted model copies its
+bytes once, in the engine. An engine inside this process (``launcher.placement=colocated``)
+gets in-process handles instead (moerl/engine/tensor_payload.py says why) and can borrow
+any tensor. Same interface as :class:`moerl.sync.wire.Wire`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,8 +33,10 @@ from moerl.engine.bucket import dtype_of
 from moerl.engine.inprocess import is_inprocess_url
 from moerl.engine.tensor_payload import serialize_named_tensors
 from moerl.rollout.client import EngineClient
-from moerl.sync.stream import Bucket
+from moerl.sync.stream import Bucket, shared_in_memory
 from moerl.sync.wire import RunCoro, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 
 def share_cpu_tensors() -> None:
@@ -37,6 +45,50 @@ def share_cpu_tensors() -> None:
     import torch.multiprocessing as tmp
 
     tmp.set_sharing_strategy("file_system")
+
+
+def share_parameters(chunks: list[torch.nn.Module]) -> int:
+    """Move the CPU parameters of ``chunks`` into shared memory (each storage once, in
+    place: the optimizer and every view keep working on the same tensors), so the tensor
+    path hands the engines handles to them instead of copies. Returns the bytes moved:
+    none, with a warning, when they would not fit in /dev/shm (pushes then copy)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.device.type == "cpu" and not param.is_shared():
+                storage = param.untyped_storage()
+                storages.setdefault(storage.data_ptr(), storage)
+    need = sum(s.nbytes() for s in storages.values())
+    free = _shm_free()
+    if need and free is not None and need > free - SHM_RESERVE:
+        # a full /dev/shm fails a write with SIGBUS: keep them private, pushes copy
+        log.warning(
+            "sync.transport=tensor: the parameters (%.0f MB) do not fit in /dev/shm (%.0f MB "
+            "free), so every push copies them into shared buckets; a larger /dev/shm (docker "
+            "--shm-size) lets the engines read them in place",
+            need / 2**20,
+            free / 2**20,
+        )
+        return 0
+    for storage in storages.values():
+        storage.share_memory_()
+    return need
+
+
+SHM_RESERVE = 512 * 2**20  # left free in /dev/shm for the staging buffers and others
+
+
+def _shm_free() -> int | None:
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:  # no /dev/shm (macOS): torch shares through files elsewhere
+        return None
+
+
+def borrows(in_process: bool) -> Callable[[torch.Tensor], bool]:
+    """Which tensors a push may hand over as they are: any, to an engine in this process;
+    those in shared memory, to engines in other processes."""
+    return (lambda tensor: True) if in_process else shared_in_memory
 
 
 @dataclass
@@ -62,7 +114,7 @@ class TensorWire:
         self.client, self._run = client, run
         self.tp_sizes, self.timeout_s, self.flush_cache = tp_sizes, timeout_s, flush_cache
         self.broken = False  # no group to fall out of step: a failed push leaves none behind
-        self.stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+        self.stats = {"bytes": 0, "buckets": 0, "tensors": 0, "borrowed_bytes": 0}
         self._posted: _Posted | None = None
         self._sent = 0
         # colocated placement has one engine, in this process; IPC cannot reach it
@@ -107,13 +159,18 @@ class TensorWire:
         except Exception as err:
             raise WeightSyncError(f"engines rejected {posted.what}: {err}") from err
         self.stats["bytes"] += posted.bucket.nbytes
+        if posted.bucket.tensors is not None:  # read where they lie, not gathered
+            self.stats["borrowed_bytes"] += posted.bucket.nbytes
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(posted.bucket.names)
 
 
 def _views(bucket: Bucket, shared: bool = True) -> list[tuple[str, torch.Tensor]]:
     """The bucket's tensors as views of its bytes, in shared memory with ``shared`` (a
-    tensor whose offset its dtype cannot view at gets a copy of its own)."""
+    tensor whose offset its dtype cannot view at gets a copy of its own); a borrowed
+    bucket's tensors as they are."""
+    if bucket.tensors is not None:
+        return list(zip(bucket.names, bucket.tensors))
     flat = bucket.flattened()
     shared = shared and flat.device.type == "cpu"
     if shared and not flat.is_shared():  # a lone tensor's own bytes

@@ -152,6 +152,8 @@ def test_tensor_path_matches_fresh_engine(engines, tiny_checkpoints, tmp_path, l
     many small buckets (lone tensors travel in shared copies of their own)."""
     stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 11, 64, "tensor")
     _check_pushed(engines, tiny_checkpoints, stats, 11, scaled=True)
+    if layout == "pp2":  # rank 0's stage: its shared parameters, read where they lie
+        assert 0 < stats["borrowed_bytes"] < stats["bytes"]
     stats = _push(engines, tiny_checkpoints, tmp_path, layout, 1.0, 12, 0.02, "tensor")
     _check_pushed(engines, tiny_checkpoints, stats, 12, scaled=False)
     assert stats["buckets"] > 10
@@ -319,3 +321,67 @@ def test_a_refused_push_fails_on_rank_0_only_and_the_ranks_push_again(
     got = _generate(a.url)
     assert got["meta_info"]["weight_version"] == "12"
     _assert_same(got, before)  # the original weights, pushed whole the second time
+
+
+def test_bucketize_borrows_what_the_engines_can_open_where_it_lies():
+    """With ``borrow``, accepted tensors that need no cast are not copied: they follow the
+    gathered buckets in one bucket of the tensors themselves, which carries is_last."""
+    from moerl.sync.stream import bucketize, shared_in_memory
+
+    shared = torch.arange(12.0).share_memory_()
+    named = [
+        ("a", torch.ones(3)),  # private: gathered
+        ("s1", shared[:6].view(2, 3)),  # views of shared memory: borrowed as they are
+        ("b", torch.ones(2)),
+        ("s2", shared[6:]),
+        ("s3", torch.zeros(4, dtype=torch.bfloat16).share_memory_()),
+    ]
+    out = list(bucketize(named, 1 << 20, None, borrow=shared_in_memory))
+    assert [(b.names, b.tensors is not None, last) for b, last in out] == [
+        (["a", "b"], False, False),
+        (["s1", "s2", "s3"], True, True),
+    ]
+    borrowed = out[1][0]
+    assert [t.data_ptr() for t in borrowed.tensors] == [
+        named[1][1].data_ptr(), named[3][1].data_ptr(), named[4][1].data_ptr()
+    ]  # fmt: skip
+    assert borrowed.nbytes == 6 * 4 + 6 * 4 + 4 * 2 and borrowed.dtypes[2] == "bfloat16"
+    # a cast needs a copy, so a shared tensor to be cast is gathered
+    cast = list(bucketize(named, 1 << 20, torch.float16, borrow=shared_in_memory))
+    assert [(b.names, b.tensors is None) for b, _ in cast] == [(["a", "s1", "b", "s2", "s3"], True)]
+    only = list(bucketize(named[1:2], 1 << 20, None, borrow=shared_in_memory))
+    assert [(b.names, last) for b, last in only] == [(["s1"], True)]  # no empty bucket first
+
+
+def test_share_parameters_moves_each_storage_once_and_training_goes_on():
+    from moerl.sync.tensor_wire import share_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].weight = torch.nn.Parameter(model[0].weight.detach().view(-1)[:6].view(2, 3))  # one storage
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    moved = share_parameters([model])
+    assert moved == sum(
+        {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}.values()
+    )
+    assert all(p.is_shared() for p in model.parameters())
+    assert [p is q for p, q in zip(model.parameters(), params)] == [True] * len(params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert model[1].weight.data_ptr() == model[0].weight.data_ptr()  # still one storage
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].bias, before[1]) and model[0].bias.is_shared()
+    assert share_parameters([model]) == 0  # already there
+
+
+def test_share_parameters_keeps_them_private_when_dev_shm_is_too_small(monkeypatch, caplog):
+    """A full /dev/shm cannot be arranged safely here (a write past it is SIGBUS), so its
+    free space is faked; the parameters then stay where they are, with a warning."""
+    import moerl.sync.tensor_wire as tensor_wire
+
+    monkeypatch.setattr(tensor_wire, "_shm_free", lambda: 64 * 2**20)
+    model = torch.nn.Linear(4, 4)
+    with caplog.at_level("WARNING", logger="moerl.sync.tensor_wire"):
+        assert tensor_wire.share_parameters([model]) == 0
+    assert not model.weight.is_shared() and "--shm-size" in caplog.text

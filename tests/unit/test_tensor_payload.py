@@ -132,3 +132,52 @@ def test_a_transport_that_does_not_exist_is_refused():
         SyncConfig(transport="ipc").validate()
     with pytest.raises(ValueError, match="sync.tensor_min_mb"):
         SyncConfig(tensor_min_mb=-1).validate()
+
+
+# Another process shares one tensor by file name, prints two dumps of it (each dump is
+# read once) and keeps it alive until told to exit.
+SHARED_SENDER = """
+import sys, torch, torch.multiprocessing as tmp
+from moerl.engine.tensor_payload import serialize_named_tensors
+tmp.set_sharing_strategy("file_system")
+weight = torch.arange(1024.0).share_memory_()
+for _ in range(2):
+    print(serialize_named_tensors([("w", weight[:512].view(16, 32)), ("v", weight[512:])]),
+          flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_mapped_storages_keep_a_senders_memory_mapped_between_pushes():
+    """The second push of the same shared parameters finds them mapped (no new mapping,
+    no page faults); the kept storages are bounded by bytes, least recently used first."""
+    import gc
+
+    from moerl.engine.tensor_payload import MappedStorages
+
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SHARED_SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        first, second = sender.stdout.readline().strip(), sender.stdout.readline().strip()
+        mapped = MappedStorages(max_bytes=1 << 20)
+        named = dict(read_named_tensors([first], None, mapped))
+        assert torch.equal(named["v"], torch.arange(512.0, 1024.0))
+        address = named["w"].untyped_storage().data_ptr()
+        del named
+        gc.collect()
+        assert len(mapped) == 1 and mapped.bytes == 4096  # one storage for both views
+        again = dict(read_named_tensors([second], None, mapped))
+        assert again["w"].untyped_storage().data_ptr() == address
+        assert torch.equal(again["w"], torch.arange(512.0).view(16, 32)) and len(mapped) == 1
+    finally:
+        sender.communicate("done\n", timeout=60)
+    small = MappedStorages(max_bytes=2500)
+    tensors = [torch.zeros(256).share_memory_() for _ in range(3)]  # 1 KB each
+    small.keep([tensors[0], tensors[1], torch.zeros(4)])  # a private tensor is not kept
+    small.keep([tensors[0]])  # used again: now the most recent
+    small.keep([tensors[2]])
+    assert len(small) == 2 and small.bytes == 2048
+    kept = {s.data_ptr() for s in small._kept.values()}
+    assert kept == {tensors[0].data_ptr(), tensors[2].data_ptr()}

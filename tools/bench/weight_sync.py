@@ -182,9 +182,13 @@ class Memcpy:
 
 def bench(name: str, model_dir: Path, buckets_mb: list[float], reps: int) -> dict[str, Any]:
     from moerl.engine.process import EngineProcess
+    from moerl.sync.tensor_wire import share_cpu_tensors
     from moerl.sync.weights import WeightSync
 
     tensors = _tensors(model_dir)
+    share_cpu_tensors()
+    for t in tensors.values():  # where the trainer's parameters are under the tensor path
+        t.share_memory_()  # (moerl.sync.tensor_wire.share_parameters): it reads them in place
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     total_mb = total / 2**20
     bucketed_all: dict[float, list[float]] = {mb: [] for mb in buckets_mb}
