@@ -42,6 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per streamed chunk unless a request sets sampling_params.stream_interval",
     )
     p.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="each streamed /generate chunk holds only what is new since the last one: "
+        "text, output_ids and the per-token meta_info lists (SGLang's flag); by default a "
+        "chunk repeats everything so far",
+    )
+    p.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=16384,

@@ -72,6 +72,7 @@ def build_state(args: argparse.Namespace) -> Any:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         tokenizer=tokenizer,
         stream_interval=args.stream_interval,
+        incremental_stream=args.incremental_streaming_output,
         tool_call_parser=args.tool_call_parser,
     )
     app = create_app(state)

@@ -369,14 +369,56 @@ def start_stream(
     return items()
 
 
+# the per-output-token meta_info lists an incremental chunk cuts to its new tokens, as
+# SGLang's tokenizer manager does (_INCREMENTAL_STREAMING_META_INFO_KEYS)
+PER_TOKEN_KEYS = (
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "output_token_ids_logprobs",
+    "output_token_sampling_mask",
+    "output_token_sampling_logprobs",
+)
+
+
+class _Increments:
+    """What one sequence's stream has sent (``--incremental-streaming-output``): each
+    chunk keeps only the tokens and text after it. Text that ends in an incomplete
+    character (U+FFFD) is held back until the character is whole, since its decoding can
+    still change; a final text that no longer extends what was sent (a stop string
+    trimmed from the end) adds nothing."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.text = ""
+
+    def cut(self, item: dict[str, Any], final: bool) -> dict[str, Any]:
+        meta = item["meta_info"]
+        for key in PER_TOKEN_KEYS:
+            if key in meta:
+                meta[key] = meta[key][self.tokens :]
+        ids = item["output_ids"]
+        item["output_ids"], self.tokens = ids[self.tokens :], len(ids)
+        text = item["text"] if final else item["text"].rstrip("\ufffd")
+        if text.startswith(self.text):
+            item["text"], self.text = text[len(self.text) :], text
+        else:
+            item["text"] = ""
+        return item
+
+
 def _stream(state: EngineState, reqs: list[Request], indexed: bool) -> StreamingResponse:
     """Server-sent events as SGLang streams /generate: the response so far (with ``index``
-    when the body was a batch or asked for n > 1), then ``[DONE]``."""
+    when the body was a batch or asked for n > 1), or with --incremental-streaming-output
+    what is new since the last chunk, then ``[DONE]``."""
     items = start_stream(state, reqs)
+    sent = [_Increments() for _ in reqs] if state.incremental_stream else None
 
     async def events() -> AsyncIterator[str]:
         async with aclosing(items):
             async for index, item in items:
+                if sent is not None:
+                    final = item["meta_info"]["finish_reason"] is not None
+                    item = sent[index].cut(item, final)
                 if indexed:
                     item["index"] = index
                 yield f"data: {json.dumps(item)}\n\n"

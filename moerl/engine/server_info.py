@@ -44,8 +44,8 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "max_running_requests": sched.max_running,
         "max_queued_requests": sched.max_queued,
         "stream_interval": state.stream_interval,
-        # streamed chunks carry the whole text so far, as SGLang's default
-        "incremental_streaming_output": False,
+        # streamed chunks carry the whole text so far (SGLang's default), or the new part
+        "incremental_streaming_output": state.incremental_stream,
         "enable_return_routed_experts": sched.enable_routed_experts,
         "tool_call_parser": state.tool_call_parser,
         "enable_lora": lora is not None,

@@ -24,6 +24,7 @@ class EngineState:
     weight_session: bool = False  # between /begin_weight_update and /end_weight_update
     started: float = field(default_factory=time.time)
     stream_interval: int = 1  # --stream-interval: tokens per streamed chunk by default
+    incremental_stream: bool = False  # --incremental-streaming-output: chunks hold the new part
     tool_call_parser: str | None = None  # --tool-call-parser: /v1/chat/completions' tools
     _grammar: Any = None
 

@@ -3,9 +3,11 @@ over real HTTP on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -271,3 +273,57 @@ def test_api_key_guards_every_endpoint(tiny_checkpoints, engine_factory):
     )
     ok = post(eng.url, "/generate", GEN, headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal structure and values, floats within 1e-4."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) < 1e-4
+    return bool(a == b)
+
+
+def test_incremental_streaming_output_sends_only_what_is_new(tiny_checkpoints):
+    """--incremental-streaming-output (SGLang's flag): every chunk holds the tokens, text and
+    per-token meta_info lists new since the last one, and they join to the whole answer;
+    a batch's sequences are cut each on its own."""
+    from moerl.engine.inprocess import InProcessEngine, engine_mounts
+
+    body = {
+        "input_ids": [[5, 17, 3, 99], [42, 8]],
+        "stream": True,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_sampling_mask": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True,
+                            "stream_interval": 2},
+    }  # fmt: skip
+
+    async def talk(engine: InProcessEngine) -> tuple[dict, list[str], list[dict]]:
+        async with httpx.AsyncClient(mounts=engine_mounts([engine]), timeout=60) as client:
+            info = (await client.get(f"{engine.url}/server_info")).json()
+            async with client.stream("POST", f"{engine.url}/generate", json=body) as r:
+                lines = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+            whole = await client.post(f"{engine.url}/generate", json={**body, "stream": False})
+            return info, lines, whole.json()
+
+    engine = InProcessEngine(tiny_checkpoints["deepseek_moe"], "--incremental-streaming-output")
+    try:
+        info, lines, whole = asyncio.run(talk(engine))
+    finally:
+        engine.close()
+    assert info["incremental_streaming_output"] is True
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    for index, want in enumerate(whole):
+        mine = [c for c in chunks if c["index"] == index]
+        assert [len(c["output_ids"]) for c in mine] == [2, 2, 2]  # the last one final
+        assert mine[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert sum((c["output_ids"] for c in mine), []) == want["output_ids"]
+        assert "".join(c["text"] for c in mine) == want["text"]
+        for key in ("output_token_logprobs", "output_top_logprobs",
+                    "output_token_sampling_mask", "output_token_sampling_logprobs"):  # fmt: skip
+            joined = sum((c["meta_info"][key] for c in mine), [])
+            assert _close(joined, want["meta_info"][key]), key  # two runs: float noise
+        assert mine[-1]["meta_info"]["completion_tokens"] == 6  # a count, not a delta
