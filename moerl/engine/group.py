@@ -10,7 +10,9 @@ would listen on every interface).
 
 from __future__ import annotations
 
+import errno
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -30,6 +32,8 @@ def init_custom_process_group(
         raise ValueError(f"backend={backend!r}: choose 'gloo' or 'nccl'")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    if rank != 0:  # torch's store would retry a dead address for the whole timeout
+        wait_for_listener(master_address, int(master_port), min(timeout_s, PROBE_S))
     store = dist.TCPStore(
         master_address,
         int(master_port),
@@ -44,6 +48,40 @@ def init_custom_process_group(
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))  # type: ignore[return-value]
     return dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg,return-value]
+
+
+PROBE_S = 30.0
+"""How long a joining rank waits for rank 0's store to listen before it gives up."""
+
+
+def wait_for_listener(address: str, port: int, within_s: float) -> None:
+    """Return once something accepts TCP connections at ``address:port``; ValueError at
+    once for a name that does not resolve or a host that cannot be reached, TimeoutError
+    naming the address after ``within_s`` of refused or unanswered connections (rank 0
+    may start listening a moment after the others start joining)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=min(2.0, within_s)).close()
+            return
+        except socket.gaierror as err:
+            raise ValueError(
+                f"the weight-update group's master_address {address!r} does not resolve "
+                f"({err}); give rank 0's address as this host can reach it"
+            ) from None
+        except OSError as err:
+            if err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+                raise ValueError(
+                    f"the weight-update group's master {address}:{port} cannot be reached "
+                    f"from this host ({err.strerror}); check master_address and the network"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"nothing listens at the weight-update group's master {address}:{port} "
+                    f"after {within_s:g} s ({err.strerror or err}); is trainer rank 0 "
+                    "running, and are master_address and master_port the ones it listens on?"
+                ) from None
+            time.sleep(0.1)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
