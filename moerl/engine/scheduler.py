@@ -4,8 +4,10 @@ One background thread owns the model. Each iteration it first runs control actio
 (weight updates, pause/continue, aborts) — so a weight swap happens between decode
 steps and running requests keep going on the new weights — then prefills newly
 arrived requests together in one forward (``--max-prefill-tokens`` tokens at most per
-step, a longer input in forwards of ``--chunked-prefill-size`` tokens), then decodes one
-token for every running request in a single batched forward. Each request's keys and
+step, a longer input in forwards of ``--chunked-prefill-size`` tokens: one such forward
+per iteration, so the running requests keep decoding while a long prompt prefills, as
+SGLang interleaves them), then decodes one token for every running request in a single
+batched forward. Each request's keys and
 values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
 a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
 only the rest is prefilled; requests admitted together with the same input (the n
@@ -31,7 +33,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +152,11 @@ class Scheduler:
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.retracted: list[Request] = []
         self.running: list[Request] = []
+        # a prefill longer than one --chunked-prefill-size forward: one chunk per step,
+        # decode steps of the running requests between (SGLang's interleaving)
+        self._prefilling: Generator[None, None, None] | None = None
+        self.prefilling: list[Request] = []
+        self._resumed: set[int] = set()  # ids of the prefilling requests that were retracted
         self.controls: queue.Queue[
             tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
         ] = queue.Queue()
@@ -220,10 +227,10 @@ class Scheduler:
 
     def uses_adapter(self, name: str) -> int:
         """Requests (running or retracted) generating with adapter ``name``."""
-        return sum(1 for r in self.running + self.retracted if r.lora == name)
+        return sum(1 for r in self.running + self.retracted + self.prefilling if r.lora == name)
 
     def load(self) -> int:
-        return len(self.running) + self.waiting.qsize() + len(self.retracted)
+        return len(self.running) + self.waiting.qsize() + len(self.retracted) + len(self.prefilling)
 
     # -- control actions (scheduler thread) ------------------------------------------------
     def finish(self, request: Request, reason: dict[str, Any]) -> None:
@@ -264,7 +271,7 @@ class Scheduler:
 
         count = 0
         keep_running = []
-        for req in self.running + self.retracted:
+        for req in self.running + self.retracted + self.prefilling:
             if match(req):
                 self.finish(req, _abort(message))
                 count += 1
@@ -272,6 +279,7 @@ class Scheduler:
                 keep_running.append(req)
         self.retracted = [r for r in self.retracted if not r.done]
         self.running = keep_running
+        self.prefilling = [r for r in self.prefilling if not r.done]  # the rest go on
         pending = []
         while True:
             try:
@@ -300,6 +308,7 @@ class Scheduler:
                 self.pool.free(req)
             self.retracted.extend(self.running)
             self.running = []
+            self._drop_prefill(requeue=True)
 
     def resume(self) -> None:
         self.paused = False
@@ -309,10 +318,11 @@ class Scheduler:
         and the prefix cache, 'weights' the model's parameters (their values are gone: push
         weights after resuming them), 'cuda_graph' is accepted (there are none). Only when
         idle; requests that arrive meanwhile wait until every tag is resumed."""
-        if self.running or self.retracted:
+        if self.running or self.retracted or self.prefilling:
+            busy = len(self.running) + len(self.retracted) + len(self.prefilling)
             raise ValueError(
                 "release_memory_occupation should be called only when server is idle "
-                f"({len(self.running) + len(self.retracted)} requests running): "
+                f"({busy} requests running): "
                 "pause_generation first"
             )
         if "kv_cache" in tags and "kv_cache" not in self.released:
@@ -355,7 +365,12 @@ class Scheduler:
                 if (
                     self.paused
                     or self.released
-                    or (not self.running and self.waiting.empty() and not self.retracted)
+                    or (
+                        not self.running
+                        and self.waiting.empty()
+                        and not self.retracted
+                        and self._prefilling is None
+                    )
                 ):
                     self.wake.wait(timeout=0.05)
                     self.wake.clear()
@@ -364,9 +379,10 @@ class Scheduler:
                     self._step()
                 except Exception as err:  # outside any one request: fail those in the step
                     log.exception("scheduler step failed")
-                    for req in self.running + self.retracted:
+                    self._drop_prefill(requeue=False)
+                    for req in self.running + self.retracted + self.prefilling:
                         self.fail(req, f"scheduler step failed: {_words(err)}")
-                    self.running, self.retracted = [], []
+                    self.running, self.retracted, self.prefilling = [], [], []
         except BaseException as err:  # the thread ends here, logged; _close says why
             reason = f"the scheduler thread died: {_words(err)}"
             log.critical(reason, exc_info=True)
@@ -375,7 +391,10 @@ class Scheduler:
 
     def _step(self) -> None:
         start, wall_start = time.perf_counter(), time.time()
-        self._admit()
+        if self._prefilling is None:
+            self._admit()
+        else:
+            self._advance_prefill()
         if self.running:
             self._decode()
         self.last_step_s = time.perf_counter() - start
@@ -387,9 +406,10 @@ class Scheduler:
         """The thread ends: refuse new work, fail all queued, running and control work."""
         with self._gate:
             self.dead = reason
-        for req in self.running + self.retracted:
+        self._drop_prefill(requeue=False)
+        for req in self.running + self.retracted + self.prefilling:
             self.fail(req, reason, 503)
-        self.running, self.retracted = [], []
+        self.running, self.retracted, self.prefilling = [], [], []
         while True:
             try:
                 req = self.waiting.get_nowait()
@@ -451,12 +471,43 @@ class Scheduler:
             batch.append((req, False))
             tokens += len(req.input_ids)
         if batch:
-            self._prefill(batch)
+            self._prefilling = self._prefill(batch)
+            self.prefilling = [req for req, _ in batch]
+            self._resumed = {id(req) for req, resumed in batch if resumed}
+            self._advance_prefill()
 
-    def _prefill(self, batch: list[tuple[Request, bool]]) -> None:
+    def _advance_prefill(self) -> None:
+        """Run the pending prefill up to its next chunk boundary (all of it, when it fits
+        one forward); its requests join ``running`` as it ends."""
+        assert self._prefilling is not None
+        try:
+            next(self._prefilling)
+        except StopIteration:
+            self._prefilling, self.prefilling = None, []
+
+    def _drop_prefill(self, requeue: bool) -> None:
+        """Stop the pending prefill: its requests give back their slots and, with
+        ``requeue``, wait to be admitted again from the start (a retract)."""
+        if self._prefilling is None:
+            return
+        self._prefilling.close()
+        if requeue:
+            for req in self.prefilling:
+                if req.done:
+                    continue
+                self.pool.free(req)
+                if id(req) in self._resumed:  # prompt and output again, as retracted
+                    self.retracted.append(req)
+                else:
+                    self.waiting.put(req)
+            self.prefilling = []
+        self._prefilling = None
+
+    def _prefill(self, batch: list[tuple[Request, bool]]) -> Generator[None, None, None]:
         """Prefill admitted requests: a resumed one its prompt and output but the last
         token (its next token comes from this step's decode), a new one its input after
-        the cached prefix; then sample each new request's first token."""
+        the cached prefix; then sample each new request's first token. A generator that
+        stops between chunks (``_forward_rows``), so decode steps run in between."""
         rows: list[_Row] = []
         leaders: dict[tuple[Any, ...], _Row] = {}
         followers: list[tuple[Request, _Row]] = []
@@ -480,7 +531,7 @@ class Scheduler:
             except Exception as err:
                 log.exception("prefill of request %s failed", req.rid)
                 self.fail(req, f"prefill failed: {_words(err)}")
-        self._run_rows([r for r in rows if not r.req.done])
+        yield from self._run_rows([r for r in rows if not r.req.done])
         firsts: list[tuple[Request, torch.Tensor]] = []  # first tokens to draw, in order
         for row in rows:
             if row.req.done or row.logits is None:
@@ -540,19 +591,21 @@ class Scheduler:
                 for s in req.params.stop_strs
             )
 
-    def _run_rows(self, rows: list[_Row]) -> None:
+    def _run_rows(self, rows: list[_Row]) -> Iterator[None]:
         """Forward the rows' new tokens, in forwards of at most ``--chunked-prefill-size``
-        tokens; a batch that raises is run again one row at a time to find the failing
-        requests. Sets each row's logits and routes (routes: none for a resumed row,
-        whose tokens' rows were recorded when they were first processed)."""
+        tokens, stopping (a ``yield``) between them; a batch that raises is run again one
+        row at a time to find the failing requests. Sets each row's logits and routes
+        (routes: none for a resumed row, whose tokens' rows were recorded when they were
+        first processed)."""
         if not rows:
             return
         lengths = [self.pool.length(r.slot) for r in rows]
         try:
-            self._forward_rows(rows)
+            yield from self._forward_rows(rows)
         except Exception as err:
             for row, length in zip(rows, lengths):  # drop what the failed forward wrote
-                self.pool.set_length(row.slot, length)
+                if not row.req.done:
+                    self.pool.set_length(row.slot, length)
                 row.logits, row.routes = None, []
             if len(rows) == 1:
                 log.exception("prefill of request %s failed", rows[0].req.rid)
@@ -560,21 +613,29 @@ class Scheduler:
                 return
             log.warning("batched prefill failed (%s); prefilling one by one", _words(err))
             for row in rows:
-                self._run_rows([row])
+                if not row.req.done:
+                    yield from self._run_rows([row])
 
-    def _forward_rows(self, rows: list[_Row]) -> None:
+    def _forward_rows(self, rows: list[_Row]) -> Iterator[None]:
         done = [0] * len(rows)  # tokens of each row already run
         pieces: list[list[torch.Tensor]] = [[] for _ in rows]
+        chunks = 0
         while True:
             budget = self.chunk or sum(len(r.tokens) for r in rows)
             take = []
             for i, row in enumerate(rows):
                 left = len(row.tokens) - row.reused - done[i]
-                if left > 0 and budget > 0:
+                if left > 0 and budget > 0 and not row.req.done:  # done: aborted meanwhile
                     take.append((i, min(left, budget)))
                     budget -= min(left, budget)
             if not take:
                 break
+            if chunks:  # between two chunks: the running requests decode a token
+                yield
+                take = [(i, n) for i, n in take if not rows[i].req.done]
+                if not take:
+                    break
+            chunks += 1
             # logits wanted: the row's last token, or its positions logits_from..
             froms = [_relative(rows[i].logits_from, done[i]) for i, _ in take]
             logits, routes = self.runner.extend(
@@ -596,6 +657,8 @@ class Scheduler:
                 elif done[i] + rows[i].reused == len(rows[i].tokens):
                     pieces[i].append(got[None])
         for i, row in enumerate(rows):
+            if row.req.done:
+                continue
             if row.logits_from is None:
                 row.logits = pieces[i][-1][-1]
             else:

@@ -163,6 +163,13 @@ def _engine(r: dict[str, Any]) -> list[Row]:
             _status(s, _num(s) is not None and s < 2)),
         Row("engine", "episode turn: prefix cache vs full prefill", _x(t), "> 1×",
             _status(t, _num(t) is not None and t > 1)),
+        *([Row("engine", f"decode rate of a running request while a "
+               f"{r['interleave_prompt_tokens']}-token prompt prefills "
+               f"(chunks of {r['interleave_chunk']}), over before",
+               f"{r['interleave_decode_rate_ratio']:.2f}", "≥ 0.5",
+               _status(r["interleave_decode_rate_ratio"],
+                       r["interleave_decode_rate_ratio"] >= 0.5))]
+          if _num(r.get("interleave_decode_rate_ratio")) is not None else []),
         *[
             Row("engine", f"tokens/s vs transformers' model.generate, {kind} lengths",
                 _x(r.get(f"{kind}_ratio")), target,
