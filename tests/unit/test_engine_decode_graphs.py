@@ -69,6 +69,17 @@ def decode_and_check(runner, pool, owners, seqs, rng) -> None:  # type: ignore[n
         assert pool.length(owner.slot) == len(seqs[b])
 
 
+def prefilled(runner, lengths, rng, slots=8):  # type: ignore[no-untyped-def]
+    """A pool of ``slots`` with one prefilled request per length: (pool, owners, seqs)."""
+    pool = runner.new_pool(slots)
+    owners = [Owner() for _ in lengths]
+    seqs = [rng.integers(3, 100, n).tolist() for n in lengths]
+    for o in owners:
+        pool.alloc(o)
+    runner.extend(pool, [o.slot for o in owners], seqs)
+    return pool, owners, seqs
+
+
 def test_batch_sizes_end_at_the_largest():
     assert batch_sizes(3) == [1, 2, 3]
     assert batch_sizes(64)[-4:] == [40, 48, 56, 64]
@@ -83,12 +94,7 @@ def test_graphed_decode_equals_the_full_forward(runner):
     step's logits and routes are those of a full forward without cache."""
     rng = np.random.default_rng(0)
     runner.graphs = graphs = DecodeGraphs(runner, max_bs=8, capture=capture_for(runner))
-    pool = runner.new_pool(8)
-    owners = [Owner() for _ in range(3)]
-    seqs = [rng.integers(3, 100, n).tolist() for n in (5, 19, 11)]
-    for o in owners:
-        pool.alloc(o)
-    runner.extend(pool, [o.slot for o in owners], seqs)
+    pool, owners, seqs = prefilled(runner, (5, 19, 11), rng)
     for _ in range(3):
         decode_and_check(runner, pool, owners, seqs, rng)
     assert graphs.replays == 3 and list(graphs.steps) == [4]  # three rows padded to four
@@ -116,12 +122,7 @@ def test_graphed_decode_equals_the_full_forward(runner):
 def test_steps_a_graph_cannot_take_run_eagerly(runner):
     rng = np.random.default_rng(1)
     runner.graphs = graphs = DecodeGraphs(runner, max_bs=2, capture=capture_for(runner))
-    pool = runner.new_pool(8)
-    owners = [Owner() for _ in range(3)]
-    seqs = [rng.integers(3, 100, n).tolist() for n in (4, 6, 9)]
-    for o in owners:
-        pool.alloc(o)
-    runner.extend(pool, [o.slot for o in owners], seqs)
+    pool, owners, seqs = prefilled(runner, (4, 6, 9), rng)
     decode_and_check(runner, pool, owners, seqs, rng)  # three rows: more than max_bs
     decode_and_check(runner, pool, owners[1:2], seqs[1:2], rng)  # slot 1 alone
     assert not graphs.usable(pool, [0, 1, 2], None)
@@ -141,12 +142,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(runner, cap
         raise RuntimeError("operation not permitted when stream is capturing")
 
     runner.graphs = graphs = DecodeGraphs(runner, max_bs=4, capture=refuse)
-    pool = runner.new_pool(4)
-    owners = [Owner(), Owner()]
-    seqs = [rng.integers(3, 100, n).tolist() for n in (3, 8)]
-    for o in owners:
-        pool.alloc(o)
-    runner.extend(pool, [o.slot for o in owners], seqs)
+    pool, owners, seqs = prefilled(runner, (3, 8), rng, slots=4)
     with caplog.at_level("WARNING", logger="moerl.engine.decode_graphs"):
         for _ in range(3):
             decode_and_check(runner, pool, owners, seqs, rng)
@@ -216,13 +212,8 @@ def test_the_graph_step_runs_graphable_experts_and_prefill_keeps_the_models(runn
         lambda module, args: seen.append(module.config._experts_implementation)
     )
     try:
-        pool = runner.new_pool(4)
-        owners = [Owner(), Owner()]
-        seqs = [rng.integers(3, 100, n).tolist() for n in (3, 6)]
-        for o in owners:
-            pool.alloc(o)
         own = runner.model.config._experts_implementation
-        runner.extend(pool, [o.slot for o in owners], seqs)
+        pool, owners, seqs = prefilled(runner, (3, 6), rng, slots=4)
         prefill, seen[:] = list(seen), []
         decode_and_check(runner, pool, owners, seqs, rng)
     finally:

@@ -41,11 +41,15 @@ sys.stdin.readline()
 """
 
 
+def _sender(script: str) -> subprocess.Popen[str]:
+    """``script`` in another process: it prints its dumps and waits for a line on stdin."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
 def test_sglangs_own_flattened_bucket_from_another_process_is_read():
-    sender = subprocess.Popen(
-        [sys.executable, "-c", SGLANG_SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    sender = _sender(SGLANG_SENDER)
     try:
         payload, overrun = sender.stdout.readline().strip(), sender.stdout.readline().strip()
         if payload == "NO_SGLANG":
@@ -155,10 +159,7 @@ def test_mapped_storages_keep_a_senders_memory_mapped_between_pushes():
 
     from moerl.engine.tensor_payload import MappedStorages
 
-    sender = subprocess.Popen(
-        [sys.executable, "-c", SHARED_SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    sender = _sender(SHARED_SENDER)
     try:
         first, second = sender.stdout.readline().strip(), sender.stdout.readline().strip()
         mapped = MappedStorages(max_bytes=1 << 20)
