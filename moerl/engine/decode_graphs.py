@@ -8,7 +8,7 @@ SGLang captures the decode forward once per batch size and replays it; so does t
 module, for the transformers model the engine runs.
 
 A graph has fixed shapes and addresses, so a captured step differs from
-``ModelRunner.decode``'s eager forward in three ways:
+``ModelRunner.decode``'s eager forward in four ways:
 
 - the batch is padded to the next captured size ``bs``: pad rows decode token 0 at
   position 0 of the unused slots B..bs-1 (what they write there is never read: a slot's
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from moerl.engine.kv_pool import KVPool, Plan, SlotCache
+from moerl.engine.kv_pool import KVPool, Plan
 
 if TYPE_CHECKING:
     from moerl.engine.model_runner import ModelRunner
@@ -186,17 +186,10 @@ class DecodeGraphs:
         def forward() -> Outputs:
             runner._captured.clear()
             with runner.experts_as(self.experts):
-                out = runner.model(
-                    input_ids=ids,
-                    attention_mask=plan.attention_mask(runner.dtype, boolean=runner.sdpa),
-                    position_ids=plan.positions(),
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **{runner.cache_kwarg: SlotCache(pool, plan)},
-                )
+                logits = runner.run_model(pool, plan, ids, logits_to_keep=1)
             routes = dict(runner._captured)
             runner._captured.clear()
-            return out.logits, routes
+            return logits, routes
 
         try:
             call = self.capture(forward)

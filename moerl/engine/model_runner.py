@@ -166,19 +166,25 @@ class ModelRunner:
         padded = [[0] * (plan.width - len(tokens)) + list(tokens) for tokens in rows]
         ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # one copy in
         pool.reserve(pool.used, plan.keys_read)
-        mask = plan.attention_mask(self.dtype, boolean=self.sdpa)
         self._set_adapters(adapters)
         try:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=plan.positions(),
-                use_cache=True,
-                logits_to_keep=0 if all_logits else 1,
-                **{self.cache_kwarg: SlotCache(pool, plan)},
-            )
+            return self.run_model(pool, plan, ids, 0 if all_logits else 1)
         finally:
             self._set_adapters(None)
+
+    def run_model(
+        self, pool: KVPool, plan: Plan, ids: torch.Tensor, logits_to_keep: int
+    ) -> torch.Tensor:
+        """transformers' forward of ``ids`` [B, S] over pool slots as ``plan`` places them
+        (its mask and positions), with ``logits_to_keep`` as transformers takes it."""
+        out = self.model(
+            input_ids=ids,
+            attention_mask=plan.attention_mask(self.dtype, boolean=self.sdpa),
+            position_ids=plan.positions(),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self.cache_kwarg: SlotCache(pool, plan)},
+        )
         return out.logits
 
     @torch.no_grad()

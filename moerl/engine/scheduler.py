@@ -156,7 +156,6 @@ class Scheduler:
         # decode steps of the running requests between (SGLang's interleaving)
         self._prefilling: Generator[None, None, None] | None = None
         self.prefilling: list[Request] = []
-        self._resumed: set[int] = set()  # ids of the prefilling requests that were retracted
         self.controls: queue.Queue[
             tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
         ] = queue.Queue()
@@ -473,7 +472,6 @@ class Scheduler:
         if batch:
             self._prefilling = self._prefill(batch)
             self.prefilling = [req for req, _ in batch]
-            self._resumed = {id(req) for req, resumed in batch if resumed}
             self._advance_prefill()
 
     def _advance_prefill(self) -> None:
@@ -496,7 +494,7 @@ class Scheduler:
                 if req.done:
                     continue
                 self.pool.free(req)
-                if id(req) in self._resumed:  # prompt and output again, as retracted
+                if req.output_ids:  # a retracted one: prompt and output again, as before
                     self.retracted.append(req)
                 else:
                     self.waiting.put(req)

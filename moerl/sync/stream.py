@@ -135,14 +135,14 @@ def bucketize(
     staging = staging or Staging(limit_bytes)
     assert staging.limit_bytes >= limit_bytes, "staging buffers smaller than a bucket"
     current, buffer = Bucket(), None
-    borrowed = Bucket(tensors=[])
+    lent: list[torch.Tensor] = []
+    borrowed = Bucket(tensors=lent)
     for name, tensor in stream:
         tensor = tensor.detach()
         target = dtype or tensor.dtype
         if borrow is not None and target == tensor.dtype and borrow(tensor):
             borrowed.describe(name, target, tensor.shape)
-            assert borrowed.tensors is not None
-            borrowed.tensors.append(tensor)
+            lent.append(tensor)
             continue
         size = tensor.numel() * _itemsize(target)
         if current.names and current.nbytes + size > limit_bytes:

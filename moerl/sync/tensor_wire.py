@@ -10,7 +10,7 @@ before they answer, so a buffer is written again only after every engine answere
 bucket it held: :meth:`TensorWire.send` returns once bucket k is posted, having waited for
 bucket k-1's answer, so the engines load bucket k while the caller gathers bucket k+1 into
 the other staging buffer. Tensors the engines can open where they lie are not gathered at
-all (``borrows``): CPU tensors in shared memory, as the trainer's parameters are once
+all (``TensorWire.borrow``): CPU tensors in shared memory, as the trainer's parameters are once
 :func:`share_parameters` moved them there, so a push of an unconverted model copies its
 bytes once, in the engine. An engine inside this process (``launcher.placement=colocated``)
 gets in-process handles instead (moerl/engine/tensor_payload.py says why) and can borrow
@@ -85,10 +85,10 @@ def _shm_free() -> int | None:
         return None
 
 
-def borrows(in_process: bool) -> Callable[[torch.Tensor], bool]:
-    """Which tensors a push may hand over as they are: any, to an engine in this process;
-    those in shared memory, to engines in other processes."""
-    return (lambda tensor: True) if in_process else shared_in_memory
+def all_in_process(client: EngineClient) -> bool:
+    """Whether every engine of ``client`` runs inside this process (colocated placement),
+    where IPC cannot reach it and handles are in-process ones."""
+    return all(is_inprocess_url(url) for url in client.urls)
 
 
 @dataclass
@@ -118,7 +118,12 @@ class TensorWire:
         self._posted: _Posted | None = None
         self._sent = 0
         # colocated placement has one engine, in this process; IPC cannot reach it
-        self.in_process = all(is_inprocess_url(url) for url in client.urls)
+        self.in_process = all_in_process(client)
+        # what a push may hand over as it is (``bucketize``'s borrow): any tensor to an
+        # engine in this process, those in shared memory to engines in other processes
+        self.borrow: Callable[[torch.Tensor], bool] = (
+            (lambda tensor: True) if self.in_process else shared_in_memory
+        )
 
     def send(self, bucket: Bucket, version: int | None) -> None:
         """Post ``bucket`` once the engines answered the one before; its bytes are free

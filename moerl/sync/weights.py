@@ -40,7 +40,6 @@ import torch.distributed as dist
 from moerl import device
 from moerl.engine.bucket import dtype_of
 from moerl.engine.group import init_custom_process_group
-from moerl.engine.inprocess import is_inprocess_url
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
 from moerl.rollout.errors import EngineError
@@ -52,7 +51,12 @@ from moerl.sync.stream import (
     send_bucket,
     stage_leads,
 )
-from moerl.sync.tensor_wire import TensorWire, borrows, share_cpu_tensors, share_parameters
+from moerl.sync.tensor_wire import (
+    TensorWire,
+    all_in_process,
+    share_cpu_tensors,
+    share_parameters,
+)
 from moerl.sync.wire import WeightSyncError, Wire
 
 __all__ = ["WeightSync", "WeightSyncError"]
@@ -148,8 +152,7 @@ class WeightSync:
                 raise ValueError("WeightSync needs client= or urls= (the engines) on rank 0")
             client, self._own_client = EngineClient(list(urls), max_retries=2), True
         self.client = client
-        in_process = all(is_inprocess_url(url) for url in client.urls)
-        if transport == "tensor" and not in_process:  # the engines read them in place
+        if transport == "tensor" and not all_in_process(client):  # engines read them in place
             share_parameters(chunks)
         if self._run is None:
             self._loop = EventLoopThread("moerl-weight-sync")
@@ -354,8 +357,7 @@ class WeightSync:
             for lead in leads:
                 if lead == 0:
                     staging = self._staging_on(comm)
-                    borrow = borrows(wire.in_process) if isinstance(wire, TensorWire) else None
-                    buckets = bucketize(stream, self.limit_bytes, self.dtype, staging, borrow)
+                    buckets = bucketize(stream, self.limit_bytes, self.dtype, staging, wire.borrow)
                 else:
                     buckets = receive_buckets(lead, self._staging_on(p2p_device()))
                 for bucket, last in buckets:  # gathered while the previous one is sent

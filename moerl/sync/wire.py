@@ -88,6 +88,7 @@ class Wire:
         self.flush_cache = flush_cache
         self.broken = False
         self.stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+        self.borrow = None  # every bucket is broadcast from its gathered bytes
         self._sent = 0
         self._sending: _InFlight | None = None  # on the wire
         self._landed: _InFlight | None = None  # received, the engines' answer pending
