@@ -40,10 +40,15 @@ class Spy:
         self.runner, self.scheduler = engine.state.runner, engine.state.scheduler
         self.events: list[tuple[str, Any]] = []
         self.after_first_long_chunk: list[Any] = []  # controls to queue then
+        self.fail_long_chunk: int | None = None  # this chunk of the long prompt raises
         self.decoding = threading.Event()  # set at the first decode step
         self._extend, self._decode = self.runner.extend, self.runner.decode
 
         def extend(pool, slots, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if rows and len(rows[0]) == CHUNK and self.fail_long_chunk is not None:
+                self.fail_long_chunk -= 1
+                if self.fail_long_chunk == 0:
+                    raise RuntimeError("a fault planted in the third chunk")
             out = self._extend(pool, slots, rows, *args, **kwargs)
             self.events.append(("E", [len(r) for r in rows]))
             if rows and len(rows[0]) == CHUNK and self.after_first_long_chunk:
@@ -138,3 +143,30 @@ def test_a_retract_between_two_chunks_prefills_again_with_the_same_tokens(engine
     again = sum(sum(rows) for kind, rows in spy.events[first + 1 :] if kind == "E")
     assert again >= len(LONG)  # after one chunk, the whole prompt again (and the runner's)
     assert runner["meta_info"]["completion_tokens"] == 60  # retracted and resumed too
+
+
+def test_a_chunk_that_raises_fails_its_request_and_everyone_else_is_answered(engine):
+    """No thread ends silently: the long prompt's third chunk raises inside the scheduler
+    thread; its client gets the error within the client's 30 s, the running request
+    finishes, and the engine answers a new request."""
+    scheduler = engine.state.scheduler
+    spy = Spy(engine)
+    spy.fail_long_chunk = 3
+    try:
+
+        async def run() -> tuple[httpx.Response, dict, dict]:
+            async with httpx.AsyncClient(mounts=engine_mounts([engine]), timeout=30) as client:
+                url = f"{engine.url}/generate"
+                runner = asyncio.create_task(client.post(url, json=_body(SHORT, 60, "r-fault")))
+                await asyncio.to_thread(spy.decoding.wait, 30)
+                long = await client.post(url, json=_body(LONG, 4, "fault"))
+                after = await client.post(url, json=_body(SHORT, 2, "after"))
+                return long, (await runner).json(), after.json()
+
+        long, runner, after = asyncio.run(run())
+    finally:
+        spy.close()
+    assert long.status_code == 500 and "a fault planted in the third chunk" in long.text
+    assert runner["meta_info"]["completion_tokens"] == 60
+    assert len(after["output_ids"]) == 2 and scheduler.prefilling == []
+    assert scheduler.dead is None
