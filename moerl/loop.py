@@ -19,8 +19,10 @@ and data; metrics.jsonl is cut back to the checkpoint's step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,42 @@ class RunContext:
     engine_urls: list[str]
     engines: list[Any] = field(default_factory=list)  # rank 0: the EngineProcesses moerl owns
     reward_urls: list[str] = field(default_factory=list)  # the reward model's servers
+
+
+class InFlight:
+    """Rank 0's push of the last version, sent on a thread of its own while the trainer
+    steps on (sync.overlap). Other ranks hold one that never starts."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[dict[str, float]] | None = None
+
+    def start(self, send: Callable[[], dict[str, float]]) -> None:
+        assert self._pending is None, "join() the push in flight first"
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "moerl-push")
+        self._pending = self._pool.submit(send)
+
+    def join(self) -> tuple[dict[str, float], BaseException | None]:
+        """Wait for the push in flight: (its metrics, None) or ({}, its error); ({}, None)
+        with none. ``sync/wait_s`` is how long the caller waited for it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return {}, None
+        t0 = time.perf_counter()
+        try:
+            metrics = pending.result()
+        except Exception as err:
+            return {}, err
+        return {**metrics, "sync/wait_s": time.perf_counter() - t0}, None
+
+    def close(self) -> None:
+        """Wait for what is in flight (its error logged), stop the thread."""
+        _, error = self.join()
+        if error is not None:
+            log.warning("the last weight push failed: %s", error)
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def _broadcast(obj: Any) -> Any:
@@ -106,7 +144,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             engines=ctx.engines, reward_urls=ctx.reward_urls, version=start,
             progress=trainer.progress, groups_per_step=per_step, tokenizer=tokenizer,
         )  # fmt: skip
-    publisher = run_log = None
+    publisher = run_log = inflight = None
     try:
         publisher = build_publisher(
             cfg, trainer, client=rollout.client if rollout else None,
@@ -119,6 +157,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         )  # fmt: skip
         if start > 0 or trainer.lora is not None:  # engines start from the initial weights
             _publish(publisher, rollout, trainer.version, initial=True)
+        overlap = cfg.sync.overlap and publisher.can_stage()
+        inflight = InFlight() if overlap else None
         if rollout:
             rollout.start(on_restart=publisher.restore)
         run_log = open_run_log(cfg, ctx.run_dir, start, leader)
@@ -126,7 +166,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         for step in range(start, cfg.trainer.train_iters):
             t0 = time.time()
             with run_log.span("wait", step=step):
-                batch, trajs = _next_batch(rollout, publisher, scatter, trainer.version)
+                batch, trajs = _next_batch(rollout, publisher, scatter, trainer.version, inflight)
             wait_s = time.time() - t0
             push = _due(cfg.sync.every, step, last)
             # colocated: the engine's memory goes to the trainer until the push
@@ -139,22 +179,28 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 rollout.wake_engines(["weights"])  # before a push: it writes into them
             if push:
                 with run_log.span("sync", step=step, version=trainer.version):
-                    metrics.update(_publish(publisher, rollout, trainer.version))
+                    metrics.update(_publish(publisher, rollout, trainer.version, inflight=inflight))
             if slept and rollout:
                 rollout.wake_engines()
+            evaluate = cfg.eval.enabled and _due(cfg.eval.every, step, last)
+            saves = bool(cfg.trainer.checkpoint_dir) and _due(cfg.trainer.save_every, step, last)
+            if inflight is not None and (evaluate or saves or step == last):
+                metrics.update(_landed(inflight, rollout))  # they need the pushed version
             if rollout:
-                if cfg.eval.enabled and _due(cfg.eval.every, step, last):
+                if evaluate:
                     rollout.start_eval(step, trainer.version, final=step == last)
                 metrics.update(rollout.metrics(wait_eval=step == last))
             run_log.log(
                 step, batch or trajs, metrics, version=trainer.version - 1, wall_s=time.time() - t0,
                 wait_s=wait_s,
             )  # fmt: skip
-            if cfg.trainer.checkpoint_dir and _due(cfg.trainer.save_every, step, last):
+            if saves:
                 with run_log.span("checkpoint", step=step):
                     trainer.save(step=step + 1, **(rollout.state() if rollout else {}))
         return run_log.last
     finally:
+        if inflight is not None:
+            inflight.close()
         _close(rollout, publisher, run_log)
 
 
@@ -185,7 +231,9 @@ def _probes(cfg: MoerlConfig, step: int, last: int) -> dict[str, int]:
     }
 
 
-def _next_batch(rollout: Any, publisher: Any, scatter: Any, version: int) -> tuple[Any, Any]:
+def _next_batch(
+    rollout: Any, publisher: Any, scatter: Any, version: int, inflight: InFlight | None = None
+) -> tuple[Any, Any]:
     """Collective: the step's batch (rank 0; None elsewhere) and this rank's share. While
     rank 0 waits, an engine restarted meanwhile holds its requests until it has the
     current weights; every rank then pushes ``version`` again (``_publish``) and the
@@ -200,13 +248,50 @@ def _next_batch(rollout: Any, publisher: Any, scatter: Any, version: int) -> tup
                 "a restarted engine waits for the weights: pushing version %d before "
                 "the step's batch is complete", version,
             )  # fmt: skip
+        if inflight is not None:
+            _landed(inflight, rollout)
         _publish(publisher, rollout, version)
 
 
-def _publish(publisher: Any, rollout: Any, version: int, initial: bool = False) -> dict[str, float]:
+def _landed(inflight: InFlight, rollout: Any) -> dict[str, float]:
+    """Collective: the push in flight has landed; its metrics (rank 0)."""
+    return _settle(*inflight.join(), rollout) or {}
+
+
+def _settle(
+    metrics: dict[str, float], error: BaseException | None, rollout: Any
+) -> dict[str, float] | None:
+    """Collective, on what a push sent while training left: its metrics; None when it
+    failed and an engine was restarted meanwhile (the next push, a synchronous one,
+    builds the group again and repeats it). Any other failure is raised on every rank."""
+    if not _broadcast(error is not None):
+        return metrics
+    if _broadcast(rollout.engines_restarted() if rollout else False):
+        log.warning("a weight push sent while training failed (%s); an engine was restarted", error)
+        return None
+    raise error or WeightSyncError("rank 0's weight push, sent while training, failed")
+
+
+def _publish(
+    publisher: Any,
+    rollout: Any,
+    version: int,
+    initial: bool = False,
+    inflight: InFlight | None = None,
+) -> dict[str, float]:
     """Collective: push policy ``version`` to the engines, inside the rollout side's
     update bracket; engines restarted since the last push join the group again first.
-    Returns rank 0's sync metrics. ``initial``: before generation starts (no bracket)."""
+    Returns rank 0's sync metrics. ``initial``: before generation starts (no bracket).
+    ``inflight`` (sync.overlap): the previous push must have landed; then, unless an
+    engine restarted since, this one is gathered now and sent on rank 0's push thread
+    (its metrics come with the next push)."""
+    if inflight is not None:
+        landed = _settle(*inflight.join(), rollout)  # None: failed, repeated below
+        if landed is not None and not _broadcast(rollout.restart_seen() if rollout else False):
+            staged = publisher.stage()  # collective: the weights as they are now
+            if rollout:
+                inflight.start(lambda: _send_staged(publisher, rollout, version, staged))
+            return landed
     pauses = publisher.pauses_generation and not initial
     rejoin = _broadcast(rollout.before_update(pauses) if rollout and not initial else False)
     if rejoin:
@@ -233,6 +318,25 @@ def _publish(publisher: Any, rollout: Any, version: int, initial: bool = False) 
     if not rollout:
         return {}
     rollout.after_update(version, paused=pauses, adapter=pub.adapter, rejoined=rejoin)
+    return {
+        "sync/seconds": float(pub.stats.get("seconds", 0.0)),
+        "sync/bytes": float(pub.stats.get("bytes", 0.0)),
+    }
+
+
+def _send_staged(publisher: Any, rollout: Any, version: int, staged: Any) -> dict[str, float]:
+    """Rank 0's push thread: send ``staged`` (policy ``version``) inside the rollout side's
+    update bracket. A failed send puts the rollout side back on the version the engines
+    had, so generation goes on (with the engines that still serve) until the next push."""
+    pauses = publisher.pauses_generation
+    if rollout.before_update(pauses):  # restarted since the trainer looked: no group
+        raise WeightSyncError(f"an engine was restarted before the push of version {version}")
+    try:
+        pub = publisher.send_staged(staged, version)
+    except BaseException:
+        rollout.after_update(version - 1, paused=pauses)
+        raise
+    rollout.after_update(version, paused=pauses)
     return {
         "sync/seconds": float(pub.stats.get("seconds", 0.0)),
         "sync/bytes": float(pub.stats.get("bytes", 0.0)),

@@ -396,6 +396,9 @@ def _check_rollout(cfg: MoerlConfig) -> None:
     build_staleness(cfg.staleness)
     build_sampling(cfg.buffer.sampling)
     cfg.sync.validate("sync")
+    from moerl.config.sync import check_overlap
+
+    check_overlap(cfg.sync, pp=cfg.parallel.pp, lora=cfg.lora.enabled)
     cfg.rollout.validate("rollout")
     if cfg.lora.enabled:
         from moerl.lora import resolve_targets

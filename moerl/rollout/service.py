@@ -203,6 +203,13 @@ class RolloutService:
         group must be built again)."""
         return bool(self.aio.run(self.supervisor.before_push()))
 
+    def restart_seen(self) -> bool:
+        """Without checking the engines now: whether one is being restarted or was since
+        the last push (the weight group must be built again first). A push sent while
+        the trainer steps on (sync.overlap) asks this before it starts; an engine dying
+        unseen fails that push, and the next one rejoins."""
+        return self.supervisor.needs_reconnect or self.supervisor.restarting
+
     async def _before_update(self) -> None:
         """On the loop, so nothing starts between the look and the gates: with no request
         on the engines (the synchronous loop) the gates close and the engines are not

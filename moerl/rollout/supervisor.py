@@ -62,6 +62,11 @@ class EngineSupervisor:
     def needs_reconnect(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def restarting(self) -> bool:
+        """Whether an engine is being restarted now."""
+        return bool(self._restarting)
+
     async def wait_restarts(self, timeout_s: float = 600.0) -> bool:
         """Wait for engines being restarted to come up; True when the trainer must
         rebuild the weight-sync group (an engine was restarted since the last time)."""

@@ -15,7 +15,11 @@ The loop sees only :class:`Publisher`:
   weight group, build it again (a no-op for adapters, which need no group);
 - ``restore(url)`` — rank 0, on the rollout loop: bring one restarted engine to the
   current policy now; False when it must wait for the next push (full weights);
-- ``close()``.
+- ``close()``;
+- ``can_stage()`` — collective: whether a push can be split into ``stage()`` (collective:
+  gather the weights into buffers held for it) and ``send_staged(staged, version)``
+  (rank 0, from any thread, while the trainer steps on: sync.overlap); full weights with
+  one pipeline stage can, adapters cannot.
 
 Publishers return values and expose methods; the loop wires them to the rollout side,
 they never call into it.
@@ -52,6 +56,12 @@ class Publisher(Protocol):
 
     def close(self) -> None: ...
 
+    def can_stage(self) -> bool: ...
+
+    def stage(self) -> Any: ...
+
+    def send_staged(self, staged: Any, version: int) -> Publication: ...
+
 
 class FullWeights:
     """Every weight by bucketed broadcast (``moerl.sync.weights.WeightSync``)."""
@@ -78,6 +88,15 @@ class FullWeights:
     def close(self) -> None:
         _close_quietly(self.sync)
 
+    def can_stage(self) -> bool:
+        return self.sync.can_stage()
+
+    def stage(self) -> Any:
+        return self.sync.stage()
+
+    def send_staged(self, staged: Any, version: int) -> Publication:
+        return Publication(version, self.sync.send_staged(staged, version))
+
 
 class Adapters:
     """Only the LoRA adapters, one engine adapter per version
@@ -101,6 +120,15 @@ class Adapters:
 
     def close(self) -> None:
         self.sync.close()
+
+    def can_stage(self) -> bool:
+        return False  # an adapter push gathers across expert-parallel ranks as it goes
+
+    def stage(self) -> Any:
+        raise NotImplementedError("adapters are pushed whole: check can_stage() first")
+
+    def send_staged(self, staged: Any, version: int) -> Publication:
+        raise NotImplementedError("adapters are pushed whole: check can_stage() first")
 
 
 def build_publisher(

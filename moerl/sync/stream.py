@@ -37,19 +37,33 @@ from moerl.engine.bucket import dtype_name, dtype_of
 
 class Staging:
     """Two byte buffers of ``limit_bytes`` each on ``device``, handed out in turn and
-    allocated on first use (then reused for every bucket of every push)."""
+    allocated on first use (then reused for every bucket of every push).
+
+    ``hold``: instead, every bucket of a push gets a buffer of its own (the push's
+    buckets all stay gathered, to be sent while the trainer steps on: sync.overlap);
+    ``rewind()`` at the start of the next push hands them out again from the first."""
 
     def __init__(
-        self, limit_bytes: int, device: torch.device | str = "cpu", shared: bool = False
+        self,
+        limit_bytes: int,
+        device: torch.device | str = "cpu",
+        shared: bool = False,
+        hold: bool = False,
     ) -> None:
         """``shared``: CPU buffers in shared memory (the tensor path's engines map them)."""
         self.limit_bytes, self.device, self.shared = limit_bytes, torch.device(device), shared
+        self.hold = hold
         self._buffers: list[torch.Tensor] = []
-        self._turn = 1
+        self._turn = -1 if hold else 1
+
+    def rewind(self) -> None:
+        """A new push: hand out the buffers again from the first (``hold``)."""
+        self._turn = -1 if self.hold else self._turn
 
     def next(self) -> torch.Tensor:
-        """The buffer not handed out last time (whole; callers slice it)."""
-        self._turn ^= 1
+        """The buffer not handed out last time (whole; callers slice it); with ``hold``,
+        the next one not handed out since ``rewind()``."""
+        self._turn = self._turn + 1 if self.hold else self._turn ^ 1
         if len(self._buffers) == self._turn:
             if self.shared and self.device.type == "cpu":
                 # allocated in shared memory, not copied there: pages are touched (and
@@ -149,8 +163,9 @@ def bucketize(
             yield current, False
             current, buffer = Bucket(), None
         offset = current.describe(name, target, tensor.shape)
-        if size > limit_bytes:  # alone in its bucket (it was empty): no copy
-            current.flat = tensor.to(target).contiguous().reshape(-1).view(torch.uint8)
+        if size > limit_bytes:  # alone in its bucket (it was empty): no copy, unless held
+            lone = tensor.to(target, copy=staging.hold).contiguous()
+            current.flat = lone.reshape(-1).view(torch.uint8)
             continue
         if buffer is None:
             buffer = staging.next()

@@ -31,7 +31,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
 from moerl.rollout.errors import EngineError
 from moerl.sync.stream import (
+    Bucket,
     Staging,
     bucketize,
     p2p_device,
@@ -70,7 +72,18 @@ _GROUP_FIX = (
 
 log = logging.getLogger(__name__)
 
+Borrow = Callable[[torch.Tensor], bool] | None  # what the wire reads in place (bucketize)
+
 TENSOR_PATH = "tensor path"  # _group's value once a tensor-transport sync is connected
+
+
+@dataclass
+class Staged:
+    """A push gathered by ``WeightSync.stage``: every bucket, in order, in buffers held
+    for it, and the seconds the gathering took."""
+
+    buckets: list[tuple[Bucket, bool]]
+    seconds: float
 
 
 def _rank() -> int:
@@ -145,6 +158,7 @@ class WeightSync:
         self._broken = False
         self._leads: dict[int, int] | None = None
         self._staging: dict[torch.device, Staging] = {}  # reused by every push
+        self._held: dict[torch.device, Staging] = {}  # stage()'s, one buffer per bucket
         if self.rank != 0:
             return
         if client is None:
@@ -290,7 +304,7 @@ class WeightSync:
         stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0, "seconds": 0.0}
         stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
         if self.rank == 0:
-            stats.update(self._forward(stream, leads, version))
+            stats.update(self._forward(self._sources(stream, leads), version))
         elif self.rank in leads:
             staging = self._staging_on(p2p_device())
             for bucket, last in bucketize(stream, self.limit_bytes, self.dtype, staging):
@@ -303,6 +317,66 @@ class WeightSync:
                 pass
         stats["seconds"] = time.perf_counter() - start
         return stats
+
+    # ---- a push in two halves: gathered now, sent while the trainer steps on -----------
+
+    def can_stage(self) -> bool:
+        """Collective: whether ``stage``/``send_staged`` can split a push (one pipeline
+        stage: rank 0 gathers every bucket itself, the other ranks only take part in the
+        export's gathers)."""
+        if self._leads is None:
+            self._leads = stage_leads()
+        return sorted(self._leads.values()) == [0]
+
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> Staged | None:
+        """Collective: gather every weight into buffers held for this push (rank 0; the
+        other ranks take part in the export and get None). ``send_staged`` then sends them
+        from any thread of rank 0 while the trainer changes its parameters. Costs one copy
+        of the weights (in the sync dtype) held on rank 0, reused by every push."""
+        from moerl.compat import device_mode
+        from moerl.convert.exporter import export_hf
+
+        if not self.can_stage():
+            raise WeightSyncError(
+                "a staged push needs one pipeline stage (parallel.pp=1): set sync.overlap=false"
+            )
+        start = time.perf_counter()
+        with device_mode.suspended():
+            stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
+            if self.rank != 0:
+                for _ in stream:  # take part in the stage's gathers
+                    pass
+                return None
+            comm = self._comm()
+            if comm not in self._held:
+                self._held[comm] = Staging(
+                    self.limit_bytes, comm, self.transport == "tensor", hold=True
+                )
+            held = self._held[comm]
+            held.rewind()
+            buckets = list(bucketize(stream, self.limit_bytes, self.dtype, held))
+        return Staged(buckets, time.perf_counter() - start)
+
+    def send_staged(self, staged: Staged, version: int) -> dict[str, float]:
+        """Rank 0, any thread: send what ``stage`` gathered, as ``push`` would (same
+        session, wire, errors and stats; ``seconds`` counts the gathering too). The next
+        ``stage`` must wait for this to return: it writes the same buffers."""
+        from moerl.compat import device_mode
+
+        start = time.perf_counter()
+        if self._group is None or self._broken:
+            raise WeightSyncError(
+                "send_staged() needs a connected, intact group: close() and connect() again"
+            )
+        with device_mode.suspended():
+            stats = self._forward(lambda _: [iter(staged.buckets)], version)
+        return {**stats, "seconds": staged.seconds + time.perf_counter() - start}
+
+    def _comm(self) -> torch.device:
+        """Where rank 0's buckets go on the wire from."""
+        if self.transport == "tensor":  # shared CPU memory, or a CUDA buffer opened by IPC
+            return device.device()
+        return torch.device("cpu") if self.backend == "gloo" else device.device()
 
     def _end_session(self, quiet: bool = False) -> None:
         """Close the engines' weight-update session; ``quiet`` (a push already failed):
@@ -329,23 +403,41 @@ class WeightSync:
         self._end_session(quiet=True)
         return err
 
-    def _forward(self, stream: Any, leads: list[int], version: int) -> dict[str, int]:
-        """Rank 0: its own stage's buckets, then each other stage's from its lead, to the
-        engines; the last bucket of the last stage carries ``version``."""
+    def _sources(
+        self, stream: Iterable[tuple[str, torch.Tensor]], leads: list[int]
+    ) -> Callable[[Borrow], list[Iterator[tuple[Bucket, bool]]]]:
+        """Rank 0: each stage's buckets, in stage order, gathered (its own, from
+        ``stream``, borrowing what the wire reads in place) or received (the other
+        stages' leads) only as they are sent."""
+
+        def sources(borrow: Borrow) -> list[Iterator[tuple[Bucket, bool]]]:
+            own = self._staging_on(self._comm())
+            return [
+                bucketize(stream, self.limit_bytes, self.dtype, own, borrow) if lead == 0
+                else receive_buckets(lead, self._staging_on(p2p_device()))
+                for lead in leads
+            ]  # fmt: skip
+
+        return sources
+
+    def _forward(
+        self, sources: Callable[[Borrow], list[Iterator[tuple[Bucket, bool]]]], version: int
+    ) -> dict[str, int]:
+        """Rank 0: every stage's buckets (``sources(wire.borrow)``, lazy iterators in
+        stage order) to the engines; the last bucket of the last stage carries ``version``."""
         assert self.client is not None and self._run is not None
         wire: Wire | TensorWire
         if self.transport == "tensor":
-            comm = device.device()  # shared CPU memory, or a CUDA buffer opened by IPC
             wire = TensorWire(
                 self.client, self._run, tp_sizes=self._tp_sizes, timeout_s=self.timeout_s,
                 flush_cache=self.flush_cache,
             )  # fmt: skip
         else:
-            comm = torch.device("cpu") if self.backend == "gloo" else device.device()
             wire = Wire(
-                self._group, self.client, self._run, group_name=self.group_name, comm=comm,
-                timeout_s=self.timeout_s, flush_cache=self.flush_cache,
+                self._group, self.client, self._run, group_name=self.group_name,
+                comm=self._comm(), timeout_s=self.timeout_s, flush_cache=self.flush_cache,
             )  # fmt: skip
+        stages = sources(wire.borrow)
         sent_version = False
         # SGLang loads pushed weights only inside a session (moerl.engine answers the same)
         error: Exception | None = None
@@ -354,15 +446,10 @@ class WeightSync:
         except Exception as err:  # drained below like a failed send: nothing was sent
             error = WeightSyncError(f"could not open the engines' weight-update session: {err}")
         try:
-            for lead in leads:
-                if lead == 0:
-                    staging = self._staging_on(comm)
-                    buckets = bucketize(stream, self.limit_bytes, self.dtype, staging, wire.borrow)
-                else:
-                    buckets = receive_buckets(lead, self._staging_on(p2p_device()))
+            for n, buckets in enumerate(stages, 1):
                 for bucket, last in buckets:  # gathered while the previous one is sent
                     if bucket.names and error is None:
-                        tag = version if last and lead == leads[-1] else None
+                        tag = version if last and n == len(stages) else None
                         try:
                             wire.send(bucket, tag)
                         except Exception as err:

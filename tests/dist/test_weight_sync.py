@@ -8,6 +8,7 @@ HF ⇄ Megatron layout change, so the reference checkpoint is written without Me
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ def _trainer(
     bucket_mb: float,
     out: str,
     transport: str,
+    staged: bool = False,
 ) -> None:
     from moerl.convert import load_hf
     from moerl.models.gpt import build_model
@@ -97,7 +99,16 @@ def _trainer(
     sync = WeightSync(chunks, model, urls=[url], bucket_mb=bucket_mb, transport=transport)
     sync.connect()
     try:
-        stats = sync.push(version=version)
+        if staged:  # gathered now; the parameters change before and while it is sent
+            held = sync.stage()
+            with torch.no_grad():
+                for shard in local_shards(chunks):
+                    shard.data.mul_(3.0)
+            if held is not None:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    stats = pool.submit(sync.send_staged, held, version).result()
+        else:
+            stats = sync.push(version=version)
     finally:
         sync.close()
     if torch.distributed.get_rank() == 0:
@@ -105,14 +116,15 @@ def _trainer(
 
 
 def _push(
-    engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb, transport="broadcast"
+    engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb, transport="broadcast",
+    staged=False,
 ) -> dict:
     from moerl.parallel import parse_layout
 
     out = tmp_path / "stats.json"
     hf = str(tiny_checkpoints["deepseek_moe"])
     _, world = parse_layout(layout)
-    args = (hf, engines[0].url, layout, scale, version, bucket_mb, str(out), transport)
+    args = (hf, engines[0].url, layout, scale, version, bucket_mb, str(out), transport, staged)
     spawn(_trainer, world, *args)
     return json.loads(out.read_text())
 
@@ -143,6 +155,47 @@ def test_small_buckets(engines, tiny_checkpoints, tmp_path):
     stats = _push(engines, tiny_checkpoints, tmp_path, "pp2", 1.0, 8, bucket_mb=0.02)
     _check_pushed(engines, tiny_checkpoints, stats, 8, scaled=False)
     assert stats["buckets"] > 10
+
+
+@pytest.mark.parametrize("layout, transport", [("tp2", "broadcast"), ("single", "tensor")])
+def test_a_staged_push_sends_the_weights_as_they_were_when_gathered(
+    engines, tiny_checkpoints, tmp_path, layout, transport
+):
+    """sync.overlap's push: stage() gathers on every rank (tp2: rank 1 takes part in the
+    export's gathers), the parameters are then tripled, and send_staged() on another
+    thread of rank 0 still lands the gathered weights, in many held buckets (a lone
+    tensor that is a parameter itself, on one rank, copied too), and the version with
+    the last; the next push is a plain one."""
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 13, 0.02, transport, True)
+    _check_pushed(engines, tiny_checkpoints, stats, 13, scaled=True)
+    assert stats["buckets"] > 10 and stats.get("borrowed_bytes", 0) == 0
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, 1.0, 14, 64, transport)
+    _check_pushed(engines, tiny_checkpoints, stats, 14, scaled=False)
+
+
+def _stage_two_stages(hf_dir: str, out: str) -> None:
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.state import initialize_for_model
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    model = tiny_config("deepseek_moe")
+    pcfg, _ = parse_layout("pp2")
+    initialize_for_model(pcfg, model)
+    sync = WeightSync(build_model(model, pcfg), model, urls=["http://127.0.0.1:9"])
+    assert not sync.can_stage()
+    with pytest.raises(WeightSyncError, match="one pipeline stage"):
+        sync.stage()
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text("ok")
+
+
+def test_a_push_over_two_pipeline_stages_cannot_be_staged(tmp_path):
+    """Rank 0 does not hold the other stage's weights: stage() says so on every rank."""
+    out = tmp_path / "ok"
+    spawn(_stage_two_stages, 2, "unused", str(out))
+    assert out.read_text() == "ok"
 
 
 @pytest.mark.parametrize("layout", ["pp2", pytest.param("tp2ep2", marks=pytest.mark.slow)])

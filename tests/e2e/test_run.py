@@ -177,6 +177,7 @@ def test_kill_after_checkpoint_and_resume(tmp_path):
 @pytest.mark.parametrize(
     "way",
     ["sync", pytest.param("depth", marks=pytest.mark.slow),
+     pytest.param("depth_overlap", marks=pytest.mark.slow),
      pytest.param("sync_torchrun_ep2", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
@@ -189,19 +190,22 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
     only after that batch: it pushes them at once instead (it used to wait forever).
     During a push, the push fails on the dead engine and is repeated after the restart.
     Under torchrun (EP=2) both ranks take part: rank 0's "no batch yet" reaches rank 1
-    and both push."""
+    and both push. With sync.overlap a push that was on the wire when the engine died
+    fails on rank 0's push thread; the next push (after the restart) is a synchronous
+    one that rebuilds the group."""
     import psutil
 
     run = tmp_path / "fault"
     run.mkdir()
-    staleness, _, torchrun = way.partition("_")
+    staleness, _, how = way.partition("_")
+    torchrun, overlap = how == "torchrun_ep2", how == "overlap"
     prefix = [sys.executable, "-m", "moerl.launch"]
     if torchrun:
         prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                   "-m", "moerl.launch", "parallel=ep2"]  # fmt: skip
     args = [*prefix, "+recipe=deepseek_moe", *QUIET,
             f"hydra.run.dir={run}", "trainer.train_iters=10", "telemetry.flip_every=0",
-            f"staleness={staleness}"]  # fmt: skip
+            f"staleness={staleness}", f"sync.overlap={str(overlap).lower()}"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 300
@@ -256,6 +260,9 @@ def test_ctrl_c_stops_ranks_and_engines(tmp_path):
 SYNC_WAYS = {
     "broadcast": ["sync.transport=broadcast"],
     "tensor": ["sync.transport=tensor"],
+    # each push sent on rank 0's push thread while the trainer goes on: the generation
+    # that follows must still see exactly the pushed weights
+    "overlap": ["sync.overlap=true"],
     # the engine inside the launcher's own process (one rank: one process in all)
     "colocated": ["launcher.placement=colocated"],
     # ... and asleep while the trainer steps (KV cache and weights freed, then refilled)
@@ -277,6 +284,7 @@ SYNC_WAYS = {
     [
         "broadcast",
         pytest.param("tensor", marks=pytest.mark.slow),  # tests/dist/test_weight_sync.py: pp2
+        "overlap",
         # colocated_sleep runs the same placement and also frees and refills the engine
         pytest.param("colocated", marks=pytest.mark.slow),
         "colocated_sleep",

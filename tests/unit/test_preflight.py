@@ -38,6 +38,10 @@ def _compose(*overrides: str) -> DictConfig:
         (["trainer.lr=inf"], ["trainer.lr=inf", "finite"]),
         (["rollout.temperature=nan"], ["rollout.temperature=nan", "finite"]),
         (["sync.bucket_mb=inf"], ["sync.bucket_mb=inf", "finite"]),
+        (
+            ["sync.overlap=true", "parallel=pp2", "launcher.nproc=2"],
+            ["sync.overlap=true", "parallel.pp=2"],
+        ),
         (["engine.max_restarts=-1"], ["engine.max_restarts=-1", ">= 0"]),
         (["engine.startup_timeout_s=0"], ["engine.startup_timeout_s=0.0", "> 0"]),
         (

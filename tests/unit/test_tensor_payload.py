@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from moerl.config.sync import SyncConfig, sync_transport
+from moerl.config.sync import SyncConfig, check_overlap, sync_transport
 from moerl.engine.tensor_payload import read_named_tensors, serialize_named_tensors
 
 # A separate process builds SGLang's own FlattenedTensorBucket (as a trainer using SGLang
@@ -131,11 +131,23 @@ def test_a_colocated_engine_always_takes_tensors(cuda):
     assert sync_transport(SyncConfig(), urls, cuda, 0.5, colocated=True) == "tensor"
 
 
+@pytest.mark.parametrize("pp, lora", [(2, False), (1, True)])
+def test_overlap_true_where_it_cannot_stage_is_refused_naming_the_fix(pp, lora):
+    with pytest.raises(
+        ValueError, match="sync.overlap=true needs one pipeline stage.*sync.overlap=false"
+    ):
+        check_overlap(SyncConfig(overlap=True), pp=pp, lora=lora)
+    check_overlap(SyncConfig(overlap=False), pp=pp, lora=lora)
+    check_overlap(SyncConfig(overlap=True), pp=1, lora=False)
+
+
 def test_a_transport_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="sync.transport"):
         SyncConfig(transport="ipc").validate()
     with pytest.raises(ValueError, match="sync.tensor_min_mb"):
         SyncConfig(tensor_min_mb=-1).validate()
+    with pytest.raises(ValueError, match="sync.overlap='yes'"):
+        SyncConfig(overlap="yes").validate()  # type: ignore[arg-type]
 
 
 # Another process shares one tensor by file name, prints two dumps of it (each dump is
