@@ -88,6 +88,8 @@ setup(
         "regex>=2022.1.18",
         # megatron-core imports einops lazily (rank grids, MLA, attention reshapes).
         "einops",
+        # the engine renders /generate as SGLang does (orjson), the client parses it so
+        "orjson",
         # megatron-core's checkpoint writer needs psutil but does not declare it; without
         # it the writer's worker dies silently and the save hangs.
         "psutil",

@@ -26,6 +26,7 @@ from contextlib import aclosing
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -57,6 +58,17 @@ BODY_OPTIONAL = (
     "/resume_memory_occupation",
 )
 """Control routes whose fields all have defaults: an empty body means all defaults."""
+
+
+class GenerateResponse(Response):
+    """/generate's answer rendered as SGLang renders it: orjson, numpy values as they
+    are, non-string keys allowed, NaN and infinities as null (5-10x faster than the
+    json module on a group's logprobs and routes)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _ok(message: str = "", **extra: Any) -> JSONResponse:
@@ -522,10 +534,10 @@ def create_app(state: EngineState) -> FastAPI:
             return _error(*failed)
         out = [build_response(state, r) for r in done]
         if not several:
-            return JSONResponse(out[0])
+            return GenerateResponse(out[0])
         for i, item in enumerate(out):
             item["index"] = i
-        return JSONResponse(out)
+        return GenerateResponse(out)
 
     @app.get("/health")
     async def health() -> Any:

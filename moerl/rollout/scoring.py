@@ -47,8 +47,15 @@ def uniform(rewards: Sequence[float]) -> bool:
     return max(rewards) == min(rewards)
 
 
+async def _awaited(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
 class RewardRunner:
-    """Calls task.reward for every completion of a group, concurrently."""
+    """Calls task.reward for every completion of a group, concurrently: a coroutine
+    function once per completion on the loop, a plain function in at most ``workers``
+    runs on the pool, each scoring a contiguous share of the group in order (one
+    thread hand-off per share, not per completion)."""
 
     def __init__(self, task: Task, workers: int) -> None:
         self.task = task
@@ -58,18 +65,29 @@ class RewardRunner:
 
     async def score(self, prompt: Prompt, group: Sequence[Trajectory]) -> list[float]:
         """One float per completion, in order; ValueError for a non-finite reward."""
-        return await gather_or_cancel([self._one(prompt, traj) for traj in group])
+        if self._is_async:
+            return await gather_or_cancel([self._one(prompt, traj) for traj in group])
+        n = max(1, min(self.workers, len(group)))
+        shares = [list(group[i * len(group) // n : (i + 1) * len(group) // n]) for i in range(n)]
+        scored = await gather_or_cancel([self._share(prompt, share) for share in shares])
+        return [reward for share in scored for reward in share]
+
+    async def _share(self, prompt: Prompt, share: list[Trajectory]) -> list[float]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="moerl-reward")
+        reward = self.task.reward
+        values = await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: [reward(prompt, traj) for traj in share]
+        )
+        if any(inspect.isawaitable(v) for v in values):  # a plain function returned coroutines
+            values = await gather_or_cancel([_awaited(v) for v in values])
+        return [self._checked(prompt, traj, value) for traj, value in zip(share, values)]
 
     async def _one(self, prompt: Prompt, traj: Trajectory) -> float:
-        if self._is_async:
-            value = await self.task.reward(prompt, traj)  # type: ignore[misc]
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="moerl-reward")
-            loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(self._pool, self.task.reward, prompt, traj)
-            if inspect.isawaitable(value):  # a plain function that returned a coroutine
-                value = await value
+        value = await self.task.reward(prompt, traj)  # type: ignore[misc]
+        return self._checked(prompt, traj, value)
+
+    def _checked(self, prompt: Prompt, traj: Trajectory, value: Any) -> float:
         try:
             reward = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
+import orjson
 
 from moerl.engine import API_KEY_ENV
 from moerl.rollout.errors import EngineError
@@ -60,7 +61,11 @@ def parse_body(resp: httpx.Response) -> Any:
     """JSON when the body is JSON, {} when empty, {"message": text} otherwise."""
     if not resp.content:
         return {}
-    try:
+    try:  # orjson first: a group's logprobs and routes parse several times faster
+        return orjson.loads(resp.content)
+    except ValueError:
+        pass
+    try:  # what orjson refuses and the json module reads (NaN, huge integers)
         return resp.json()
     except ValueError:
         return {"message": resp.text.strip()}
