@@ -169,12 +169,15 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 batch, trajs = _next_batch(rollout, publisher, scatter, trainer.version, inflight)
             wait_s = time.time() - t0
             push = _due(cfg.sync.every, step, last)
+            landed = {}  # a sleeping engine frees the weights a push in flight writes
+            if inflight is not None and engines_sleep(cfg, device.has_cuda()):
+                landed = _landed(inflight, rollout)
             # colocated: the engine's memory goes to the trainer until the push
             slept = bool(
                 sleep and rollout and rollout.sleep_engines(_sleep_tags(push, trainer.lora is None))
             )
             with run_log.span("train", step=step):
-                metrics = trainer.step(trajs, **_probes(cfg, step, last))
+                metrics = {**landed, **trainer.step(trajs, **_probes(cfg, step, last))}
             if slept and rollout:
                 rollout.wake_engines(["weights"])  # before a push: it writes into them
             if push:

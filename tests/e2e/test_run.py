@@ -267,6 +267,13 @@ SYNC_WAYS = {
     "colocated": ["launcher.placement=colocated"],
     # ... and asleep while the trainer steps (KV cache and weights freed, then refilled)
     "colocated_sleep": ["launcher.placement=colocated", "launcher.sleep_engine=true"],
+    # ... with the push in flight while the next step starts: the engine sleeps only once
+    # it has landed
+    "colocated_sleep_overlap": [
+        "launcher.placement=colocated",
+        "launcher.sleep_engine=true",
+        "sync.overlap=true",
+    ],
     # the engine inside rank 0 of two expert-parallel ranks, LoRA adapters by the mount
     "colocated_ep2_lora": [
         "launcher.placement=colocated",
@@ -288,6 +295,7 @@ SYNC_WAYS = {
         # colocated_sleep runs the same placement and also frees and refills the engine
         pytest.param("colocated", marks=pytest.mark.slow),
         "colocated_sleep",
+        pytest.param("colocated_sleep_overlap", marks=pytest.mark.slow),
         pytest.param("colocated_ep2_lora", marks=pytest.mark.slow),
     ],
 )
@@ -304,7 +312,7 @@ def test_max_staleness_zero_is_synchronous(tmp_path, way):
         assert not list((run / "logs").glob("engine*.log"))
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(4))
-    if way == "colocated_sleep":  # it slept through every step, and woke with the weights
+    if way.startswith("colocated_sleep"):  # it slept through every step, and woke with the weights
         assert m[-1]["engine/sleep_slept"] == 4 and m[-1]["engine/sleep_skipped"] == 0
     else:
         assert "engine/sleep_slept" not in m[-1]
