@@ -89,6 +89,9 @@ class InFlight:
 
 
 def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (as it is with one rank: nothing to send)."""
+    if dist.get_world_size() == 1:
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]

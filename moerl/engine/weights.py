@@ -99,6 +99,8 @@ def _receive(
     if buffer is not None:
         broadcast(group, buffer)
         tensors = unflatten(buffer, dtypes, shapes)
+        if finite_bucket(buffer, dtypes):  # one pass over the bucket, not one per tensor
+            return tensors, None
     else:
         tensors = [
             torch.empty(tuple(s), dtype=dtype_of(d), device=device) for d, s in zip(dtypes, shapes)
@@ -106,6 +108,22 @@ def _receive(
         for t in tensors:
             broadcast(group, t)
     return tensors, nonfinite_tensor(zip(names, tensors))
+
+
+def finite_bucket(buffer: torch.Tensor, dtypes: list[str]) -> bool:
+    """Whether a flattened bucket of one floating dtype is all finite, in one pass;
+    False also when it holds several dtypes or is not that dtype's multiple (then each
+    tensor is checked, and the one with NaN or inf named)."""
+    if len(set(dtypes)) != 1:
+        return False
+    dtype = dtype_of(dtypes[0])
+    if not dtype.is_floating_point or buffer.numel() % dtype.itemsize:
+        return False
+    try:
+        values = buffer.view(dtype)
+    except RuntimeError:  # an offset that dtype cannot view at
+        return False
+    return nonfinite_tensor([("bucket", values)]) is None
 
 
 RELEASED = (

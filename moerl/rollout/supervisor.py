@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -25,6 +26,10 @@ from typing import Any
 import httpx
 
 log = logging.getLogger(__name__)
+
+
+FRESH_S = 1.0
+"""Before a push, an engine that answered within this many seconds is not probed."""
 
 
 class EngineSupervisor:
@@ -130,8 +135,9 @@ class EngineSupervisor:
         finally:
             self._restarting.discard(url)
 
-    async def check(self) -> None:
-        """One pass over the engines (restarting embedded ones that need it)."""
+    async def check(self, fresh_s: float = 0.0) -> None:
+        """One pass over the engines (restarting embedded ones that need it); one that
+        answered the client within ``fresh_s`` counts as healthy without a probe."""
         async with self._lock:
             if self._http is None:
                 from moerl.engine.inprocess import engine_mounts
@@ -147,7 +153,8 @@ class EngineSupervisor:
                     continue
                 if url in self._pending:
                     continue
-                if await self._healthy(http, url):
+                answered = getattr(self.client, "answered", {}).get(url, -math.inf)
+                if time.monotonic() - answered < fresh_s or await self._healthy(http, url):
                     self.failures[url] = 0
                     self.unhealthy.discard(url)
                     continue
@@ -163,8 +170,11 @@ class EngineSupervisor:
 
     async def before_push(self) -> bool:
         """Check every engine now (a weight push must not meet a dead peer), wait for
-        restarts; True when the trainer must rebuild the weight-sync group."""
-        await self.check()
+        restarts; True when the trainer must rebuild the weight-sync group. An engine
+        that answered this run's client within ``FRESH_S`` (the synchronous loop's last
+        /generate, a moment ago) is not probed again; an embedded one is still checked
+        for having exited."""
+        await self.check(fresh_s=FRESH_S)
         return await self.wait_restarts()
 
     async def run(self) -> None:

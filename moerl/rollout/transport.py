@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -117,6 +118,8 @@ class EngineTransport:
         self._down_until = dict.fromkeys(self.urls, 0.0)
         self._rotation = 0
         self._rid_url: dict[str, str] = {}
+        self.answered = dict.fromkeys(self.urls, -math.inf)
+        """time.monotonic() of each engine's last answer below HTTP 500 to this client."""
         self.retries = 0
         """/generate attempts re-sent after a failed one, over this client's life (metrics)."""
         if api_key is None:  # as the engine: the key may come from the environment
@@ -186,6 +189,7 @@ class EngineTransport:
                 self._down_until[url] = time.monotonic() + self.cooldown_s
                 failures.append(f"{url}: HTTP {resp.status_code} {error_message(parse_body(resp))}")
                 continue
+            self.answered[url] = time.monotonic()
             return url, _checked("POST", url, path, resp)
         engines = ", ".join(dict.fromkeys(tried))
         raise EngineError(
@@ -268,6 +272,8 @@ class EngineTransport:
             if resp.status_code >= 500 and idempotent and attempt + 1 < attempts:
                 last = f"HTTP {resp.status_code}"
                 continue
+            if resp.status_code < 500 and url in self.answered:
+                self.answered[url] = time.monotonic()
             return _checked(method, url, path, resp)
         raise EngineError(
             f"{method} {url}{path} failed {attempts} times; last: {last}. {DEAD_ENGINE_FIX}",

@@ -378,6 +378,14 @@ class WeightSync:
             return device.device()
         return torch.device("cpu") if self.backend == "gloo" else device.device()
 
+    def _opened(self, opening: concurrent.futures.Future[Any]) -> WeightSyncError | None:
+        """Wait for the session ``opening``; the error to drain the push with, or None."""
+        try:
+            opening.result(self.timeout_s)
+        except Exception as err:  # drained like a failed send: nothing was sent
+            return WeightSyncError(f"could not open the engines' weight-update session: {err}")
+        return None
+
     def _end_session(self, quiet: bool = False) -> None:
         """Close the engines' weight-update session; ``quiet`` (a push already failed):
         a failure to close is logged, not raised over the push's own error."""
@@ -439,15 +447,16 @@ class WeightSync:
             )  # fmt: skip
         stages = sources(wire.borrow)
         sent_version = False
-        # SGLang loads pushed weights only inside a session (moerl.engine answers the same)
+        # SGLang loads pushed weights only inside a session (moerl.engine answers the
+        # same); it opens while the first bucket is gathered
+        opening = self._run(self.client.begin_weight_update())
+        opened = False
         error: Exception | None = None
-        try:
-            self._run(self.client.begin_weight_update()).result(self.timeout_s)
-        except Exception as err:  # drained below like a failed send: nothing was sent
-            error = WeightSyncError(f"could not open the engines' weight-update session: {err}")
         try:
             for n, buckets in enumerate(stages, 1):
                 for bucket, last in buckets:  # gathered while the previous one is sent
+                    if not opened:
+                        opened, error = True, self._opened(opening)
                     if bucket.names and error is None:
                         tag = version if last and n == len(stages) else None
                         try:
@@ -458,9 +467,13 @@ class WeightSync:
                             # part of this collective push (and can push again with us)
                             error = self._failed(wire, err)
                         sent_version |= tag is not None
+            if not opened:
+                opened, error = True, self._opened(opening)
             if error is None:
                 stats = wire.finish()
         except Exception as err:
+            if not opened:  # the session's end must not overtake its opening
+                concurrent.futures.wait([opening], timeout=self.timeout_s)
             if error is None:
                 self._failed(wire, err)
             raise

@@ -302,6 +302,26 @@ def test_nonfinite_tensor_finds_nan_and_either_infinity(dtype):
         assert nonfinite_tensor([*fine, ("bad", t)]) == "bad", bad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bucket_of_one_float_dtype_is_checked_in_one_pass(dtype):
+    """finite_bucket: True only for an all-finite bucket of one floating dtype; a NaN or
+    inf anywhere, several dtypes or integers leave the per-tensor check (which names the
+    tensor) to the engine."""
+    from moerl.engine.bucket import dtype_name
+    from moerl.engine.weights import finite_bucket
+
+    values = torch.randn(300).to(dtype)
+    raw = values.view(torch.uint8)
+    assert finite_bucket(raw, [dtype_name(dtype)] * 3)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = values.clone()
+        spoiled[299] = bad
+        assert not finite_bucket(spoiled.view(torch.uint8), [dtype_name(dtype)] * 3), bad
+    assert not finite_bucket(raw, [dtype_name(dtype), "int64"])
+    assert not finite_bucket(torch.arange(8, dtype=torch.int64).view(torch.uint8), ["int64"])
+    assert not finite_bucket(raw[:-1], [dtype_name(dtype)])  # not a whole number of values
+
+
 def test_unreachable_engine_fails_fast_and_names_it():
     from moerl.parallel.spawn import free_port
     from moerl.sync.weights import WeightSync, WeightSyncError
