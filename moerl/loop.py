@@ -165,7 +165,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         if rollout:
             rollout.start(on_restart=publisher.restore)
         run_log = open_run_log(cfg, ctx.run_dir, start, leader)
-        sleep = rollout is not None and engines_sleep(cfg, device.has_cuda())
+        sleeps = engines_sleep(cfg, device.has_cuda())  # the same on every rank
+        sleep = rollout is not None and sleeps
         for step in range(start, cfg.trainer.train_iters):
             t0 = time.time()
             with run_log.span("wait", step=step):
@@ -173,7 +174,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             wait_s = time.time() - t0
             push = _due(cfg.sync.every, step, last)
             landed = {}  # a sleeping engine frees the weights a push in flight writes
-            if inflight is not None and engines_sleep(cfg, device.has_cuda()):
+            if inflight is not None and sleeps:
                 landed = _landed(inflight, rollout)
             # colocated: the engine's memory goes to the trainer until the push
             slept = bool(
@@ -324,10 +325,7 @@ def _publish(
     if not rollout:
         return {}
     rollout.after_update(version, paused=pauses, adapter=pub.adapter, rejoined=rejoin)
-    return {
-        "sync/seconds": float(pub.stats.get("seconds", 0.0)),
-        "sync/bytes": float(pub.stats.get("bytes", 0.0)),
-    }
+    return _sync_metrics(pub)
 
 
 def _send_staged(publisher: Any, rollout: Any, version: int, staged: Any) -> dict[str, float]:
@@ -343,6 +341,11 @@ def _send_staged(publisher: Any, rollout: Any, version: int, staged: Any) -> dic
         rollout.after_update(version - 1, paused=pauses)
         raise
     rollout.after_update(version, paused=pauses)
+    return _sync_metrics(pub)
+
+
+def _sync_metrics(pub: Any) -> dict[str, float]:
+    """Rank 0's metrics of one push (a ``Publication``)."""
     return {
         "sync/seconds": float(pub.stats.get("seconds", 0.0)),
         "sync/bytes": float(pub.stats.get("bytes", 0.0)),

@@ -157,8 +157,8 @@ class WeightSync:
         self._group: Any = None
         self._broken = False
         self._leads: dict[int, int] | None = None
-        self._staging: dict[torch.device, Staging] = {}  # reused by every push
-        self._held: dict[torch.device, Staging] = {}  # stage()'s, one buffer per bucket
+        # reused by every push; (device, True): stage()'s, one buffer per bucket
+        self._staging: dict[tuple[torch.device, bool], Staging] = {}
         if self.rank != 0:
             return
         if client is None:
@@ -298,9 +298,7 @@ class WeightSync:
                 "push() needs a connected, intact group: call connect() on every rank first"
                 + (" (the last push broke it: close() and connect() again)" if self._broken else "")
             )
-        if self._leads is None:
-            self._leads = stage_leads()
-        leads = sorted(self._leads.values())
+        leads = self._stage_leads()
         stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0, "seconds": 0.0}
         stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
         if self.rank == 0:
@@ -324,9 +322,7 @@ class WeightSync:
         """Collective: whether ``stage``/``send_staged`` can split a push (one pipeline
         stage: rank 0 gathers every bucket itself, the other ranks only take part in the
         export's gathers)."""
-        if self._leads is None:
-            self._leads = stage_leads()
-        return sorted(self._leads.values()) == [0]
+        return self._stage_leads() == [0]
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> Staged | None:
         """Collective: gather every weight into buffers held for this push (rank 0; the
@@ -347,12 +343,7 @@ class WeightSync:
                 for _ in stream:  # take part in the stage's gathers
                     pass
                 return None
-            comm = self._comm()
-            if comm not in self._held:
-                self._held[comm] = Staging(
-                    self.limit_bytes, comm, self.transport == "tensor", hold=True
-                )
-            held = self._held[comm]
+            held = self._staging_on(self._comm(), hold=True)
             held.rewind()
             buckets = list(bucketize(stream, self.limit_bytes, self.dtype, held))
         return Staged(buckets, time.perf_counter() - start)
@@ -397,10 +388,18 @@ class WeightSync:
                 raise
             log.warning("could not close the engines' weight-update session: %s", err)
 
-    def _staging_on(self, where: torch.device) -> Staging:
-        if where not in self._staging:
-            self._staging[where] = Staging(self.limit_bytes, where, self.transport == "tensor")
-        return self._staging[where]
+    def _staging_on(self, where: torch.device, hold: bool = False) -> Staging:
+        key = (where, hold)
+        if key not in self._staging:
+            shared = self.transport == "tensor"
+            self._staging[key] = Staging(self.limit_bytes, where, shared, hold=hold)
+        return self._staging[key]
+
+    def _stage_leads(self) -> list[int]:
+        """Collective the first time: every pipeline stage's lead rank, in stage order."""
+        if self._leads is None:
+            self._leads = stage_leads()
+        return sorted(self._leads.values())
 
     def _failed(self, wire: Any, err: Exception) -> Exception:
         """A push failed on rank 0: the wire stopped (abandoned unless broken), the
