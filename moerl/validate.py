@@ -308,6 +308,9 @@ def _check_engine_numbers(e: EngineConfig) -> None:
     if not isinstance(e.cuda_graph, bool):
         raise ValueError(f"engine.cuda_graph={e.cuda_graph!r} must be true or false")
     non_negative_int("engine.max_restarts", e.max_restarts)
+    for key in ("admission_wait_ms", "admission_quiet_ms"):
+        finite(f"engine.{key}", getattr(e, key))
+        at_least(f"engine.{key}", getattr(e, key), 0.0)
     for key in ("startup_timeout_s", "health_interval_s"):
         positive_seconds(f"engine.{key}", getattr(e, key))
 

@@ -29,8 +29,8 @@ class EngineConfig:
     """Embedded engines' weight and compute dtype: 'float32', 'bfloat16' or 'float16'."""
     threads: int | None = None
     """CPU threads of each embedded engine process; None = by the core split of
-    moerl/config/threads.py (all cores when generation and training alternate, half when
-    they overlap)."""
+    moerl/config/threads.py (all cores but one when generation and training alternate, half
+    when they overlap)."""
     max_running_requests: int = 64
     """Requests an embedded engine decodes together (continuous batching)."""
     cuda_graph: bool = False
@@ -48,6 +48,13 @@ class EngineConfig:
     """Tokens per prefill forward of an embedded engine: a longer input runs in chunks of
     this size, which bounds the attention scores' memory (-1: no chunking; SGLang's
     --chunked-prefill-size)."""
+    admission_wait_ms: float = 4.0
+    """An idle embedded engine that gets a request waits at most this long for the
+    requests sent with it (until none arrived for admission_quiet_ms), so a step's groups
+    prefill in one forward and decode in step; 0 admits at once. SGLang servers admit at
+    once."""
+    admission_quiet_ms: float = 1.0
+    """That wait ends once no request arrived for this long."""
     prefix_cache: bool = True
     """Keep finished sequences' KV and routes so a request extending one (the next turn of
     an episode) prefills only its new tokens, with the cached tokens' routes (SGLang's radix

@@ -5,8 +5,12 @@ intra-op threads wait on each other and both sides slow down; so each side gets 
 by a stated rule unless the user sets `launcher.threads` / `engine.threads`:
 
 - **alternating** (generation and training take turns: `staleness.max_staleness=0` with
-  throttling, the synchronous loop): each side has the whole machine while the other
-  waits, so the trainer ranks split all cores and so do the engines;
+  throttling, the synchronous loop): the trainer ranks split all cores, since the engines
+  wait while they train; the engines split all cores but one, since while they generate
+  the trainer's process takes their answers and scores them, and an engine's intra-op
+  team stalls on every operation whose thread lost its core to that work (the 2-core
+  recipe's sync step: 1 engine thread waited 38–40 ms for its batch where 2 waited
+  43–46 ms, README "Measured");
 - **overlapped** (any other staleness setting, the asynchronous loop): the engines get
   half the cores (at least one thread each), the trainer ranks the rest (at least one
   thread each);
@@ -59,7 +63,8 @@ def split_cores(cores: int, ranks: int, engines: int, overlapped: bool) -> CoreS
     if engines == 0:  # SGLang servers elsewhere: the machine is the trainer's
         return CoreSplit(max(1, cores // ranks), 1, "trainer")
     if not overlapped:
-        return CoreSplit(max(1, cores // ranks), max(1, cores // engines), "alternating")
+        engine = max(1, (cores - 1) // engines)  # one core for answers and rewards
+        return CoreSplit(max(1, cores // ranks), engine, "alternating")
     per_engine = max(1, (cores // 2) // engines)
     trainer = max(1, (cores - per_engine * engines) // ranks)
     return CoreSplit(trainer, per_engine, "overlapped")

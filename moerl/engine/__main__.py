@@ -123,8 +123,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--admission-wait-ms",
+        type=float,
+        default=4.0,
+        help="an idle engine that gets a request waits at most this long for the requests "
+        "sent with it, so they prefill in one forward and decode in step (0: admit at once; "
+        "moerl's own, SGLang has none)",
+    )
+    p.add_argument(
+        "--admission-quiet-ms",
+        type=float,
+        default=1.0,
+        help="that wait ends once no request arrived for this long",
+    )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
+    if args.admission_wait_ms < 0 or args.admission_quiet_ms < 0:
+        p.error("--admission-wait-ms and --admission-quiet-ms must be >= 0")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
         p.error(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be at least 1")
     try:  # before loading anything: a device this machine lacks is a usage error

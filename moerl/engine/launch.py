@@ -64,6 +64,8 @@ def build_state(args: argparse.Namespace) -> Any:
         enable_routed_experts=args.enable_return_routed_experts,
         prefix_cache=prefix_cache,
         stop_regex_timeout_s=args.stop_regex_timeout_ms / 1e3,
+        admission_wait_s=args.admission_wait_ms / 1e3,
+        admission_quiet_s=args.admission_quiet_ms / 1e3,
     )
     state = EngineState(
         runner=runner,

@@ -15,6 +15,13 @@ samples of a GRPO group) run it once and copy it, and a prompt is cached as soon
 is prefilled, so samples admitted later reuse it too. HTTP handlers talk to the thread
 through thread-safe queues and get results back on their asyncio loop.
 
+An idle engine that gets a request waits a moment before admitting it
+(``--admission-wait-ms``, at most, until no request arrived for
+``--admission-quiet-ms``): requests a client sent together (a synchronous step's GRPO
+groups, one /generate each) then prefill in one forward and decode in step, where
+admitting the first alone would prefill the others in a second forward and run every
+decode step after it for fewer rows than the batch holds. A busy engine admits at once.
+
 The thread survives its requests: an exception while prefilling, decoding or sampling
 fails only the requests that step touched (a batched forward that raises is retried one
 request at a time to find them), and logits that are not finite fail their request. Each
@@ -124,8 +131,19 @@ class Scheduler:
         enable_routed_experts: bool = False,
         prefix_cache: PrefixCache | None = None,
         stop_regex_timeout_s: float = 0.05,
+        admission_wait_s: float = 0.0,
+        admission_quiet_s: float = 0.0,
     ) -> None:
         self.runner = runner
+        if admission_wait_s < 0 or admission_quiet_s < 0:
+            raise ValueError(
+                f"--admission-wait-ms {1e3 * admission_wait_s:g} and --admission-quiet-ms "
+                f"{1e3 * admission_quiet_s:g} must be >= 0"
+            )
+        # an idle engine's wait for the requests sent with the first (0: admit at once)
+        self.admission_wait_s = admission_wait_s
+        self.admission_quiet_s = min(admission_quiet_s, admission_wait_s)
+        self.admission_waits = 0  # times an idle engine waited for more arrivals
         if stop_regex_timeout_s <= 0:
             raise ValueError(f"--stop-regex-timeout-ms {1e3 * stop_regex_timeout_s:g} must be > 0")
         # one stop_regex search on the scheduler thread may take this long; past it, the
@@ -391,6 +409,8 @@ class Scheduler:
     def _step(self) -> None:
         start, wall_start = time.perf_counter(), time.time()
         if self._prefilling is None:
+            if not self.running and not self.retracted:
+                self._await_arrivals()
             self._admit()
         else:
             self._advance_prefill()
@@ -434,6 +454,24 @@ class Scheduler:
                 done(None, err)
             else:
                 done(result, None)
+
+    def _await_arrivals(self) -> None:
+        """Idle, with requests waiting: wait until none arrived for the quiet window (a
+        submission sets ``wake``), at most ``admission_wait_s``, or until the waiting
+        requests fill a prefill. Controls that arrive meanwhile run at the next turn of
+        the loop, a few milliseconds later."""
+        if self.admission_quiet_s <= 0:
+            return
+        self.admission_waits += 1
+        full = min(self.max_prefill, self.max_running)
+        deadline = time.perf_counter() + self.admission_wait_s
+        while not self.stop_event.is_set() and self.waiting.qsize() < full:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self.wake.clear()
+            if not self.wake.wait(min(self.admission_quiet_s, left)):
+                return  # quiet: nothing more is on its way
 
     def _admit(self) -> None:
         """Take resumed and waiting requests while slots, the per-step count and the

@@ -159,6 +159,7 @@ def testpackage_header() -> None:
         (["engine.prefix_cache_max_tokens=0"], 1, ["engine.prefix_cache_max_tokens=0"]),
         (["engine.chunked_prefill_size=0"], 1, ["engine.chunked_prefill_size=0", "-1 for no"]),
         (["engine.max_prefill_tokens=0"], 1, ["engine.max_prefill_tokens=0"]),
+        (["engine.admission_wait_ms=-1"], 1, ["engine.admission_wait_ms=-1", ">= 0"]),
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
@@ -186,13 +187,17 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     from moerl.engine.__main__ import parse_args
     from moerl.launch import engine_flags
 
-    cfg = _compose(*overrides, "engine.max_prefill_tokens=999", "engine.chunked_prefill_size=-1")
+    cfg = _compose(
+        *overrides, "engine.max_prefill_tokens=999", "engine.chunked_prefill_size=-1",
+        "engine.admission_wait_ms=2.5", "engine.admission_quiet_ms=0.5",
+    )  # fmt: skip
     got = engine_flags(cfg.engine)
     assert got[-len(flags) :] == flags
     args = parse_args(["--model-path", "m", *got])  # the embedded engine reads them all
     assert args.disable_radix_cache == (flags == ["--disable-radix-cache"])
     assert args.max_running_requests == cfg.engine.max_running_requests
     assert (args.max_prefill_tokens, args.chunked_prefill_size) == (999, -1)
+    assert (args.admission_wait_ms, args.admission_quiet_ms) == (2.5, 0.5)
 
 
 @pytest.mark.parametrize(

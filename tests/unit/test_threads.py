@@ -12,11 +12,14 @@ from moerl.config.threads import overlapped, resolve_threads, split_cores, usabl
 @pytest.mark.parametrize(
     ("cores", "ranks", "engines", "overlap", "trainer", "engine"),
     [
-        (2, 1, 1, False, 2, 2),  # a laptop, synchronous: each side has both cores in turn
+        # a laptop, synchronous: the trainer has both cores while it trains; the engine
+        # one, the other taking its answers and scoring them
+        (2, 1, 1, False, 2, 1),
+        (8, 1, 1, False, 8, 7),
         (2, 1, 1, True, 1, 1),  # asynchronous: one core each, never three threads on two
         (8, 2, 1, True, 2, 4),  # half to the engine, the rest split over the ranks
         (8, 1, 2, True, 4, 2),
-        (16, 4, 2, False, 4, 8),
+        (16, 4, 2, False, 4, 7),
         (1, 1, 1, True, 1, 1),  # at least one thread each, even oversubscribed
         (4, 1, 0, True, 4, 1),  # no embedded engine (SGLang servers): all to the trainer
     ],
