@@ -76,7 +76,11 @@ class RolloutConfig:
     return_routed_experts: bool = True
     """Record the experts every token was routed to (needed by Keep Routing replay)."""
     return_sampling_mask: bool = True
-    """Record the kept token set per position (needed by sampling-mask replay)."""
+    """Record the kept token set per position (needed by sampling-mask replay) where the
+    sampling truncates it (top_k, top_p, min_p, or greedy at temperature 0: see
+    sampling_truncates). Otherwise every token is kept: nothing is asked for, and the
+    trainer normalises a trajectory without a mask over the whole vocabulary, which is
+    that set (a vocabulary-sized id list per token would otherwise cross the wire)."""
 
     partial_rollout: str = "in_place"
     """What happens to completions in flight when the trainer pushes new weights:
@@ -160,6 +164,16 @@ class RolloutConfig:
         rng = random.Random(f"{self.length_seed}-{group_id}-{index}")
         draw = rng.lognormvariate(math.log(self.length_median), self.length_sigma)
         return min(max(round(draw), 1), self.max_new_tokens)
+
+    def sampling_truncates(self) -> bool:
+        """Whether sampling keeps fewer tokens than the vocabulary: top_k, top_p < 1,
+        min_p > 0, or temperature 0 (only the argmax)."""
+        return self.temperature == 0 or self.top_k >= 1 or self.top_p < 1.0 or self.min_p > 0
+
+    def records_sampling_mask(self) -> bool:
+        """Whether completions ask the engines for their kept sets (return_sampling_mask
+        where the sampling truncates them)."""
+        return self.return_sampling_mask and self.sampling_truncates()
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling_params for one completion."""

@@ -90,7 +90,7 @@ class EpisodeEnv:
         settings = EpisodeSettings(
             sampling_params=sampling_params, max_turns=self.max_turns,
             max_tokens=self.max_tokens, routed_experts=cfg.return_routed_experts,
-            sampling_mask=cfg.return_sampling_mask, num_layers=num_layers, topk=topk,
+            sampling_mask=cfg.records_sampling_mask(), num_layers=num_layers, topk=topk,
             mode=cfg.partial_rollout,
         )  # fmt: skip
         return EpisodeRunner(client, self.make_env, self.renderer, settings, gate=gate)

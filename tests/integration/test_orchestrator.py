@@ -5,6 +5,7 @@ uniform groups, each partial-rollout mode around a weight-version bump, failover
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -111,6 +112,41 @@ async def wait_running(client: EngineClient, url: str, n: int) -> None:
 
 def positions(groups) -> list[int]:  # type: ignore[no-untyped-def]
     return sorted(g[0].group_id for g in groups)
+
+
+def test_untruncated_sampling_asks_for_no_mask(ds_engine, tiny_checkpoints):
+    """Sampling that keeps every token (temperature 1, no top_k / top_p / min_p): the
+    engine's kept set is the whole vocabulary at every position, so the orchestrator asks
+    for none and the trajectories carry none (the trainer normalises over the vocabulary,
+    tests/unit/test_logprobs.py); truncated sampling still records it."""
+    from moerl.models.tokenizer import build_tiny_tokenizer
+    from moerl.tasks import build_task
+
+    task = build_task("copy_digits", build_tiny_tokenizer())
+    plain = replace(CFG, top_k=-1)
+    assert not plain.records_sampling_mask() and CFG.records_sampling_mask()
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            answer = await client.generate(
+                [3, 5, 7], plain.sampling_params(), return_sampling_mask=True,
+                sampling_logprobs_mode="selected",
+            )  # fmt: skip
+            buffer = new_buffer()
+            orch = Orchestrator(client, task, buffer, plain, num_layers=L, topk=K)
+            groups = await drive(orch, lambda: buffer.get_batch(2, 0))
+            return answer, groups
+
+    answer, groups = asyncio.run(go())
+    meta = answer["meta_info"]
+    config = json.loads((tiny_checkpoints["deepseek_moe"] / "config.json").read_text())
+    for row in meta["output_token_sampling_mask"]:
+        assert sorted(row) == list(range(config["vocab_size"]))  # every token kept
+    full = [e[0] for e in meta["output_token_logprobs"]]
+    np.testing.assert_allclose(meta["output_token_sampling_logprobs"], full, atol=1e-5)
+    for traj in (t for g in groups for t in g):
+        assert traj.mask_ids is None and traj.mask_offsets is None
+        assert traj.routed_experts is not None  # routes are still recorded
 
 
 @pytest.mark.parametrize("group_request", [True, False])

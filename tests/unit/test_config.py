@@ -357,3 +357,26 @@ def test_engine_device_defaults_to_auto() -> None:
 def test_a_bad_engine_device_names_the_key_and_the_choices(device: str) -> None:
     with pytest.raises(ValueError, match=rf"engine.device='{device}' .*'auto', 'cpu', 'cuda'"):
         validate_config(_compose(f"engine.device={device}"), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "changes, truncates",
+    [
+        ({}, False),  # temperature 1, top_k -1, top_p 1, min_p 0: every token kept
+        ({"temperature": 0.0}, True),  # greedy: the argmax alone
+        ({"top_k": 20}, True),
+        ({"top_p": 0.9}, True),
+        ({"min_p": 0.05}, True),
+        ({"temperature": 0.7}, False),  # a temperature reshapes, keeps every token
+    ],
+)
+def test_the_sampling_mask_is_asked_for_only_where_sampling_truncates(
+    changes: dict[str, float], truncates: bool
+) -> None:
+    from moerl.config.rollout import RolloutConfig
+
+    cfg = RolloutConfig(**changes)  # type: ignore[arg-type]
+    assert cfg.sampling_truncates() == truncates
+    assert cfg.records_sampling_mask() == truncates
+    off = RolloutConfig(return_sampling_mask=False, **changes)  # type: ignore[arg-type]
+    assert not off.records_sampling_mask()
