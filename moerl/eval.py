@@ -67,7 +67,8 @@ def _evaluate(cfg: MoerlConfig, path: Path, urls: list[str], api_key: str | None
             await client.wait_until_healthy(cfg.engine.startup_timeout_s)
             runner = EvalRunner(
                 client, sets, cfg.eval, cfg.rollout.sampling_params(),
-                reward_workers=cfg.rollout.reward_workers, version=made.get("version", 0),
+                reward_workers=cfg.rollout.reward_workers,
+                reward_inline_s=cfg.rollout.reward_inline_us * 1e-6, version=made.get("version", 0),
             )  # fmt: skip
             try:
                 return await runner.evaluate(step=made.get("step", 0))

@@ -109,6 +109,11 @@ class RolloutConfig:
     """Wait before re-generating a failed group, doubled per attempt (at most 30 s)."""
     reward_workers: int = 4
     """Threads running synchronous reward functions (async ones run on the event loop)."""
+    reward_inline_us: float = 100.0
+    """A synchronous reward function whose every call so far took less than this many
+    microseconds runs on the event loop, without a thread hand-off (timed on the pool for
+    the first group; the first slower call sends it back to the pool for good). 0: always
+    the pool."""
 
     def validate(self, key: str = "rollout") -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
@@ -119,6 +124,7 @@ class RolloutConfig:
                 raise ValueError(f"{key}.{name}={value!r} must be an integer >= 1")
             at_least(f"{key}.{name}", value, 1)
         at_least(f"{key}.oversample_factor", self.oversample_factor, 1.0)
+        at_least(f"{key}.reward_inline_us", self.reward_inline_us, 0.0)
         at_least(f"{key}.temperature", self.temperature, 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"{key}.top_p={self.top_p} must be in (0, 1]")

@@ -90,6 +90,7 @@ class EvalRunner:
         *,
         partial_rollout: str = "in_place",
         reward_workers: int = 4,
+        reward_inline_s: float = 100e-6,
         version: int = 0,
         timeline: Timeline | None = None,
         log_path: Path | None = None,
@@ -108,7 +109,9 @@ class EvalRunner:
         for name, prompts in self._prompts.items():
             if not prompts:
                 raise ValueError(f"eval.sets.{name}: the task gave no prompts")
-        self._rewards = {name: RewardRunner(task, reward_workers) for name, task in sets.items()}
+        self._rewards = {
+            name: RewardRunner(task, reward_workers, reward_inline_s) for name, task in sets.items()
+        }
         self._mode = partial_rollout
         self._tag = uuid.uuid4().hex[:8]
         self._gate = asyncio.Event()

@@ -151,7 +151,7 @@ class Orchestrator:
         """The version passed to the last after_update."""
         self._sampling = cfg.sampling_params()
         self._adapter: tuple[str, int] | None = None  # LoRA: (engine adapter name, version)
-        self._rewards = RewardRunner(task, cfg.reward_workers)
+        self._rewards = RewardRunner(task, cfg.reward_workers, cfg.reward_inline_us * 1e-6)
         self._reward_model = reward_model
         self._tag = uuid.uuid4().hex[:8]
         self._data = DataCursor(task, start_cursor)

@@ -115,3 +115,31 @@ def test_rank_0_without_a_batch_gives_every_rank_none(tmp_path):
     out = tmp_path / "seen.json"
     spawn(_scatter_nothing_then_a_batch, 2, str(out))
     assert json.loads(out.read_text()) == [[None, 4], [None, 4]]
+
+
+def _scatter_alone(out: str) -> None:
+    from moerl.common.trajectory import Trajectory
+    from moerl.config.parallel import ParallelConfig
+    from moerl.parallel.state import initialize_model_parallel
+    from moerl.trainer.shard import BatchScatter
+
+    initialize_model_parallel(ParallelConfig(), num_layers=2, num_attention_heads=2)
+    scatter = BatchScatter(1)
+    batch = [
+        Trajectory(prompt_ids=[1], response_ids=[2, i], response_logprobs=[0.0, 0.0], versions=[0, 0],
+                   routed_experts=np.zeros((2, 2, 1), dtype=np.int32))
+        for i in range(4)
+    ]  # fmt: skip
+    got = scatter(batch)
+    assert got is not None
+    Path(out).write_text(
+        json.dumps([scatter(None), [a is b for a, b in zip(got, batch)], got[0].routed_experts.shape])
+    )
+
+
+def test_one_process_keeps_its_batch_as_it_is(tmp_path):
+    """A world of one: the batch is the rank's own (the same objects, routes whole), not a
+    pickled copy of it; None stays None."""
+    out = tmp_path / "alone.json"
+    spawn(_scatter_alone, 1, str(out))
+    assert json.loads(out.read_text()) == [None, [True] * 4, [2, 2, 1]]

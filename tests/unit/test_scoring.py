@@ -78,3 +78,73 @@ def test_a_plain_function_returning_coroutines_is_awaited_in_order():
     runner = RewardRunner(Deferred(), 2)  # type: ignore[arg-type]
     assert asyncio.run(runner.score(PROMPT, _group(5))) == [10.0, 11.0, 12.0, 13.0, 14.0]
     runner.close()
+
+
+class Clocked(Recording):
+    """Each reward call 'takes' the next of ``costs`` seconds on an injected clock."""
+
+    def __init__(self, costs: list[float]) -> None:
+        super().__init__()
+        self.costs, self.now = list(costs), 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def reward(self, prompt: Prompt, traj: Trajectory) -> float:
+        self.now += self.costs.pop(0) if self.costs else 0.0
+        return super().reward(prompt, traj)
+
+
+def _threads(task: Recording, start: int, stop: int | None = None) -> set[int]:
+    return {thread for _, thread in task.calls[start:stop]}
+
+
+def test_a_fast_reward_runs_on_the_loop_after_the_pool_timed_it():
+    task = Clocked([10e-6] * 16)
+    runner = RewardRunner(task, 4, inline_s=100e-6, clock=task.clock)  # type: ignore[arg-type]
+
+    async def two_groups() -> tuple[list[float], list[float], int]:
+        first = await runner.score(PROMPT, _group(8))  # timed on the pool
+        second = await runner.score(PROMPT, _group(8))
+        return first, second, threading.get_ident()
+
+    try:
+        first, second, loop_thread = asyncio.run(two_groups())
+    finally:
+        runner.close()
+    assert first == second == [float(i) for i in range(8)]
+    assert loop_thread not in _threads(task, 0, 8)  # the first group: on the pool
+    assert _threads(task, 8) == {loop_thread} and runner.inline is True
+
+
+def test_one_slow_call_sends_the_reward_back_to_the_pool_for_good():
+    task = Clocked([10e-6] * 8 + [10e-6, 5e-3] + [10e-6] * 30)
+    runner = RewardRunner(task, 2, inline_s=100e-6, clock=task.clock)  # type: ignore[arg-type]
+
+    async def groups() -> int:
+        for _ in range(4):
+            assert await runner.score(PROMPT, _group(8)) == [float(i) for i in range(8)]
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(groups())
+    finally:
+        runner.close()
+    assert _threads(task, 8, 16) == {loop_thread}  # the second group inline, slow call too
+    assert runner.inline is False and loop_thread not in _threads(task, 16)
+
+
+def test_inline_zero_always_uses_the_pool():
+    task = Clocked([])
+    runner = RewardRunner(task, 2, inline_s=0.0, clock=task.clock)  # type: ignore[arg-type]
+
+    async def groups() -> int:
+        for _ in range(3):
+            await runner.score(PROMPT, _group(4))
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(groups())
+    finally:
+        runner.close()
+    assert loop_thread not in _threads(task, 0) and runner.inline is False
