@@ -33,7 +33,7 @@ from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.schema import MoerlConfig
 from moerl.config.threads import overlapped
-from moerl.config.trainer import DTYPES, EXPERT_GEMMS, LR_SCHEDULES, TrainerConfig
+from moerl.config.trainer import CPU_ADAMS, DTYPES, EXPERT_GEMMS, LR_SCHEDULES, TrainerConfig
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 OPTIMIZER_NUMBERS = (
@@ -184,6 +184,7 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     check_replay_spec(t.replay, t.recent_window)
     one_of("trainer.kernels", t.kernels, ("auto", "triton", "torch"))
     one_of("trainer.expert_gemm", t.expert_gemm, EXPERT_GEMMS)
+    one_of("trainer.cpu_adam", t.cpu_adam, CPU_ADAMS)
     one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")

@@ -100,6 +100,7 @@ class Trainer:
                 adam_eps=trainer.adam_eps,
                 clip_grad=trainer.clip_grad,
                 use_distributed_optimizer=trainer.use_distributed_optimizer,
+                cpu_adam=trainer.cpu_adam,
             ),
         )
         # counts optimizer steps: step it once after every optimizer.step()

@@ -33,6 +33,9 @@ class OptimConfig:
     """Global gradient-norm clip over all parameters and ranks (0 disables)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state and reduce-scatter gradients over data parallel."""
+    cpu_adam: str = "fused"
+    """torch's AdamW implementation for CPU parameters: 'fused', 'foreach' or 'for_loop'
+    (TrainerConfig.cpu_adam)."""
 
 
 def wrap_ddp(
@@ -108,7 +111,30 @@ def build_optimizer(chunks: list[Any], cfg: OptimConfig) -> Any:
         fp16=model_config.fp16,
     )
     # gloo groups exist exactly where moerl.parallel.state made them (without CUDA)
-    return get_megatron_optimizer(opt_config, chunks, use_gloo_process_groups=not has_cuda())
+    optimizer = get_megatron_optimizer(opt_config, chunks, use_gloo_process_groups=not has_cuda())
+    if not has_cuda():
+        choose_cpu_adam(optimizer, cfg.cpu_adam)
+    return optimizer
+
+
+def choose_cpu_adam(optimizer: Any, impl: str) -> int:
+    """Set every torch Adam/AdamW inside megatron-core's ``optimizer`` whose parameters are
+    all on the CPU to ``impl`` ('fused', 'foreach' or 'for_loop'), through the flags its
+    ``step`` reads from each param group; returns how many param groups changed."""
+    if impl not in ("fused", "foreach", "for_loop"):
+        raise ValueError(f"cpu_adam={impl!r}: choose 'fused', 'foreach' or 'for_loop'")
+    changed = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in torch_opt.param_groups:
+            if any(p.device.type != "cpu" for p in group["params"]):
+                continue
+            group["fused"] = impl == "fused"
+            group["foreach"] = impl == "foreach"
+            changed += 1
+    return changed
 
 
 def attach_schedule_hooks(chunks: list[Any], optimizer: Any) -> None:

@@ -137,3 +137,70 @@ def test_trainer_resumes_the_schedule(tmp_path) -> None:
     assert resumed["num_steps"] == 8
     # a resume with trainer.lr=2e-3 continues at step 3 on the new peak
     assert new_lr["lrs"] == pytest.approx(reference(2e-3)[3:4], rel=1e-12)
+
+
+def _cpu_adams(layout: str, out: str) -> None:
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel.state import initialize_for_model
+    from moerl.trainer.wrap import OptimConfig, build_optimizer, wrap_ddp
+
+    model = tiny_config("qwen3_moe")
+    pcfg, _ = parse_layout(layout)
+    initialize_for_model(pcfg, model, seed=7)
+    distributed = pcfg.dp(dist.get_world_size()) > 1
+    ddp = wrap_ddp(build_model(model, pcfg), use_distributed_optimizer=distributed)
+    params = [p for c in ddp for p in c.module.parameters()]
+    start = [p.detach().clone() for p in params]
+    record: dict = {}
+    finals: dict[str, list[torch.Tensor]] = {}
+    for impl in ("for_loop", "foreach", "fused"):
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+        optimizer = build_optimizer(
+            ddp,
+            OptimConfig(lr=1e-2, weight_decay=0.01, adam_eps=1e-6, cpu_adam=impl,
+                        use_distributed_optimizer=distributed),
+        )  # fmt: skip
+        groups = [g for o in optimizer.chained_optimizers for g in o.optimizer.param_groups]
+        record[impl] = {"flags": sorted({(bool(g["fused"]), bool(g["foreach"])) for g in groups})}
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            for c in ddp:
+                c.zero_grad_buffer()
+            optimizer.zero_grad()
+            for p in params:
+                p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+            ok, _, _ = optimizer.step()
+            assert ok
+        finals[impl] = [p.detach().clone() for p in params]
+    ref = finals["for_loop"]
+    for impl in ("foreach", "fused"):
+        record[impl]["bitwise"] = all(torch.equal(a, b) for a, b in zip(finals[impl], ref))
+        record[impl]["max_err"] = max(float((a - b).abs().max()) for a, b in zip(finals[impl], ref))
+    record["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, start))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("layout", ["single", "dp2"])
+def test_cpu_adam_implementations_reach_torch_and_agree(layout: str, tmp_path) -> None:
+    """trainer.cpu_adam sets the torch AdamW under megatron-core's optimizer (also the
+    distributed one's shards): 'foreach' steps bitwise as the loop, 'fused' within a few
+    ulps of it, after three steps that move the weights."""
+    out = tmp_path / "adams.json"
+    spawn(_cpu_adams, parse_layout(layout)[1], layout, str(out))
+    r = json.loads(out.read_text())
+    assert r["for_loop"]["flags"] == [[False, False]]
+    assert r["foreach"]["flags"] == [[False, True]]
+    assert r["fused"]["flags"] == [[True, False]]
+    assert r["foreach"]["bitwise"], r
+    assert r["fused"]["max_err"] < 1e-6 < r["moved"], r
+
+
+def test_an_unknown_cpu_adam_is_refused():
+    from moerl.trainer.wrap import choose_cpu_adam
+
+    with pytest.raises(ValueError, match="cpu_adam='apex'"):
+        choose_cpu_adam(object(), "apex")
