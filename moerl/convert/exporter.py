@@ -11,7 +11,9 @@ same tensors and the caller decides which one sends them on.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,10 @@ def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tenso
         whole = pieces[0]
         if tuple(whole.data.shape) == tuple(shape) and not any(whole.offset[whole.prepend :]):
             return whole.data.detach()
+    if world == 1 and len(pieces) > 1:
+        adjacent = _adjacent(pieces, shape)
+        if adjacent is not None:
+            return adjacent
     dtype = pieces[0].data.dtype if pieces else torch.float32
     meta = [(p.offset[p.prepend :], tuple(p.data.shape)) for p in pieces]
     flat = (
@@ -61,6 +67,37 @@ def _assemble(pieces: list[Shard], shape: tuple[int, ...], group) -> torch.Tenso
     return out
 
 
+def _adjacent(pieces: list[Shard], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The tensor ``pieces`` tile, as a view, when they lie end to end in one storage in
+    its row-major order (a fused gate/up weight, which megatron-core's sharded state dict
+    splits in two row blocks); None otherwise."""
+    full = torch.Size(shape)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    placed = []
+    for p in pieces:
+        data, offset = p.data.detach(), p.offset[p.prepend :]
+        if not data.is_contiguous() or tuple(data.shape[1:]) != tuple(shape[1:]) or any(offset[1:]):
+            return None  # not whole rows: not one run of the output's elements
+        placed.append((offset[0] * strides[0], data))
+    placed.sort(key=lambda item: item[0])
+    first = placed[0][1]
+    storage, size = first.untyped_storage().data_ptr(), first.element_size()
+    expect = 0
+    for start, data in placed:
+        if start != expect or data.dtype != first.dtype:
+            return None
+        if data.untyped_storage().data_ptr() != storage:
+            return None
+        if data.data_ptr() != first.data_ptr() + start * size:
+            return None
+        expect += data.numel()
+    if expect != full.numel():
+        return None
+    return first.as_strided(full, strides, first.storage_offset())
+
+
 def _groups():  # type: ignore[no-untyped-def]
     if not dist.is_initialized():
         return None, None
@@ -72,10 +109,20 @@ def _groups():  # type: ignore[no-untyped-def]
     )
 
 
+def _to_hf(converter: Any, full: torch.Tensor, views: bool) -> list[torch.Tensor]:
+    """``converter.to_hf``, asking for views where its signature takes ``views`` (a
+    plugin family's converter may predate it)."""
+    if views and "views" in inspect.signature(converter.to_hf).parameters:
+        return list(converter.to_hf(full, views=True))
+    return list(converter.to_hf(full))
+
+
 def export_hf(
-    chunks: list[torch.nn.Module], model: ModelConfig
+    chunks: list[torch.nn.Module], model: ModelConfig, views: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor this pipeline stage owns."""
+    """Yield ``(hf_name, tensor)`` for every tensor this pipeline stage owns; ``views``:
+    split ones may be views of one parameter (weight sync copies them; a checkpoint file
+    may not hold tensors that share memory)."""
     fmap = get_family(model.family).weight_map(model)
     by_key: dict[str, list[Shard]] = {}
     for shard in live_shards(chunks):
@@ -89,10 +136,10 @@ def export_hf(
                 mine = [p for p in pieces if p.offset[0] == expert]
                 full = _assemble(mine, shape[1:], expert_group)
                 names = fmap.hf_names(entry, layer, expert)
-                yield from zip(names, entry.converter.to_hf(full))
+                yield from zip(names, _to_hf(entry.converter, full, views))
                 del full
         else:
             full = _assemble(pieces, shape, dense_group)
             names = fmap.hf_names(entry, layer)
-            yield from zip(names, entry.converter.to_hf(full))
+            yield from zip(names, _to_hf(entry.converter, full, views))
             del full

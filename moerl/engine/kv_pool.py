@@ -233,6 +233,21 @@ class KVPool:
                 tensor[target, :, :n] = tensor[source, :, :n]
         self.lengths[target] = n
 
+    def copy_slots(self, sources: list[int], targets: list[int], n: int) -> None:
+        """``copy_slot`` for many pairs at once: one indexed copy per pool tensor."""
+        if not sources:
+            return
+        if len(sources) == 1:
+            self.copy_slot(sources[0], targets[0], n)
+            return
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(targets, device=self.device)
+        for pool in (self.keys, self.values):
+            for tensor in pool:
+                tensor[dst, :, :n] = tensor[src, :, :n]
+        for target in targets:
+            self.lengths[target] = n
+
     def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of positions 0..n-1 of ``slot``: per-layer [H, n, D]."""
         return (

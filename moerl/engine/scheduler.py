@@ -21,6 +21,9 @@ An idle engine that gets a request waits a moment before admitting it
 groups, one /generate each) then prefill in one forward and decode in step, where
 admitting the first alone would prefill the others in a second forward and run every
 decode step after it for fewer rows than the batch holds. A busy engine admits at once.
+The followers of a step's prompts get their leaders' KV in one indexed copy per pool
+tensor, and the requests a decode step finishes are all answered before their KV goes
+to the prefix cache and their slots are freed.
 
 The thread survives its requests: an exception while prefilling, decoding or sampling
 fails only the requests that step touched (a batched forward that raises is retried one
@@ -184,6 +187,8 @@ class Scheduler:
         self.dead: str | None = None  # why the thread ended; set once, under _gate
         self._gate = threading.Lock()  # orders submit/control against the thread's end
         self.failed_requests = 0  # requests failed by an error in a step
+        # during a decode step's sampling: requests it finished, cached and freed after
+        self._settling: list[Request] | None = None
         self.wake = threading.Event()
         self.stop_event = threading.Event()
         self._stop_reason = "the engine is shutting down"
@@ -255,14 +260,33 @@ class Scheduler:
             return
         request.finish_reason = reason
         failed = bool(reason.get("status_code"))
+        if self._settling is not None and not failed:
+            # a decode step's: answered now, its KV cached and freed once the step's
+            # every request was answered (its slot is not reused before)
+            self._answer(request)
+            self._settling.append(request)
+            return
         if not failed:  # finished or aborted
             self._keep(request)
         self.pool.free(request, wipe=failed)  # its KV now, not when the server drops it
+        self._answer(request)
+
+    def _answer(self, request: Request) -> None:
         if request.on_done is not None:
             try:
                 request.on_done(request)
             except Exception:  # the server's side is gone (loop closed); nothing waits
                 log.exception("on_done of request %s failed", request.rid)
+
+    def _settle(self) -> None:
+        """The KV of the requests a decode step finished: to the prefix cache, then free."""
+        settling, self._settling = self._settling or [], None
+        for request in settling:
+            try:
+                self._keep(request)
+            except Exception:  # a cache that cannot take it: the request is answered
+                log.exception("caching request %s failed", request.rid)
+            self.pool.free(request)
 
     def fail(self, request: Request, message: str, status_code: int = 500) -> None:
         """Finish ``request`` with an error (an abort with an HTTP status, as SGLang's)."""
@@ -576,13 +600,14 @@ class Scheduler:
                 self.running.append(row.req)
                 continue
             self._first_token(row, firsts)
+        copied = self._copy_leaders(followers)
         for req, leader in followers:
             if req.done:
                 continue
             try:
                 if leader.last is None:
                     raise RuntimeError("the request it shares its input with failed")
-                self._follow(req, leader, firsts)
+                self._follow(req, leader, firsts, copied=req.rid in copied)
             except Exception as err:
                 log.exception("prefill of request %s failed", req.rid)
                 self.fail(req, f"prefill failed: {_words(err)}")
@@ -728,14 +753,40 @@ class Scheduler:
             return
         firsts.append((req, logits))
 
+    def _copy_leaders(self, followers: list[tuple[Request, _Row]]) -> set[str]:
+        """The KV of every follower whose leader still holds its slot, copied in one
+        indexed copy per pool tensor and prompt length (a GRPO step's 28 followers took
+        224 slot copies one by one); the rids copied."""
+        by_length: dict[int, list[tuple[int, int, str]]] = {}
+        for req, leader in followers:
+            if req.done or leader.last is None or leader.req.slot is None or req.slot is None:
+                continue
+            pairs = by_length.setdefault(len(leader.tokens), [])
+            pairs.append((leader.req.slot, req.slot, req.rid))
+        copied: set[str] = set()
+        for n, pairs in by_length.items():
+            try:
+                self.pool.copy_slots([a for a, _, _ in pairs], [b for _, b, _ in pairs], n)
+            except Exception:  # each alone then, by _follow, where a failure is its own
+                log.exception("batched KV copy of %d followers failed", len(pairs))
+                continue
+            copied.update(rid for _, _, rid in pairs)
+        return copied
+
     def _follow(
-        self, req: Request, leader: _Row, firsts: list[tuple[Request, torch.Tensor]]
+        self,
+        req: Request,
+        leader: _Row,
+        firsts: list[tuple[Request, torch.Tensor]],
+        copied: bool = False,
     ) -> None:
-        """A request with the same input as ``leader``, admitted with it: copy its KV,
-        routes and input logprobs (the prefix cache's role within one step); its first
-        token is drawn from the leader's logits (``firsts``)."""
+        """A request with the same input as ``leader``, admitted with it: copy its KV
+        (unless ``copied`` already), routes and input logprobs (the prefix cache's role
+        within one step); its first token is drawn from the leader's logits (``firsts``)."""
         n = len(leader.tokens)
-        if leader.req.slot is not None:
+        if copied:
+            pass  # by _copy_leaders, with the step's other followers
+        elif leader.req.slot is not None:
             self.pool.copy_slot(leader.req.slot, req.slot, n)  # type: ignore[arg-type]
         else:  # the leader finished at its first token: its KV went to the prefix cache
             hit = self.prefix_cache.match(req.lora, req.input_ids, n) if self.prefix_cache else None
@@ -846,13 +897,17 @@ class Scheduler:
             [r.lora for r in batch],
         )  # a forward that raises leaves the slots' lengths as they were
         drawn = self._draw(batch, logits)
-        for i, req in enumerate(batch):
-            try:
-                self._record(req, routes[i : i + 1])
-                self._emit(req, logits[i], drawn.get(i))
-            except Exception as err:  # sampling or the stream callback: this request only
-                log.exception("sampling of request %s failed", req.rid)
-                self.fail(req, f"sampling failed: {_words(err)}")
+        self._settling = []  # the requests this step finishes are answered first
+        try:
+            for i, req in enumerate(batch):
+                try:
+                    self._record(req, routes[i : i + 1])
+                    self._emit(req, logits[i], drawn.get(i))
+                except Exception as err:  # sampling or the stream callback: this one only
+                    log.exception("sampling of request %s failed", req.rid)
+                    self.fail(req, f"sampling failed: {_words(err)}")
+        finally:
+            self._settle()
 
     def _draw(self, batch: list[Request], logits_BV: torch.Tensor) -> dict[int, Sampled]:
         """The next token of each request whose draw needs nothing of its own (finite

@@ -28,7 +28,9 @@ class Converter:
     def to_megatron(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def to_hf(self, tensor: torch.Tensor, views: bool = False) -> list[torch.Tensor]:
+        """The HF tensors; ``views``: views of ``tensor`` where the split allows (the
+        caller copies them, as weight sync does), else tensors of their own."""
         raise NotImplementedError
 
 
@@ -45,7 +47,7 @@ class Copy(Converter):
     def to_megatron(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0]
 
-    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def to_hf(self, tensor: torch.Tensor, views: bool = False) -> list[torch.Tensor]:
         return [tensor]
 
 
@@ -64,8 +66,9 @@ class Concat(Converter):
 
         return torch.cat(tensors, dim=0)
 
-    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [t.clone() for t in tensor.chunk(len(self.names), dim=0)]
+    def to_hf(self, tensor: torch.Tensor, views: bool = False) -> list[torch.Tensor]:
+        chunks = tensor.chunk(len(self.names), dim=0)
+        return list(chunks) if views else [t.clone() for t in chunks]
 
 
 @dataclass
@@ -93,7 +96,7 @@ class QKV(Converter):
 
         return torch.cat([q_G, k_G, v_G], dim=1).reshape(-1, hidden)
 
-    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def to_hf(self, tensor: torch.Tensor, views: bool = False) -> list[torch.Tensor]:
         hidden = tensor.shape[-1]
         per = self.heads // self.groups
         qkv_G = tensor.view(self.groups, (per + 2) * self.head_dim, hidden)

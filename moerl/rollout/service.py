@@ -191,11 +191,16 @@ class RolloutService:
     def before_update(self, pauses_generation: bool) -> bool:
         """Before a push: every engine checked and restarts waited for; generation
         paused by the partial-rollout policy when the push disturbs requests. True when
-        engines were restarted and the weight group must be built again."""
-        rejoin = self.engines_restarted()
-        if pauses_generation:
-            self.aio.run(self._before_update())
-        return rejoin
+        engines were restarted and the weight group must be built again. One hand-off to
+        the loop."""
+
+        async def before() -> bool:
+            rejoin = bool(await self.supervisor.before_push())
+            if pauses_generation:
+                await self._before_update()
+            return rejoin
+
+        return self.aio.run(before())
 
     def engines_restarted(self) -> bool:
         """Every engine checked, a dead one restarted and waited for (before a push, and
@@ -224,16 +229,21 @@ class RolloutService:
         self, version: int, *, paused: bool, adapter: str | None = None, rejoined: bool = False
     ) -> None:
         """After a push of ``version``: generation resumes (``paused``), new requests use
-        ``adapter`` (LoRA) and restarted engines that got the weights are released."""
-        if adapter is not None:
-            self.aio.run(_call(self.orchestrator.set_adapter, adapter, version))
-        if paused:
-            self.aio.run(self.orchestrator.after_update(version))
-        if self.evals is not None:
-            self.aio.run(_call(self.evals.after_update, version, adapter))
-        if rejoined:
-            self.aio.run(self.supervisor.reconnected())
-        self.aio.run(_call(self.buffer.set_version, version))
+        ``adapter`` (LoRA) and restarted engines that got the weights are released. One
+        hand-off to the loop."""
+
+        async def after() -> None:
+            if adapter is not None:
+                self.orchestrator.set_adapter(adapter, version)
+            if paused:
+                await self.orchestrator.after_update(version)
+            if self.evals is not None:
+                self.evals.after_update(version, adapter)
+            if rejoined:
+                await self.supervisor.reconnected()
+            self.buffer.set_version(version)
+
+        self.aio.run(after())
 
     # ---- colocation: the engine sleeps while the trainer steps ------------------------
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moerl import device
 from moerl.engine.bucket import dtype_of
@@ -44,6 +45,7 @@ from moerl.engine.group import init_custom_process_group
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
 from moerl.rollout.errors import EngineError
+from moerl.sync.plan import PushPlan
 from moerl.sync.stream import (
     Bucket,
     Staging,
@@ -88,6 +90,11 @@ class Staged:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _alone() -> bool:
+    """A world of one rank (or none): an export gathers nothing."""
+    return not dist.is_initialized() or dist.get_world_size() == 1
 
 
 class WeightSync:
@@ -159,6 +166,7 @@ class WeightSync:
         self._leads: dict[int, int] | None = None
         # reused by every push; (device, True): stage()'s, one buffer per bucket
         self._staging: dict[tuple[torch.device, bool], Staging] = {}
+        self._plan: PushPlan | None = None  # a world of one's push, replayed
         if self.rank != 0:
             return
         if client is None:
@@ -300,9 +308,12 @@ class WeightSync:
             )
         leads = self._stage_leads()
         stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0, "seconds": 0.0}
-        stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
+        views = named is None  # an export of our own: split tensors as views (copied here)
+        stream = (
+            export_hf(self.chunks, self.model_cfg, views=True) if named is None else iter(named)
+        )
         if self.rank == 0:
-            stats.update(self._forward(self._sources(stream, leads), version))
+            stats.update(self._forward(self._sources(stream, leads, plan=views), version))
         elif self.rank in leads:
             staging = self._staging_on(p2p_device())
             for bucket, last in bucketize(stream, self.limit_bytes, self.dtype, staging):
@@ -338,7 +349,9 @@ class WeightSync:
             )
         start = time.perf_counter()
         with device_mode.suspended():
-            stream = export_hf(self.chunks, self.model_cfg) if named is None else iter(named)
+            stream = (
+                export_hf(self.chunks, self.model_cfg, views=True) if named is None else iter(named)
+            )
             if self.rank != 0:
                 for _ in stream:  # take part in the stage's gathers
                     pass
@@ -411,14 +424,17 @@ class WeightSync:
         return err
 
     def _sources(
-        self, stream: Iterable[tuple[str, torch.Tensor]], leads: list[int]
+        self, stream: Iterable[tuple[str, torch.Tensor]], leads: list[int], plan: bool = False
     ) -> Callable[[Borrow], list[Iterator[tuple[Bucket, bool]]]]:
         """Rank 0: each stage's buckets, in stage order, gathered (its own, from
         ``stream``, borrowing what the wire reads in place) or received (the other
-        stages' leads) only as they are sent."""
+        stages' leads) only as they are sent. ``plan``: ``stream`` is this model's own
+        export, which a world of one replays from a ``PushPlan`` (moerl/sync/plan.py)."""
 
         def sources(borrow: Borrow) -> list[Iterator[tuple[Bucket, bool]]]:
             own = self._staging_on(self._comm())
+            if plan and borrow is None and leads == [0] and _alone():
+                return [self._planned(stream, own)]
             return [
                 bucketize(stream, self.limit_bytes, self.dtype, own, borrow) if lead == 0
                 else receive_buckets(lead, self._staging_on(p2p_device()))
@@ -426,6 +442,24 @@ class WeightSync:
             ]  # fmt: skip
 
         return sources
+
+    def _planned(
+        self, stream: Iterable[tuple[str, torch.Tensor]], staging: Staging
+    ) -> Iterator[tuple[Bucket, bool]]:
+        """The push from the recorded plan while it holds, else exported (and recorded)."""
+        if self._plan is not None and self._plan.valid():
+            yield from self._plan.buckets(staging)
+            return
+        self._plan = None
+        modules = [getattr(chunk, "module", chunk) for chunk in self.chunks]  # DDP looked through
+        # parameters and buffers (the router's expert bias), by nn.Module's own methods:
+        # megatron's DDP has a `buffers` list of its own
+        params = [t for m in modules for t in (*nn.Module.parameters(m), *nn.Module.buffers(m))]
+        for item in PushPlan.record(stream, params, self.limit_bytes, self.dtype, staging):
+            if isinstance(item, tuple):
+                yield item
+            else:
+                self._plan = item
 
     def _forward(
         self, sources: Callable[[Borrow], list[Iterator[tuple[Bucket, bool]]]], version: int

@@ -458,3 +458,54 @@ def test_share_parameters_keeps_them_private_when_dev_shm_is_too_small(monkeypat
     with caplog.at_level("WARNING", logger="moerl.sync.tensor_wire"):
         assert tensor_wire.share_parameters([model]) == 0
     assert not model.weight.is_shared() and "--shm-size" in caplog.text
+
+
+def _pushed_twice(hf_dir: str, url: str, out: str) -> None:
+    """The first push records a plan (a world of one), the second replays it after the
+    weights changed in place; then a parameter moves to new storage and the third push
+    exports again."""
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.full_state import local_shards
+    from moerl.parallel.state import initialize_for_model
+    from moerl.sync.weights import WeightSync
+
+    model = tiny_config("deepseek_moe")
+    pcfg, _ = parse_layout("single")
+    initialize_for_model(pcfg, model)
+    chunks = build_model(model, pcfg)
+    load_hf(chunks, hf_dir, model)
+    sync = WeightSync(chunks, model, urls=[url], bucket_mb=64, transport="broadcast")
+    sync.connect()
+    record: dict = {}
+    try:
+        sync.push(version=20)
+        record["planned_after_first"] = sync._plan is not None
+        plan = sync._plan
+        with torch.no_grad():
+            for shard in local_shards(chunks):
+                shard.data.mul_(SCALE)
+        record["second"] = sync.push(version=21)
+        record["replayed"] = sync._plan is plan
+        param = next(p for c in chunks for p in c.parameters())
+        param.data = param.data.clone()  # new storage: the plan no longer holds
+        record["valid_after_move"] = plan.valid()
+        sync.push(version=22)
+        record["recorded_again"] = sync._plan is not None and sync._plan is not plan
+    finally:
+        sync.close()
+    Path(out).write_text(json.dumps(record))
+
+
+def test_a_world_of_one_replays_its_push_plan(engines, tiny_checkpoints, tmp_path):
+    """moerl/sync/plan.py: the second push copies the parameters by the first's plan and
+    the engine serves exactly the scaled checkpoint; a parameter on new storage makes
+    the next push export and record again."""
+    out = tmp_path / "plan.json"
+    spawn(_pushed_twice, 1, str(tiny_checkpoints["deepseek_moe"]), engines[0].url, str(out))
+    r = json.loads(out.read_text())
+    assert r["planned_after_first"] and r["replayed"], r
+    assert not r["valid_after_move"] and r["recorded_again"], r
+    _check_pushed(engines, tiny_checkpoints, r["second"], 22, scaled=True)

@@ -119,3 +119,26 @@ def test_a_wiped_slot_does_not_poison_its_next_owner(runner):
     torch.testing.assert_close(logits[1], want[-1], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="exceed the KV pool"):
         pool.reserve(1, pool.max_tokens + 1)
+
+
+def test_copy_slots_gives_each_target_its_sources_sequence(runner):
+    """Batched follower copies (moerl/engine/scheduler.py _copy_leaders): each target
+    then decodes exactly as its source's sequence, as one copy_slot each would."""
+    rng = np.random.default_rng(2)
+    pool = runner.new_pool(8)
+    leaders = [Owner() for _ in range(2)]
+    seqs = [rng.integers(3, 100, 7).tolist() for _ in leaders]
+    for o, seq in zip(leaders, seqs):
+        pool.alloc(o)
+        runner.extend(pool, [o.slot], [seq])
+    followers = [Owner() for _ in range(4)]
+    for o in followers:
+        pool.alloc(o)
+    sources = [leaders[i % 2].slot for i in range(4)]
+    pool.copy_slots(sources, [o.slot for o in followers], 7)  # type: ignore[arg-type]
+    assert [pool.length(o.slot) for o in followers] == [7] * 4  # type: ignore[arg-type]
+    new = [11, 12, 13, 14]
+    logits_BV, _ = runner.decode(pool, [o.slot for o in followers], new)  # type: ignore[misc]
+    for b in range(4):
+        want, _ = full_forward(runner, [*seqs[b % 2], new[b]])
+        torch.testing.assert_close(logits_BV[b], want[-1], rtol=1e-4, atol=1e-4)
