@@ -16,18 +16,26 @@ from moerl.parallel import parse_layout, spawn
 LR, EPS, NORM = 1.0e-2, 1.0, 10.0
 
 
-def _clip(layout: str, out: str) -> None:
+def _tiny_ddp(layout: str) -> tuple[list, list[torch.Tensor], bool]:
+    """The tiny Qwen3-MoE model in ``layout``, wrapped in megatron DDP: (chunks, their
+    parameters, whether data parallelism shards the optimizer)."""
     from moerl.models.gpt import build_model
     from moerl.models.tiny import tiny_config
     from moerl.parallel.state import initialize_for_model
-    from moerl.trainer.wrap import OptimConfig, build_optimizer, wrap_ddp
+    from moerl.trainer.wrap import wrap_ddp
 
     model = tiny_config("qwen3_moe")
     pcfg, _ = parse_layout(layout)
     initialize_for_model(pcfg, model, seed=7)
     distributed = pcfg.dp(dist.get_world_size()) > 1
     ddp = wrap_ddp(build_model(model, pcfg), use_distributed_optimizer=distributed)
-    params = [p for c in ddp for p in c.module.parameters()]
+    return ddp, [p for c in ddp for p in c.module.parameters()], distributed
+
+
+def _clip(layout: str, out: str) -> None:
+    from moerl.trainer.wrap import OptimConfig, build_optimizer
+
+    ddp, params, distributed = _tiny_ddp(layout)
     # the same hand gradient on every rank (as after DDP's all-reduce), global norm NORM
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=gen) for p in params]
@@ -140,17 +148,9 @@ def test_trainer_resumes_the_schedule(tmp_path) -> None:
 
 
 def _cpu_adams(layout: str, out: str) -> None:
-    from moerl.models.gpt import build_model
-    from moerl.models.tiny import tiny_config
-    from moerl.parallel.state import initialize_for_model
-    from moerl.trainer.wrap import OptimConfig, build_optimizer, wrap_ddp
+    from moerl.trainer.wrap import OptimConfig, build_optimizer
 
-    model = tiny_config("qwen3_moe")
-    pcfg, _ = parse_layout(layout)
-    initialize_for_model(pcfg, model, seed=7)
-    distributed = pcfg.dp(dist.get_world_size()) > 1
-    ddp = wrap_ddp(build_model(model, pcfg), use_distributed_optimizer=distributed)
-    params = [p for c in ddp for p in c.module.parameters()]
+    ddp, params, distributed = _tiny_ddp(layout)
     start = [p.detach().clone() for p in params]
     record: dict = {}
     finals: dict[str, list[torch.Tensor]] = {}
