@@ -112,9 +112,20 @@ def _groups():  # type: ignore[no-untyped-def]
 def _to_hf(converter: Any, full: torch.Tensor, views: bool) -> list[torch.Tensor]:
     """``converter.to_hf``, asking for views where its signature takes ``views`` (a
     plugin family's converter may predate it)."""
-    if views and "views" in inspect.signature(converter.to_hf).parameters:
+    if views and _takes_views(type(converter)):
         return list(converter.to_hf(full, views=True))
     return list(converter.to_hf(full))
+
+
+_TAKES_VIEWS: dict[Any, bool] = {}
+
+
+def _takes_views(cls: Any) -> bool:
+    """Whether ``cls.to_hf`` accepts ``views`` (asked once per converter class, not per
+    exported tensor)."""
+    if cls not in _TAKES_VIEWS:
+        _TAKES_VIEWS[cls] = "views" in inspect.signature(cls.to_hf).parameters
+    return _TAKES_VIEWS[cls]
 
 
 def export_hf(

@@ -86,6 +86,14 @@ _LAST: tuple[tuple[int, ...], list[Shard]] | None = None
 kept alive longer than until the next one is asked about)."""
 
 
+def live_tensors(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer (the router's expert bias) of the chunks' modules, DDP
+    looked through: the storages an export's tensors may be views of."""
+    modules = [getattr(chunk, "module", chunk) for chunk in chunks]
+    # nn.Module's own methods: megatron's DDP has a `buffers` list of its own
+    return [t for m in modules for t in (*nn.Module.parameters(m), *nn.Module.buffers(m))]
+
+
 def live_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
     """``local_shards``, reused while it describes the live parameters: when every
     shard is a view of a parameter's or buffer's storage (an optimizer step, or the
@@ -93,9 +101,7 @@ def live_shards(chunks: list[torch.nn.Module]) -> list[Shard]:
     as long as they all sit at the same addresses. Building the sharded state dict is
     most of a small model's export."""
     global _LAST
-    modules = [getattr(chunk, "module", chunk) for chunk in chunks]  # DDP looked through
-    # nn.Module's own methods: megatron's DDP has a `buffers` list of its own
-    params = [t for m in modules for t in (*nn.Module.parameters(m), *nn.Module.buffers(m))]
+    params = live_tensors(chunks)
     key = tuple(p.data_ptr() for p in params)
     if _LAST is not None and _LAST[0] == key:
         return _LAST[1]

@@ -387,7 +387,8 @@ def _evals(cfg: MoerlConfig, client: Any, tokenizer: Any, run_dir: Path, version
     return EvalRunner(
         client, sets, cfg.eval, cfg.rollout.sampling_params(),
         partial_rollout=cfg.rollout.partial_rollout, reward_workers=cfg.rollout.reward_workers,
-        reward_inline_s=cfg.rollout.reward_inline_us * 1e-6, version=version, timeline=Timeline(run_dir, "eval") if cfg.telemetry.timeline else None,
+        reward_inline_s=cfg.rollout.reward_inline_us * 1e-6, version=version,
+        timeline=Timeline(run_dir, "eval") if cfg.telemetry.timeline else None,
         log_path=Path(run_dir) / "eval.jsonl",
     )  # fmt: skip
 

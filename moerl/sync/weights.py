@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moerl import device
 from moerl.engine.bucket import dtype_of
 from moerl.engine.group import init_custom_process_group
+from moerl.parallel.full_state import live_tensors
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient
 from moerl.rollout.errors import EngineError
@@ -451,10 +451,7 @@ class WeightSync:
             yield from self._plan.buckets(staging)
             return
         self._plan = None
-        modules = [getattr(chunk, "module", chunk) for chunk in self.chunks]  # DDP looked through
-        # parameters and buffers (the router's expert bias), by nn.Module's own methods:
-        # megatron's DDP has a `buffers` list of its own
-        params = [t for m in modules for t in (*nn.Module.parameters(m), *nn.Module.buffers(m))]
+        params = live_tensors(self.chunks)
         for item in PushPlan.record(stream, params, self.limit_bytes, self.dtype, staging):
             if isinstance(item, tuple):
                 yield item

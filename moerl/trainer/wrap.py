@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from moerl.config.trainer import CPU_ADAMS
+
 
 @dataclass
 class OptimConfig:
@@ -121,8 +123,8 @@ def choose_cpu_adam(optimizer: Any, impl: str) -> int:
     """Set every torch Adam/AdamW inside megatron-core's ``optimizer`` whose parameters are
     all on the CPU to ``impl`` ('fused', 'foreach' or 'for_loop'), through the flags its
     ``step`` reads from each param group; returns how many param groups changed."""
-    if impl not in ("fused", "foreach", "for_loop"):
-        raise ValueError(f"cpu_adam={impl!r}: choose 'fused', 'foreach' or 'for_loop'")
+    if impl not in CPU_ADAMS:
+        raise ValueError(f"cpu_adam={impl!r}: choose one of {', '.join(map(repr, CPU_ADAMS))}")
     changed = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_opt = getattr(inner, "optimizer", None)
