@@ -304,13 +304,19 @@ class RolloutService:
     def metrics(self, wait_eval: bool = False) -> dict[str, float]:
         """The rollout side's metrics since the last call, with the numbers of evals
         finished meanwhile (``wait_eval``: of the running one too, for the last step)."""
-        out: dict[str, float] = {}
-        if self.evals is not None:
-            if wait_eval:
-                self.aio.run(self.evals.wait())
-            out.update(self.aio.run(_call(self.evals.pop_metrics)))
-        out.update(self.aio.run(_call(self.buffer.metrics)))
-        out.update(self.aio.run(_call(self.orchestrator.metrics)))
+        evals, buffer, orchestrator = self.evals, self.buffer, self.orchestrator
+
+        async def gather() -> dict[str, float]:  # one hand-off: the loop may be starting
+            got: dict[str, float] = {}  # the next step's requests meanwhile
+            if evals is not None:
+                if wait_eval:
+                    await evals.wait()
+                got.update(evals.pop_metrics())
+            got.update(buffer.metrics())
+            got.update(orchestrator.metrics())
+            return got
+
+        out = self.aio.run(gather())
         if self.supervisor is not None:
             out.update(self.supervisor.metrics())
         if self._sleep["slept"] or self._sleep["skipped"]:
