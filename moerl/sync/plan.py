@@ -38,7 +38,8 @@ class _Piece:
     offset: int
 
     def view(self) -> torch.Tensor:
-        return self.base.as_strided(self.size, self.stride, self.storage_offset)
+        """The piece's values, a view that follows every in-place update of ``base``."""
+        return self.base.detach().as_strided(self.size, self.stride, self.storage_offset)
 
 
 @dataclass
@@ -50,6 +51,39 @@ class _PlannedBucket:
     pieces: list[_Piece] = field(default_factory=list)
 
 
+@dataclass
+class _Copies:
+    """One bucket's copies into one staging buffer, as views made once: the sources
+    follow every in-place update of the parameters, so a replay is one
+    ``_foreach_copy_`` (and a memcpy per large piece) with no torch call per piece. A
+    call per piece let the rollout thread's event loop take the interpreter lock at
+    each (a replay took 2-4 ms on a busy 2-core machine)."""
+
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    large: list[tuple[torch.Tensor, torch.Tensor]]  # contiguous, same dtype: one memcpy each
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor, planned: _PlannedBucket) -> _Copies:
+        copies = cls([], [], [])
+        for piece, dtype in zip(planned.pieces, planned.dtypes):
+            dst = buffer[piece.offset : piece.offset + _nbytes(piece, dtype)]
+            dst = dst.view(dtype_of(dtype)).view(piece.size)
+            src = piece.view()
+            if dst.numel() >= LARGE and _memcpy_applies(dst, src):
+                copies.large.append((dst, src))
+            else:
+                copies.dst.append(dst)
+                copies.src.append(src)
+        return copies
+
+    def run(self) -> None:
+        for dst, src in self.large:
+            _memcpy(dst, src)
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+
+
 class PushPlan:
     """The buckets of one rank's push, replayable while the parameters keep their
     storage (see the module docstring)."""
@@ -57,7 +91,7 @@ class PushPlan:
     def __init__(self, buckets: list[_PlannedBucket], storages: dict[int, torch.Tensor]) -> None:
         self._buckets = buckets
         self._storages = storages  # storage address when recorded -> a parameter on it
-        self._dst: dict[tuple[int, int], list[torch.Tensor]] = {}  # (buffer, bucket) -> views
+        self._copies: dict[tuple[int, int], _Copies] = {}  # (buffer, bucket) -> its copies
 
     def valid(self) -> bool:
         """Every parameter the plan reads still lives where it was recorded."""
@@ -127,19 +161,9 @@ class PushPlan:
                 continue
             buffer = staging.next()
             key = (buffer.data_ptr(), k)
-            if key not in self._dst:
-                self._dst[key] = [
-                    buffer[p.offset : p.offset + _nbytes(p, d)].view(dtype_of(d)).view(p.size)
-                    for p, d in zip(planned.pieces, planned.dtypes)
-                ]
-            small_dst, small_src = [], []
-            for dst, piece in zip(self._dst[key], planned.pieces):
-                src = piece.view()
-                if dst.numel() < LARGE or not _memcpy(dst, src):
-                    small_dst.append(dst)
-                    small_src.append(src)
-            if small_dst:
-                torch._foreach_copy_(small_dst, small_src)
+            if key not in self._copies:
+                self._copies[key] = _Copies.of(buffer, planned)
+            self._copies[key].run()
             bucket = Bucket(
                 names=planned.names, dtypes=planned.dtypes, shapes=planned.shapes,
                 nbytes=planned.nbytes, flat=buffer[: planned.nbytes],
@@ -152,14 +176,15 @@ LARGE = 1 << 16
 (``moerl.sync.stream._copy_into`` says why); smaller ones go in one ``_foreach_copy_``."""
 
 
-def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """One thread's copy of contiguous same-dtype CPU bytes; False when it does not apply."""
-    if src.dtype != dst.dtype or not src.is_contiguous() or src.device.type != "cpu":
-        return False
-    if dst.device.type != "cpu":
-        return False
+def _memcpy_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``_memcpy`` can copy ``src`` into ``dst``: contiguous same-dtype CPU bytes."""
+    same = src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
+    return same and src.device.type == "cpu" and dst.device.type == "cpu"
+
+
+def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One thread's copy of contiguous same-dtype CPU bytes."""
     np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
-    return True
 
 
 def _nbytes(piece: _Piece, dtype: str) -> int:

@@ -61,6 +61,36 @@ def test_a_replay_gives_what_a_fresh_push_would(limit, dtype):
     assert _snapshot(list(plan.buckets(staging))) == want  # again, from the other buffer
 
 
+def test_a_replay_of_large_parameters_follows_their_in_place_updates():
+    """Pieces of at least ``LARGE`` elements are copied by one memcpy each, the rest in
+    one ``_foreach_copy_``; both read views made once, which must follow the optimizer's
+    in-place updates of parameters that require grad."""
+    from moerl.sync.plan import LARGE
+
+    gen = torch.Generator().manual_seed(1)
+    big = torch.nn.Parameter(torch.randn(2 * LARGE // 64, 64, generator=gen))
+    params = [big, torch.nn.Parameter(torch.randn(4, generator=gen))]
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        upper, lower = big.chunk(2, dim=0)  # LARGE elements each, contiguous
+        yield "upper", upper
+        yield "small", params[1]
+        yield "lower", lower
+        yield "lower.t", lower.t()  # large but strided: not one memcpy
+
+    limit = 1 << 22
+    staging = Staging(limit)
+    items = list(PushPlan.record(stream(), params, limit, None, staging))
+    plan = items[-1]
+    assert plan is not None
+    for round_ in range(3):
+        with torch.no_grad():
+            for p in params:
+                p.mul_(0.5).add_(round_)
+        want = _snapshot(list(bucketize(stream(), limit, None, Staging(limit))))
+        assert _snapshot(list(plan.buckets(staging))) == want
+
+
 def test_a_tensor_that_is_not_a_view_gives_no_plan():
     params = _params()
 
