@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ def _router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return routers
 
 
+MAX_TARGETS = 64
+"""Bucket layouts whose load targets a runner keeps (a push of a model sends a few)."""
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -88,6 +90,8 @@ class ModelRunner:
             module.register_forward_hook(self._capture_hook(layer))
         self.params = dict(self.model.named_parameters())
         self.buffers = dict(self.model.named_buffers())
+        # a push's (names, shapes) -> where its tensors go, checked (see load_targets)
+        self._targets: dict[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]], list[Any]] = {}
         # the draws happen where the logits are (a CUDA generator for CUDA logits)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.lora: Any = None  # a LoraManager when the engine runs with --enable-lora
@@ -134,6 +138,7 @@ class ModelRunner:
         their shapes and dtypes for ``resume_weights``. Buffers (rotary tables) stay."""
         if self.graphs is not None:
             self.graphs.clear()  # they read the parameters' old memory
+        self._targets.clear()  # views of the memory freed here
         shapes = {}
         for name, param in self.params.items():
             shapes[name] = (param.shape, param.dtype)
@@ -144,6 +149,7 @@ class ModelRunner:
         """Parameters back at their shapes, as zeros: the values come with the next push."""
         if self.graphs is not None:
             self.graphs.clear()
+        self._targets.clear()
         for name, (shape, dtype) in shapes.items():
             param = self.params[name]
             param.data = torch.zeros(shape, dtype=dtype, device=param.device)
@@ -268,6 +274,42 @@ class ModelRunner:
             want = tuple(tensor[index].shape) if index else tuple(tensor.shape)
             if tuple(shape) != want:
                 raise ValueError(f"{name}: got shape {tuple(shape)}, the model has {want}")
+
+    def load_targets(
+        self, names: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """The model's tensors (views) that a bucket of ``names`` and ``shapes`` is copied
+        into, checked as ``check_weights`` does (ValueError before any write). Every push
+        of a model sends the same buckets, so they are looked up and checked once and
+        kept until the weights' memory changes (``release_weights``, ``resume_weights``).
+        Call it on the thread that runs those (the scheduler's)."""
+        key = (tuple(names), tuple(tuple(int(n) for n in shape) for shape in shapes))
+        targets = self._targets.get(key)
+        if targets is None:
+            if len(names) != len(shapes):
+                raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
+            self.check_weights(*key)
+            targets = []
+            for name in key[0]:
+                tensor, index = self._target(name)
+                targets.append(tensor[index] if index else tensor)
+            if len(self._targets) >= MAX_TARGETS:  # pushes of changing buckets: start over
+                self._targets.clear()
+            self._targets[key] = targets
+        return targets
+
+    @torch.no_grad()
+    def load_bucket(
+        self, names: Sequence[str], shapes: Sequence[Sequence[int]], tensors: Sequence[torch.Tensor]
+    ) -> int:
+        """Copy a bucket's ``tensors`` into the model in one ``_foreach_copy_`` (a value in
+        another dtype or on another device is converted by the copy); checked first as
+        ``load_targets`` says, so a refused bucket changes nothing. Returns the count."""
+        targets = self.load_targets(names, shapes)
+        if len(tensors) != len(targets):
+            raise ValueError(f"{len(tensors)} tensors for {len(targets)} names")
+        torch._foreach_copy_(targets, list(tensors))
+        return len(targets)
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:

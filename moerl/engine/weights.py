@@ -69,6 +69,9 @@ class WeightGroup:
     device: torch.device  # where its backend receives: the CPU (gloo) or the GPU (NCCL)
     receiving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one receive at a time
     buffers: ReceiveBuffers = field(init=False)
+    # (buffer, layout) -> the bucket's tensors as views of that buffer: every push of a
+    # model sends the same buckets into the same two buffers (used under ``receiving``)
+    views: dict[tuple[Any, ...], list[torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.buffers = ReceiveBuffers(device=self.device)
@@ -86,6 +89,10 @@ def receive_device(backend: str, engine: torch.device) -> torch.device:
     return engine
 
 
+MAX_VIEWS = 16
+"""Bucket layouts whose views a group keeps (a push of a model sends a few)."""
+
+
 def _receive(
     group: Any,
     names: list[str],
@@ -93,12 +100,21 @@ def _receive(
     shapes: list[list[int]],
     buffer: torch.Tensor | None,
     device: torch.device,
+    views: dict[tuple[Any, ...], list[torch.Tensor]] | None = None,
 ) -> tuple[list[torch.Tensor], str | None]:
     """The broadcast tensors (views of ``buffer`` for a flattened bucket, else new ones,
-    one broadcast each), and the name of the first one holding NaN or inf, if any."""
+    one broadcast each), and the name of the first one holding NaN or inf, if any.
+    ``views``: a cache of a flattened bucket's views by buffer and layout."""
     if buffer is not None:
         broadcast(group, buffer)
-        tensors = unflatten(buffer, dtypes, shapes)
+        key = (buffer.data_ptr(), buffer.numel(), tuple(dtypes), tuple(map(tuple, shapes)))
+        tensors = None if views is None else views.get(key)
+        if tensors is None:
+            tensors = unflatten(buffer, dtypes, shapes)
+            if views is not None:
+                if len(views) >= MAX_VIEWS:
+                    views.clear()
+                views[key] = tensors
         if finite_bucket(buffer, dtypes):  # one pass over the bucket, not one per tensor
             return tensors, None
     else:
@@ -124,6 +140,10 @@ def finite_bucket(buffer: torch.Tensor, dtypes: list[str]) -> bool:
     except RuntimeError:  # an offset that dtype cannot view at
         return False
     return nonfinite_tensor([("bucket", values)]) is None
+
+
+class _Refused(ValueError):
+    """A bucket refused before the model changed; its words go into the answer."""
 
 
 RELEASED = (
@@ -240,7 +260,9 @@ def register_weight_routes(
             start = time.perf_counter()
             if abort_all:
                 sched.abort(abort_all=True, message="aborted by update_weights_from_tensor")
-            count = runner.load_weights(named)  # copies: the sender's buffers stay its own
+            names, tensors = [n for n, _ in named], [t for _, t in named]
+            # copies: the sender's buffers stay its own
+            count = runner.load_bucket(names, [t.shape for t in tensors], tensors)
             sched.flush_cache()  # always, as for the broadcast: cached KV is the old weights'
             if version is not None:
                 sched.weight_version = str(version)
@@ -277,29 +299,34 @@ def register_weight_routes(
                     buffer = await group.buffers.take(stated)
                 tensors, bad = await asyncio.to_thread(
                     _receive, group.group, names, dtypes, shapes,
-                    None if buffer is None else buffer[:stated], group.device,
+                    None if buffer is None else buffer[:stated], group.device, group.views,
                 )  # fmt: skip
-            try:
-                runner.check_weights(names, shapes)
-            except ValueError as err:
-                return fail(f"weights not applied (model unchanged): {err}")
-            if bad is not None:
-                return fail(f"weights not applied (model unchanged): {bad} holds NaN or inf")
 
             def apply() -> tuple[int, float]:
+                """On the scheduler: checked (names, shapes, then values) before any
+                change, then loaded; the targets are cached there (ModelRunner.load_targets)."""
                 start = time.perf_counter()
+                try:
+                    runner.load_targets(names, shapes)
+                except ValueError as err:
+                    raise _Refused(str(err)) from None
+                if bad is not None:
+                    raise _Refused(f"{bad} holds NaN or inf")
                 if abort_all:
                     sched.abort(
                         abort_all=True, message="aborted by update_weights_from_distributed"
                     )
-                count = runner.load_weights(zip(names, tensors))
+                count = runner.load_bucket(names, shapes, tensors)
                 # always, whatever the body's flush_cache: cached KV is the old weights'
                 sched.flush_cache()
                 if version is not None:
                     sched.weight_version = str(version)
                 return count, time.perf_counter() - start
 
-            count, apply_s = await on_scheduler(state, apply)
+            try:
+                count, apply_s = await on_scheduler(state, apply)
+            except _Refused as err:
+                return fail(f"weights not applied (model unchanged): {err}")
         finally:  # the model copied the bucket out of the buffer (or never will)
             if buffer is not None:
                 group.buffers.give(buffer)

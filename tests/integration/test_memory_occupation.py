@@ -85,6 +85,13 @@ def test_released_weights_refuse_pushes_and_come_back_with_a_push(http, tiny_che
         return http.post("/update_weights_from_tensor", body)
 
     try:
+        # a push before the release: the engine keeps where each pushed tensor goes
+        # (ModelRunner.load_targets), which the release and resume must forget
+        assert http.post("/begin_weight_update", {}).status_code == 200
+        try:
+            assert push().status_code == 200
+        finally:
+            http.post("/end_weight_update", {})
         assert http.get("/release_memory_occupation").status_code == 200  # no body: all tags
         released = http.get("/server_info").json()["memory_released"]
         assert released == ["cuda_graph", "kv_cache", "weights"]
