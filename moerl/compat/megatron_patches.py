@@ -164,6 +164,126 @@ def optimizer_without_mode() -> None:
             _patch(cls, "step", _inside("suspended", vars(cls)["step"]))
 
 
+def _foreach_l2_norm(
+    chunk_size: int, noop_flag: Any, tensor_lists: Any, per_tensor: bool, *args: Any
+) -> tuple[Any, None]:
+    """``megatron.core.utils.local_multi_tensor_l2_norm`` in one ``_foreach_norm``: the
+    L2 norm of every tensor's L2 norm, as a 1-element fp32 tensor."""
+    import torch
+
+    tensors = [t for tensors in tensor_lists for t in tensors]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float), None
+    norms = list(torch._foreach_norm(tensors))
+    if len({n.dtype for n in norms}) > 1:  # the original's torch.tensor(list) makes fp32
+        norms = [n.float() for n in norms]  # of mixed dtypes, and keeps one dtype
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    return total.reshape(1).float(), None
+
+
+def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: Any, scale: Any) -> None:
+    """``megatron.core.utils.local_multi_tensor_scale`` (dst = src * scale for each pair)
+    in one ``_foreach_mul_``, or a ``_foreach_mul`` and a ``_foreach_copy_``."""
+    import torch
+
+    sources, targets = list(tensor_lists[0]), list(tensor_lists[1])
+    if not sources:
+        return
+    if all(s is t for s, t in zip(sources, targets)):
+        torch._foreach_mul_(targets, scale)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
+
+
+def _grad_norm_fp32(original: Any) -> Any:
+    """``clip_grads.get_grad_norm_fp32`` for the L2 norm of plain CPU tensors: one foreach
+    norm, the same all-reduce and ``item``, no op through the mode. Any other case (an
+    inf or p norm, DTensors of megatron FSDP) goes to ``original``."""
+    import functools
+
+    import torch
+
+    from moerl.compat import device_mode
+
+    @functools.wraps(original)
+    def get_grad_norm_fp32(
+        grads_for_norm: Any, norm_type: Any = 2, grad_stats_parallel_group: Any = None
+    ) -> float:
+        grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else grads_for_norm
+        with device_mode.suspended():
+            plain = all(type(g) is torch.Tensor and g.device.type == "cpu" for g in grads)
+        if float(norm_type) != 2.0 or not plain:
+            return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+        with device_mode.suspended():
+            grad_norm, _ = _foreach_l2_norm(0, None, [list(grads)], False)
+            total_norm = grad_norm**2.0  # summed over the group as the original does
+            torch.distributed.all_reduce(
+                total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group
+            )
+            return total_norm.item() ** (1.0 / 2.0)
+
+    return get_grad_norm_fp32
+
+
+def _clip_grad_by_total_norm_fp32(original: Any) -> Any:
+    """``clip_grads.clip_grad_by_total_norm_fp32`` for plain CPU fp32 gradients: the same
+    coefficient, one foreach multiply, no op through the mode; DTensor gradients go to
+    ``original``."""
+    import functools
+
+    import torch
+
+    from moerl.compat import device_mode
+
+    @functools.wraps(original)
+    def clip_grad_by_total_norm_fp32(
+        parameters: Any, max_norm: Any, total_norm: float, use_decoupled_grad: bool = False
+    ) -> None:
+        with device_mode.suspended():
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            field = "decoupled_grad" if use_decoupled_grad else "grad"
+            grads = [g for g in (getattr(p, field, None) for p in params) if g is not None]
+            if not all(type(g) is torch.Tensor and g.device.type == "cpu" for g in grads):
+                with device_mode.resumed():
+                    return original(parameters, max_norm, total_norm, use_decoupled_grad)
+            allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+            wrong = [g.dtype for g in grads if g.dtype not in allowed]
+            if wrong:  # the original asserts the same (a 'torch.cuda.FloatTensor' grad)
+                raise AssertionError(f"gradients must be {allowed} to clip, got {wrong[0]}")
+            clip_coeff = max_norm / (total_norm + 1.0e-6)
+            if clip_coeff < 1.0 and grads:
+                torch._foreach_mul_([g.detach() for g in grads], clip_coeff)
+
+    return clip_grad_by_total_norm_fp32
+
+
+def foreach_grad_norm_and_scale() -> None:
+    """Site: without transformer-engine or apex, megatron-core's gradient norm and clipping
+    (``optimizer/clip_grads.py``) and its main/model copies (``optimizer/optimizer.py``)
+    use ``megatron.core.utils``' local fallbacks: a ``torch.norm`` and a ``float()`` per
+    gradient, or a multiply and a copy per tensor, every op through the mode's Python
+    ``__torch_function__`` (the tiny model's gradient norm and clipping took 2.6 ms of a
+    4 ms optimizer step). The same arithmetic in one foreach call each, and the norm and
+    the clipping that call them without the mode; the results are bit for bit the
+    originals' (tests/unit/test_compat_foreach_grads.py)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    for module in (clip_grads, optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
+            _patch(module, "multi_tensor_scale_impl", _foreach_scale)
+    if getattr(clip_grads, "l2_norm_impl", None) is utils.local_multi_tensor_l2_norm:
+        _patch(clip_grads, "l2_norm_impl", _foreach_l2_norm)
+    # what calls them, per gradient and through the mode, is replaced too (CPU tensors
+    # only; anything else goes to the original)
+    _patch(optimizer, "get_grad_norm_fp32", _grad_norm_fp32(clip_grads.get_grad_norm_fp32))
+    _patch(
+        optimizer,
+        "clip_grad_by_total_norm_fp32",
+        _clip_grad_by_total_norm_fp32(clip_grads.clip_grad_by_total_norm_fp32),
+    )
+
+
 def _sort_chunks_skipping_identity(original: Any) -> Any:
     import functools
 
@@ -200,6 +320,7 @@ def install() -> None:
     fix_missing_te()
     compute_without_mode()
     optimizer_without_mode()
+    foreach_grad_norm_and_scale()
     skip_identity_sorts()
     from megatron.core.transformer.moe import token_dispatcher
 
