@@ -326,7 +326,8 @@ class Trainer:
     ) -> dict[str, float]:
         """Trainer-vs-rollout mismatch (k3) on a sample of ``trajs``, split into routing
         (replay on/off), sampling mask (on/off), staleness (tokens of older versions) and
-        numerics (the rest), by four forwards of the same tokens; with the router flip
+        numerics (the rest), by four forwards of the same tokens (two when no sampled
+        trajectory carries a sampling mask: then on and off are one forward); with the router flip
         rates of its no-replay forward. ``old``, the step's π_old of every trajectory,
         stands in for the replay-and-mask forward when the trainer replays all routes
         with the mask (it is that forward). Needs a model built with routing replay
@@ -342,16 +343,22 @@ class Trainer:
         if is_none(self.cfg.replay) or not picked:
             return {}
         runs, flips = {}, {}
+        # without a sampling mask (a sampling that truncates nothing records none) the
+        # mask changes nothing: the masked forward is the full-vocabulary one
+        masked = any(t.has_sampling_mask for t in picked)
         for replay in ("all", "none"):
             for mask in (True, False):
                 if old is not None and (replay, mask) == (self.cfg.replay, self.cfg.sampling_mask):
                     runs[replay, mask] = np.concatenate([old[i] for i in indices])
                     continue
+                if not masked and (replay, not mask) in runs:
+                    runs[replay, mask] = runs[replay, not mask]
+                    continue
                 res = trainer_logprobs(
                     self.chunks, picked, replay=replay, use_mask=mask, **self._batching()
                 )
                 runs[replay, mask] = np.concatenate([res.logprobs[i] for i in range(len(picked))])
-                if replay == "none" and not mask:  # the router_flip_rates forward
+                if replay == "none":  # the router_flip_rates forward (routes: mask or not)
                     flips = self._flip_metrics(res)
 
         def cat(field: str) -> np.ndarray:

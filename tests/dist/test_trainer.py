@@ -199,3 +199,55 @@ def test_trainer_without_replay_steps(tiny_checkpoints, tmp_path):
     own = record["own"]
     assert own["replay/replayed_frac"] == 1.0  # an infinite threshold replays every token
     assert 1.0 <= own["replay/layer"] <= 4.0  # the mean of the MoE layers' numbers
+
+
+def _decomposed(hf_dir: str, rollouts: str, out: str) -> None:
+    """The mismatch decomposition of trajectories without sampling masks (a sampling that
+    truncates nothing records none): as it runs (two forwards), and with every
+    trajectory claiming a mask (four forwards, the mask on and off each run)."""
+    from unittest import mock
+
+    from moerl.algo.config import AlgoConfig, ReinforcePPConfig
+    from moerl.algo.correction_config import CorrectionConfig
+    from moerl.common.trajectory import Trajectory, load_jsonl
+    from moerl.config.parallel import ParallelConfig
+    from moerl.config.trainer import TrainerConfig
+    from moerl.convert import HFCheckpoint
+    from moerl.models import get_family
+    from moerl.trainer import forward
+    from moerl.trainer.trainer import Trainer
+
+    model = get_family("deepseek_moe").from_hf(HFCheckpoint(hf_dir).config())
+    trainer = Trainer(
+        model, ParallelConfig(), TrainerConfig(lr=1e-3), AlgoConfig(advantage=ReinforcePPConfig()),
+        CorrectionConfig(name="tis"), hf_dir=hf_dir,
+    )  # fmt: skip
+    trajs = load_jsonl(rollouts)
+    for t in trajs:
+        t.mask_ids = t.mask_offsets = t.sampling_logprobs = None
+    forwards = []
+    counted = forward.trainer_logprobs
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        forwards.append((kwargs["replay"], kwargs["use_mask"]))
+        return counted(*args, **kwargs)
+
+    with mock.patch.object(forward, "trainer_logprobs", counting):
+        two = trainer.mismatch_decomposition(trajs, sample=4)
+        n_two = len(forwards)
+        with mock.patch.object(Trajectory, "has_sampling_mask", property(lambda self: True)):
+            four = trainer.mismatch_decomposition(trajs, sample=4)
+    Path(out).write_text(json.dumps({"two": two, "four": four, "n_two": n_two,
+                                     "n_four": len(forwards) - n_two}))  # fmt: skip
+
+
+def test_the_decomposition_without_masks_runs_two_forwards_with_the_same_numbers(
+    tiny_checkpoints, tmp_path
+):
+    hf = tiny_checkpoints["deepseek_moe"]
+    rollouts = tmp_path / "r.jsonl"
+    collect_rollouts(hf, rollouts, num_prompts=4, max_new_tokens=8, dtype="float32")
+    spawn(_decomposed, 1, str(hf), str(rollouts), str(tmp_path / "d.json"))
+    r = json.loads((tmp_path / "d.json").read_text())
+    assert (r["n_two"], r["n_four"]) == (2, 4)
+    assert r["two"] == r["four"] and "router_flip/mean" in r["two"], r
