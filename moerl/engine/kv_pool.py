@@ -112,6 +112,7 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # of used slots 0..used-1
         self.owners: list[SlotOwner] = []
+        self.moves = 0  # frees that moved the last used slot's KV into the freed one
         self.reallocations = 0
 
     @property
@@ -147,6 +148,7 @@ class KVPool:
                 tensor[slot].zero_()
         last = self.used - 1
         if slot != last:
+            self.moves += 1
             moved, length = self.owners[last], self.lengths[last]
             for pool in (self.keys, self.values):
                 for tensor in pool:

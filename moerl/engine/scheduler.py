@@ -286,6 +286,10 @@ class Scheduler:
                 self._keep(request)
             except Exception:  # a cache that cannot take it: the request is answered
                 log.exception("caching request %s failed", request.rid)
+        # the highest slot first: a freed slot takes the last used one's KV, and a step
+        # that finishes the whole batch (a group's samples end together) then moves none
+        # (each free in step order moved a finishing request's KV into a finishing slot)
+        for request in sorted(settling, key=_slot_of, reverse=True):
             self.pool.free(request)
 
     def fail(self, request: Request, message: str, status_code: int = 500) -> None:
@@ -1055,6 +1059,10 @@ def _relative(first: int | None, done: int) -> int | None:
 def _abort(message: str, status_code: int | None = None) -> dict[str, Any]:
     """SGLang's abort finish reason; a status >= 400 makes it an HTTP error response."""
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+def _slot_of(request: Request) -> int:
+    return -1 if request.slot is None else request.slot
 
 
 def _words(err: BaseException) -> str:

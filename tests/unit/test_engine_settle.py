@@ -1,0 +1,74 @@
+"""moerl/engine/scheduler.py ``_settle``: the requests one decode step finishes go to the
+prefix cache, then give their slots back highest first, so a step that finishes the
+whole batch moves no KV between slots (each free moves the last used slot into the
+freed one), and what is cached and served stays each request's own."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from moerl.engine.model_runner import ModelRunner
+from moerl.engine.prefix_cache import PrefixCache
+from moerl.engine.sampling import SamplingParams
+from moerl.engine.scheduler import Request, Scheduler
+
+
+def _run(runner: ModelRunner, prompts: list[list[int]], new: list[int]) -> Scheduler:
+    """Every prompt submitted at once (one prefill, then decode steps together), greedy,
+    ``new[i]`` tokens each; returns the scheduler once all were answered."""
+    sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
+    left, done = len(prompts), threading.Event()
+    lock = threading.Lock()
+
+    def on_done(_: Request) -> None:
+        nonlocal left
+        with lock:
+            left -= 1
+            if not left:
+                done.set()
+
+    reqs = [
+        Request(
+            rid=f"r{i}",
+            input_ids=p,
+            on_done=on_done,
+            params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+        )  # fmt: skip
+        for i, (p, n) in enumerate(zip(prompts, new))
+    ]
+    sched.submit(*reqs)
+    sched.start()
+    try:
+        assert done.wait(120), "the requests were never answered"
+    finally:
+        sched.shutdown()
+    sched.requests = reqs  # type: ignore[attr-defined]
+    return sched
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_checkpoints) -> ModelRunner:
+    return ModelRunner(tiny_checkpoints["qwen3_moe"])
+
+
+def test_a_batch_that_finishes_together_moves_no_kv(runner):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 100, n).tolist() for n in (5, 9, 7, 6, 8, 4)]
+    together = _run(runner, prompts, [4] * len(prompts))
+    assert together.pool.used == 0 and together.pool.moves == 0
+    assert together.prefix_cache is not None and together.prefix_cache.tokens > 0
+    # each request's answer is its own: the same as generated alone
+    for prompt, req in zip(prompts, together.requests):  # type: ignore[attr-defined]
+        alone = _run(runner, [prompt], [4]).requests[0]  # type: ignore[attr-defined]
+        assert req.output_ids == alone.output_ids
+        np.testing.assert_allclose(req.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_that_finish_apart_still_free_their_slots(runner):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 100, n).tolist() for n in (5, 9, 7, 6)]
+    apart = _run(runner, prompts, [2, 5, 3, 5])
+    assert apart.pool.used == 0 and apart.pool.moves > 0  # a request outlived a lower slot
