@@ -142,6 +142,17 @@ def finite_bucket(buffer: torch.Tensor, dtypes: list[str]) -> bool:
     return nonfinite_tensor([("bucket", values)]) is None
 
 
+def _read_and_look(
+    serialized: Any, load_format: Any, mapped: MappedStorages
+) -> tuple[list[tuple[str, torch.Tensor]], str | None]:
+    """``/update_weights_from_tensor``'s tensors (ValueError: unreadable, or none) and the
+    name of the first one holding NaN or inf, if any."""
+    named = read_named_tensors(serialized, load_format, mapped)
+    if not named:
+        raise ValueError("serialized_named_tensors holds no tensors")
+    return named, nonfinite_tensor(named)
+
+
 class _Refused(ValueError):
     """A bucket refused before the model changed; its words go into the answer."""
 
@@ -240,35 +251,41 @@ def register_weight_routes(
             return refused
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
-        try:
-            named = await asyncio.to_thread(
-                read_named_tensors,
+        try:  # read and looked at for NaN and inf in one hand-off to a worker thread
+            named, bad = await asyncio.to_thread(
+                _read_and_look,
                 body.get("serialized_named_tensors"),
                 body.get("load_format"),
                 mapped,
             )
-            if not named:
-                raise ValueError("serialized_named_tensors holds no tensors")
-            runner.check_weights([n for n, _ in named], [t.shape for _, t in named])
         except ValueError as err:
             return fail(f"weights not applied (model unchanged): {err}")
-        bad = await asyncio.to_thread(nonfinite_tensor, named)
-        if bad is not None:
-            return fail(f"weights not applied (model unchanged): {bad} holds NaN or inf")
+        names, tensors = [n for n, _ in named], [t for _, t in named]
+        shapes = [t.shape for t in tensors]
 
         def apply() -> tuple[int, float]:
+            """On the scheduler: names and shapes (ModelRunner.load_targets, cached per
+            layout), then values, checked before the model changes; then loaded."""
             start = time.perf_counter()
+            try:
+                runner.load_targets(names, shapes)
+            except ValueError as err:
+                raise _Refused(str(err)) from None
+            if bad is not None:
+                raise _Refused(f"{bad} holds NaN or inf")
             if abort_all:
                 sched.abort(abort_all=True, message="aborted by update_weights_from_tensor")
-            names, tensors = [n for n, _ in named], [t for _, t in named]
             # copies: the sender's buffers stay its own
-            count = runner.load_bucket(names, [t.shape for t in tensors], tensors)
+            count = runner.load_bucket(names, shapes, tensors)
             sched.flush_cache()  # always, as for the broadcast: cached KV is the old weights'
             if version is not None:
                 sched.weight_version = str(version)
             return count, time.perf_counter() - start
 
-        count, apply_s = await on_scheduler(state, apply)
+        try:
+            count, apply_s = await on_scheduler(state, apply)
+        except _Refused as err:
+            return fail(f"weights not applied (model unchanged): {err}")
         return ok(f"updated {count} tensors", weight_version=sched.weight_version, apply_s=apply_s)
 
     @app.post("/update_weights_from_distributed")
