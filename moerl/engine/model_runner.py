@@ -308,7 +308,11 @@ class ModelRunner:
         targets = self.load_targets(names, shapes)
         if len(tensors) != len(targets):
             raise ValueError(f"{len(tensors)} tensors for {len(targets)} names")
-        torch._foreach_copy_(targets, list(tensors))
+        if all(t.device == d.device for t, d in zip(tensors, targets)):
+            torch._foreach_copy_(targets, list(tensors))
+        else:  # a gloo bucket (CPU) into a GPU model: one copy each, across devices
+            for target, tensor in zip(targets, tensors):
+                target.copy_(tensor)
         return len(targets)
 
     @torch.no_grad()

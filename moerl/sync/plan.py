@@ -62,15 +62,18 @@ class _Copies:
     dst: list[torch.Tensor]
     src: list[torch.Tensor]
     large: list[tuple[torch.Tensor, torch.Tensor]]  # contiguous, same dtype: one memcpy each
+    across: list[tuple[torch.Tensor, torch.Tensor]]  # between devices: one copy_ each
 
     @classmethod
     def of(cls, buffer: torch.Tensor, planned: _PlannedBucket) -> _Copies:
-        copies = cls([], [], [])
+        copies = cls([], [], [], [])
         for piece, dtype in zip(planned.pieces, planned.dtypes):
             dst = buffer[piece.offset : piece.offset + _nbytes(piece, dtype)]
             dst = dst.view(dtype_of(dtype)).view(piece.size)
             src = piece.view()
-            if dst.numel() >= LARGE and _memcpy_applies(dst, src):
+            if dst.device != src.device:
+                copies.across.append((dst, src))
+            elif dst.numel() >= LARGE and _memcpy_applies(dst, src):
                 copies.large.append((dst, src))
             else:
                 copies.dst.append(dst)
@@ -80,6 +83,8 @@ class _Copies:
     def run(self) -> None:
         for dst, src in self.large:
             _memcpy(dst, src)
+        for dst, src in self.across:
+            dst.copy_(src)
         if self.dst:
             torch._foreach_copy_(self.dst, self.src)
 

@@ -166,6 +166,23 @@ def test_received_weights_land_in_the_model(runner):
         runner.load_weights([(name, before)])
 
 
+def test_a_received_bucket_lands_in_the_model(runner):
+    """``load_bucket`` (what both weight routes load with): CPU tensors, as a gloo bucket
+    arrives, copied into the model on its device; twice, the second from cached targets."""
+    dev = runner.device
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    before = [runner.params[n].detach().clone() for n in names]
+    try:
+        for fill in (0.0, 2.0):
+            values = [torch.full(b.shape, fill) for b in before]  # on the CPU
+            assert runner.load_bucket(names, [v.shape for v in values], values) == 2
+            for n in names:
+                assert same_device(runner.params[n], dev)
+                assert bool((runner.params[n] == fill).all())
+    finally:
+        runner.load_bucket(names, [b.shape for b in before], [b.cpu() for b in before])
+
+
 def test_nccl_needs_a_gpu_engine():
     with pytest.raises(ValueError, match="nccl.*runs on cpu.*--device cuda"):
         receive_device("nccl", torch.device("cpu"))

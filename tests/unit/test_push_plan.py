@@ -136,3 +136,20 @@ def test_row_blocks_end_to_end_in_one_storage_export_as_a_view():
     assert _adjacent(swapped, (6, 4)) is None
     columns = [Shard("k", (4, 6), (0, 0), 0, gate.t()), Shard("k", (4, 6), (0, 3), 0, up.t())]
     assert _adjacent(columns, (4, 6)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_replay_copies_gpu_parameters_into_cpu_staging():
+    """A gloo push of a GPU model stages on the CPU: the plan's pieces then cross devices
+    (one copy_ each, not the same-device foreach or memcpy)."""
+    params = [p.cuda() for p in _params()]
+    staging = Staging(1 << 20)
+    _, plan = _record(params, 1 << 20, None, staging)
+    assert plan is not None
+    with torch.no_grad():
+        for p in params:
+            p.mul_(2.0)
+    cpu = [p.cpu() for p in params]
+    want = _snapshot(list(bucketize(_stream(cpu), 1 << 20, None, Staging(1 << 20))))
+    assert _snapshot(list(plan.buckets(staging))) == want
