@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,43 @@ class _Refused(ValueError):
     """A bucket refused before the model changed; its words go into the answer."""
 
 
+def _loader(
+    state: Any,
+    names: list[str],
+    shapes: list[Any],
+    tensors: list[torch.Tensor],
+    bad: str | None,
+    version: Any,
+    abort_all: bool,
+    route: str,
+) -> Callable[[], tuple[int, float]]:
+    """What ``/update_weights_from_<route>`` runs on the scheduler: names and shapes
+    (``ModelRunner.load_targets``, cached per layout), then values (``bad``: the first
+    tensor holding NaN or inf) checked before the model changes (``_Refused``
+    otherwise); then loaded, the prefix cache flushed (always, whatever the body's
+    flush_cache: cached KV is the old weights') and the version set. Returns the count
+    and how long decoding was blocked."""
+    runner, sched = state.runner, state.scheduler
+
+    def apply() -> tuple[int, float]:
+        start = time.perf_counter()
+        try:
+            runner.load_targets(names, shapes)
+        except ValueError as err:
+            raise _Refused(str(err)) from None
+        if bad is not None:
+            raise _Refused(f"{bad} holds NaN or inf")
+        if abort_all:
+            sched.abort(abort_all=True, message=f"aborted by update_weights_from_{route}")
+        count = runner.load_bucket(names, shapes, tensors)
+        sched.flush_cache()
+        if version is not None:
+            sched.weight_version = str(version)
+        return count, time.perf_counter() - start
+
+    return apply
+
+
 RELEASED = (
     "the weights are released (release_memory_occupation): resume_memory_occupation with "
     "tags ['weights'] first"
@@ -263,25 +301,8 @@ def register_weight_routes(
         names, tensors = [n for n, _ in named], [t for _, t in named]
         shapes = [t.shape for t in tensors]
 
-        def apply() -> tuple[int, float]:
-            """On the scheduler: names and shapes (ModelRunner.load_targets, cached per
-            layout), then values, checked before the model changes; then loaded."""
-            start = time.perf_counter()
-            try:
-                runner.load_targets(names, shapes)
-            except ValueError as err:
-                raise _Refused(str(err)) from None
-            if bad is not None:
-                raise _Refused(f"{bad} holds NaN or inf")
-            if abort_all:
-                sched.abort(abort_all=True, message="aborted by update_weights_from_tensor")
-            # copies: the sender's buffers stay its own
-            count = runner.load_bucket(names, shapes, tensors)
-            sched.flush_cache()  # always, as for the broadcast: cached KV is the old weights'
-            if version is not None:
-                sched.weight_version = str(version)
-            return count, time.perf_counter() - start
-
+        # copies: the sender's buffers stay its own
+        apply = _loader(state, names, shapes, tensors, bad, version, abort_all, "tensor")
         try:
             count, apply_s = await on_scheduler(state, apply)
         except _Refused as err:
@@ -319,27 +340,7 @@ def register_weight_routes(
                     None if buffer is None else buffer[:stated], group.device, group.views,
                 )  # fmt: skip
 
-            def apply() -> tuple[int, float]:
-                """On the scheduler: checked (names, shapes, then values) before any
-                change, then loaded; the targets are cached there (ModelRunner.load_targets)."""
-                start = time.perf_counter()
-                try:
-                    runner.load_targets(names, shapes)
-                except ValueError as err:
-                    raise _Refused(str(err)) from None
-                if bad is not None:
-                    raise _Refused(f"{bad} holds NaN or inf")
-                if abort_all:
-                    sched.abort(
-                        abort_all=True, message="aborted by update_weights_from_distributed"
-                    )
-                count = runner.load_bucket(names, shapes, tensors)
-                # always, whatever the body's flush_cache: cached KV is the old weights'
-                sched.flush_cache()
-                if version is not None:
-                    sched.weight_version = str(version)
-                return count, time.perf_counter() - start
-
+            apply = _loader(state, names, shapes, tensors, bad, version, abort_all, "distributed")
             try:
                 count, apply_s = await on_scheduler(state, apply)
             except _Refused as err:
