@@ -11,6 +11,7 @@ same tensors and the caller decides which one sends them on.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -112,20 +113,16 @@ def _groups():  # type: ignore[no-untyped-def]
 def _to_hf(converter: Any, full: torch.Tensor, views: bool) -> list[torch.Tensor]:
     """``converter.to_hf``, asking for views where its signature takes ``views`` (a
     plugin family's converter may predate it)."""
-    if views and _takes_views(type(converter)):
+    if views and _takes_views(converter.__class__):
         return list(converter.to_hf(full, views=True))
     return list(converter.to_hf(full))
 
 
-_TAKES_VIEWS: dict[Any, bool] = {}
-
-
+@functools.cache
 def _takes_views(cls: Any) -> bool:
     """Whether ``cls.to_hf`` accepts ``views`` (asked once per converter class, not per
     exported tensor)."""
-    if cls not in _TAKES_VIEWS:
-        _TAKES_VIEWS[cls] = "views" in inspect.signature(cls.to_hf).parameters
-    return _TAKES_VIEWS[cls]
+    return "views" in inspect.signature(cls.to_hf).parameters
 
 
 def export_hf(

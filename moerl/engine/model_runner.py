@@ -298,33 +298,24 @@ class ModelRunner:
             self._targets[key] = targets
         return targets
 
-    @torch.no_grad()
     def load_bucket(
         self, names: Sequence[str], shapes: Sequence[Sequence[int]], tensors: Sequence[torch.Tensor]
     ) -> int:
-        """Copy a bucket's ``tensors`` into the model in one ``_foreach_copy_`` (a value in
-        another dtype or on another device is converted by the copy); checked first as
-        ``load_targets`` says, so a refused bucket changes nothing. Returns the count."""
-        targets = self.load_targets(names, shapes)
+        """Copy a bucket's ``tensors`` into the model, checked first as ``load_targets``
+        says (a refused bucket changes nothing). Returns the count."""
+        return self.copy_into(self.load_targets(names, shapes), tensors)
+
+    @staticmethod
+    @torch.no_grad()
+    def copy_into(targets: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> int:
+        """``tensors`` into ``load_targets``' ``targets`` in one ``_foreach_copy_`` (a value
+        in another dtype is converted by the copy; one on another device, a gloo bucket
+        into a GPU model, is copied one tensor at a time). Returns the count."""
         if len(tensors) != len(targets):
             raise ValueError(f"{len(tensors)} tensors for {len(targets)} names")
         if all(t.device == d.device for t, d in zip(tensors, targets)):
             torch._foreach_copy_(targets, list(tensors))
-        else:  # a gloo bucket (CPU) into a GPU model: one copy each, across devices
+        else:
             for target, tensor in zip(targets, tensors):
                 target.copy_(tensor)
         return len(targets)
-
-    @torch.no_grad()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy each (name, value) into the model; a value on another device or in another
-        dtype (a gloo bucket arrives on the CPU) is converted by the copy."""
-        count = 0
-        for name, value in named:
-            tensor, index = self._target(name)
-            if index:
-                tensor[index].copy_(value)
-            else:
-                tensor.copy_(value)
-            count += 1
-        return count

@@ -14,7 +14,7 @@ before receiving anything.
 
 Tensors are received where the group's backend moves them: a gloo group on the CPU, an
 NCCL group on the engine's GPU (which needs an engine started with a CUDA ``--device``);
-``ModelRunner.load_weights`` copies them into the model wherever it runs.
+``ModelRunner.load_bucket`` copies them into the model wherever it runs.
 
 ``/update_weights_from_tensor`` is the same-host path without a group: the body carries
 handles to the sender's shared-memory (or CUDA IPC) tensors (moerl/engine/tensor_payload.py),
@@ -179,14 +179,14 @@ def _loader(
     def apply() -> tuple[int, float]:
         start = time.perf_counter()
         try:
-            runner.load_targets(names, shapes)
+            targets = runner.load_targets(names, shapes)
         except ValueError as err:
             raise _Refused(str(err)) from None
         if bad is not None:
             raise _Refused(f"{bad} holds NaN or inf")
         if abort_all:
             sched.abort(abort_all=True, message=f"aborted by update_weights_from_{route}")
-        count = runner.load_bucket(names, shapes, tensors)
+        count = runner.copy_into(targets, tensors)
         sched.flush_cache()
         if version is not None:
             sched.weight_version = str(version)

@@ -105,7 +105,7 @@ def test_tensor_push_lands_in_the_engine_without_a_copy_on_the_wire(colocated):
         asyncio.run(go())
         assert torch.equal(dict(runner.model.named_parameters())[name].detach(), new)
     finally:
-        runner.load_weights([(name, before)])
+        runner.load_bucket([name], [before.shape], [before])
 
 
 def test_a_failed_build_names_the_checkpoint(tmp_path: Path):

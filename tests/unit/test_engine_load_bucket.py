@@ -1,12 +1,16 @@
-"""moerl/engine/model_runner.py ``load_bucket``: a pushed bucket lands in the model as the
-per-tensor ``load_weights`` puts it (fused experts included), is refused whole before any
-write, and its cached targets follow the release and resume of the weights."""
+"""moerl/engine/model_runner.py ``load_bucket``: a pushed bucket lands in the model as
+transformers' own loading of the same tensors from a checkpoint puts them (per-expert
+names into fused experts included), is refused whole before any write, and its cached
+targets follow the release and resume of the weights."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moerl.engine.model_runner import ModelRunner
 
@@ -22,17 +26,28 @@ def _state(runner: ModelRunner) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
 
 
-def test_a_bucket_loads_as_tensor_by_tensor_loading_does(tiny_checkpoints, named):  # type: ignore[no-untyped-def]
-    one, bucket = (ModelRunner(tiny_checkpoints["qwen3_moe"]) for _ in range(2))
+def _loaded_by_transformers(src: Path, tensors: dict[str, torch.Tensor], out: Path) -> ModelRunner:
+    """The reference: a runner built from a copy of ``src`` whose weights are ``tensors``
+    (transformers reads and fuses them)."""
+    shutil.copytree(src, out)
+    (weights,) = out.glob("*.safetensors")
+    save_file(tensors, str(weights))
+    return ModelRunner(out)
+
+
+def test_a_bucket_loads_as_transformers_loads_the_checkpoint(tiny_checkpoints, named, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoints["qwen3_moe"]
+    bucket = ModelRunner(src)
     names, tensors = list(named), list(named.values())
     assert any(".experts." in n for n in names)  # per-expert names into fused tensors
-    assert one.load_weights(named.items()) == len(names)
     for round_ in range(2):  # the second round reads the cached targets
         scaled = [t * (round_ + 1) for t in tensors]
         assert bucket.load_bucket(names, [t.shape for t in scaled], scaled) == len(names)
-        one.load_weights(zip(names, scaled))
-        got, want = _state(bucket), _state(one)
-        assert all(torch.equal(got[k], want[k]) for k in want)
+        want = _state(
+            _loaded_by_transformers(src, dict(zip(names, scaled)), tmp_path / f"{round_}")
+        )
+        got = _state(bucket)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_refused_bucket_changes_nothing(tiny_checkpoints, named):  # type: ignore[no-untyped-def]
@@ -49,14 +64,13 @@ def test_a_refused_bucket_changes_nothing(tiny_checkpoints, named):  # type: ign
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
-def test_cached_targets_follow_a_release_and_resume(tiny_checkpoints, named):  # type: ignore[no-untyped-def]
-    runner = ModelRunner(tiny_checkpoints["qwen3_moe"])
+def test_cached_targets_follow_a_release_and_resume(tiny_checkpoints, named, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoints["qwen3_moe"]
+    runner = ModelRunner(src)
     names, tensors = list(named), list(named.values())
     shapes = [t.shape for t in tensors]
     runner.load_bucket(names, shapes, tensors)  # targets cached: views of this memory
     runner.resume_weights(runner.release_weights())  # new memory, zeros
     runner.load_bucket(names, shapes, tensors)
-    want = ModelRunner(tiny_checkpoints["qwen3_moe"])
-    want.load_weights(named.items())
-    got, ref = _state(runner), _state(want)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    got, want = _state(runner), _state(_loaded_by_transformers(src, named, tmp_path / "ref"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
