@@ -309,6 +309,12 @@ def _check_engine_numbers(e: EngineConfig) -> None:
     if not isinstance(e.cuda_graph, bool):
         raise ValueError(f"engine.cuda_graph={e.cuda_graph!r} must be true or false")
     non_negative_int("engine.max_restarts", e.max_restarts)
+    finite("engine.decode_share", e.decode_share)
+    if not 0 <= e.decode_share < 1:
+        raise ValueError(
+            f"engine.decode_share={e.decode_share!r} must be in [0, 1) (the share of an "
+            "engine's time its running requests decode while a long prompt prefills)"
+        )
     for key in ("admission_wait_ms", "admission_quiet_ms"):
         finite(f"engine.{key}", getattr(e, key))
         at_least(f"engine.{key}", getattr(e, key), 0.0)

@@ -48,6 +48,13 @@ class EngineConfig:
     """Tokens per prefill forward of an embedded engine: a longer input runs in chunks of
     this size, which bounds the attention scores' memory (-1: no chunking; SGLang's
     --chunked-prefill-size)."""
+    decode_share: float = 0.6
+    """While an embedded engine prefills a prompt longer than chunked_prefill_size chunk by
+    chunk, its running requests decode for at least this share of the time, and the long
+    prompt's prefill takes up to 1 / (1 - share) times longer. Their decode rate keeps a
+    little less than the share (the steps right after a chunk run slower: it evicted the
+    caches); 0.6 keeps about 0.55 on CPU (tools/bench/engine.py). 0: one decode step
+    between two chunks, as SGLang alternates them."""
     admission_wait_ms: float = 4.0
     """An idle embedded engine that gets a request waits at most this long for the
     requests sent with it (until none arrived for admission_quiet_ms), so a step's groups

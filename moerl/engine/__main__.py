@@ -137,10 +137,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="that wait ends once no request arrived for this long",
     )
+    p.add_argument(
+        "--decode-share",
+        type=float,
+        default=0.6,
+        help="while a prompt longer than --chunked-prefill-size prefills chunk by chunk, the "
+        "running requests decode for at least this share of the time (after a chunk of c "
+        "seconds, c*share/(1-share) seconds of decode steps before the next chunk); 0: one "
+        "decode step per chunk, SGLang's alternation (moerl's own)",
+    )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     if args.admission_wait_ms < 0 or args.admission_quiet_ms < 0:
         p.error("--admission-wait-ms and --admission-quiet-ms must be >= 0")
+    if not 0 <= args.decode_share < 1:
+        p.error(f"--decode-share {args.decode_share:g}: must be in [0, 1)")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
         p.error(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be at least 1")
     try:  # before loading anything: a device this machine lacks is a usage error

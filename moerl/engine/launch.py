@@ -66,6 +66,7 @@ def build_state(args: argparse.Namespace) -> Any:
         stop_regex_timeout_s=args.stop_regex_timeout_ms / 1e3,
         admission_wait_s=args.admission_wait_ms / 1e3,
         admission_quiet_s=args.admission_quiet_ms / 1e3,
+        decode_share=args.decode_share,
     )
     state = EngineState(
         runner=runner,

@@ -5,8 +5,10 @@ One background thread owns the model. Each iteration it first runs control actio
 steps and running requests keep going on the new weights — then prefills newly
 arrived requests together in one forward (``--max-prefill-tokens`` tokens at most per
 step, a longer input in forwards of ``--chunked-prefill-size`` tokens: one such forward
-per iteration, so the running requests keep decoding while a long prompt prefills, as
-SGLang interleaves them), then decodes one token for every running request in a single
+per iteration at most, so the running requests keep decoding while a long prompt
+prefills, as SGLang interleaves them; after a chunk, they decode for at least
+``--decode-share`` of the time, so a chunk that costs many decode steps does not starve
+them), then decodes one token for every running request in a single
 batched forward. Each request's keys and
 values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
 a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
@@ -136,8 +138,17 @@ class Scheduler:
         stop_regex_timeout_s: float = 0.05,
         admission_wait_s: float = 0.0,
         admission_quiet_s: float = 0.0,
+        decode_share: float = 0.6,
     ) -> None:
         self.runner = runner
+        if not (isinstance(decode_share, (int, float)) and 0 <= decode_share < 1):
+            raise ValueError(f"--decode-share {decode_share!r} must be in [0, 1)")
+        # while a chunked prefill is pending, the running requests' decode steps get at
+        # least this share of the thread's time: a chunk of c seconds is followed by
+        # c * share / (1 - share) seconds of steps without one (0: one decode step per chunk)
+        self.decode_share = float(decode_share)
+        self._next_chunk_at = 0.0  # on ``clock``: the pending prefill's next chunk not before
+        self.clock: Callable[[], float] = time.perf_counter  # tests inject their own
         if admission_wait_s < 0 or admission_quiet_s < 0:
             raise ValueError(
                 f"--admission-wait-ms {1e3 * admission_wait_s:g} and --admission-quiet-ms "
@@ -440,7 +451,7 @@ class Scheduler:
             if not self.running and not self.retracted:
                 self._await_arrivals()
             self._admit()
-        else:
+        elif not self.running or self.clock() >= self._next_chunk_at:
             self._advance_prefill()
         if self.running:
             self._decode()
@@ -544,10 +555,14 @@ class Scheduler:
         """Run the pending prefill up to its next chunk boundary (all of it, when it fits
         one forward); its requests join ``running`` as it ends."""
         assert self._prefilling is not None
+        began = self.clock()
         try:
             next(self._prefilling)
         except StopIteration:
             self._prefilling, self.prefilling = None, []
+            return
+        ended = self.clock()  # the running requests' turn: steps without a chunk
+        self._next_chunk_at = ended + (ended - began) * self.decode_share / (1 - self.decode_share)
 
     def _drop_prefill(self, requeue: bool) -> None:
         """Stop the pending prefill: its requests give back their slots and, with

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -170,3 +171,72 @@ def test_a_chunk_that_raises_fails_its_request_and_everyone_else_is_answered(eng
     assert runner["meta_info"]["completion_tokens"] == 60
     assert len(after["output_ids"]) == 2 and scheduler.prefilling == []
     assert scheduler.dead is None
+
+
+class Clock:
+    """The scheduler's clock, advanced only by the spied forwards: a chunk of the long
+    prompt costs ``chunk`` units, a decode step one (no wall time read)."""
+
+    def __init__(self, chunk: float) -> None:
+        self.now, self.chunk = 0.0, chunk
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("share, between", [(0.5, 4), (0.75, 12), (0.0, 1)])
+def test_after_each_chunk_the_running_requests_decode_for_their_share(engine, share, between):
+    """--decode-share: after a chunk that took c, decode steps fill c * share / (1 - share)
+    before the next chunk (a chunk of 4 units against decode steps of 1: 4 steps at
+    0.5, 12 at 0.75); 0 is one decode step per chunk. The long prompt's tokens are those
+    it gets alone."""
+    scheduler = engine.state.scheduler
+    alone = asyncio.run(_alone(engine, LONG, 4))
+    spy = Spy(engine)
+    clock = Clock(chunk=4.0)
+    extend, decode = spy.runner.extend, spy.runner.decode
+
+    def timed_extend(pool, slots, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        clock.now += clock.chunk if rows and len(rows[0]) in (CHUNK, len(LONG) % CHUNK) else 0
+        return extend(pool, slots, rows, *args, **kwargs)
+
+    def timed_decode(pool, slots, *args, **kwargs):  # type: ignore[no-untyped-def]
+        clock.now += 1.0
+        return decode(pool, slots, *args, **kwargs)
+
+    spy.runner.extend, spy.runner.decode = timed_extend, timed_decode
+    share_before = scheduler.decode_share
+    scheduler.clock, scheduler.decode_share = clock, share
+    try:
+
+        async def run() -> tuple[dict, dict]:
+            async with httpx.AsyncClient(mounts=engine_mounts([engine]), timeout=120) as client:
+                url = f"{engine.url}/generate"
+                runner = asyncio.create_task(client.post(url, json=_body(SHORT, 110, "share")))
+                await asyncio.to_thread(spy.decoding.wait, 60)
+                long = await client.post(url, json=_body(LONG, 4, f"long-{share}"))
+                return long.json(), (await runner).json()
+
+        long, runner = asyncio.run(run())
+    finally:
+        spy.close()
+        scheduler.clock, scheduler.decode_share = time.perf_counter, share_before
+    assert long["output_ids"] == alone["output_ids"]
+    assert runner["meta_info"]["completion_tokens"] == 110  # still running at the last chunk
+    chunks = spy.long_chunks()
+    assert len(chunks) == 7
+    for a, b in zip(chunks, chunks[1:]):
+        decodes = [e for e in spy.events[a + 1 : b] if e[0] == "D"]
+        assert len(decodes) == between, spy.events[a : b + 1]
+
+
+def test_decode_share_outside_zero_to_one_is_a_usage_error():
+    from moerl.engine.__main__ import parse_args
+    from moerl.engine.scheduler import Scheduler
+
+    assert parse_args(["--model-path", "x"]).decode_share == 0.6
+    for bad in ("1", "-0.1", "nan"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "x", "--decode-share", bad])
+    with pytest.raises(ValueError, match=r"--decode-share 1.0 must be in \[0, 1\)"):
+        Scheduler(None, decode_share=1.0)  # type: ignore[arg-type]

@@ -160,6 +160,7 @@ def testpackage_header() -> None:
         (["engine.chunked_prefill_size=0"], 1, ["engine.chunked_prefill_size=0", "-1 for no"]),
         (["engine.max_prefill_tokens=0"], 1, ["engine.max_prefill_tokens=0"]),
         (["engine.admission_wait_ms=-1"], 1, ["engine.admission_wait_ms=-1", ">= 0"]),
+        (["engine.decode_share=1.0"], 1, ["engine.decode_share=1.0", "[0, 1)"]),
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
@@ -190,6 +191,7 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     cfg = _compose(
         *overrides, "engine.max_prefill_tokens=999", "engine.chunked_prefill_size=-1",
         "engine.admission_wait_ms=2.5", "engine.admission_quiet_ms=0.5",
+        "engine.decode_share=0.25",
     )  # fmt: skip
     got = engine_flags(cfg.engine)
     assert got[-len(flags) :] == flags
@@ -198,6 +200,7 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     assert args.max_running_requests == cfg.engine.max_running_requests
     assert (args.max_prefill_tokens, args.chunked_prefill_size) == (999, -1)
     assert (args.admission_wait_ms, args.admission_quiet_ms) == (2.5, 0.5)
+    assert args.decode_share == 0.25
 
 
 @pytest.mark.parametrize(

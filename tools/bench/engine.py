@@ -13,7 +13,7 @@ few hundred, ~16 tokens generated) with the prefix cache reusing the previous tu
 with --disable-radix-cache, two engines alternating turn by turn:
 ``turn_prefix_reuse_speedup`` = median turn time without reuse / with reuse. Then a
 request's decode rate while a long prompt (``--interleave-prompt``, 8192 tokens) prefills
-in ``--interleave-chunk`` chunks, one per scheduler step, over its rate before
+in ``--interleave-chunk`` chunks, over its rate on the same tokens alone
 (``interleave_decode_rate_ratio``, target >= 0.5).
 
 Then the engine against transformers' own ``model.generate`` on the same weights, the
@@ -240,9 +240,11 @@ def _interleave(
     family: str, tmp: Path, threads: int, prompt_tokens: int, chunk: int, device: str
 ) -> dict:
     """A request's decode rate while a ``prompt_tokens`` prompt prefills in chunks of
-    ``chunk`` (one chunk per scheduler step, decode steps between), against its rate
-    before: tokens streamed during the prefill's request / its wall time, over the
-    tokens streamed per second before it was sent."""
+    ``chunk`` (decode steps between chunks, --decode-share of the time), against its rate
+    over the same tokens alone: the same request runs once more with nothing beside it,
+    and the ratio is the time that run took from the token the window began at to the
+    one it ended at, over the window. (A request decodes more slowly as it grows; the
+    same tokens, not its first ones, are the fair reference.)"""
     from moerl.engine.process import EngineProcess
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
@@ -250,24 +252,14 @@ def _interleave(
     cfg = dataclasses.replace(tiny_config(family), max_position_embeddings=prompt_tokens + 512)
     model_dir = save_tiny_checkpoint(cfg, tmp / f"hf-interleave-{prompt_tokens}")
     flags = ["--device", device, "--chunked-prefill-size", str(chunk), "--disable-radix-cache"]
-    stamps: list[float] = []
     window: dict[str, float] = {}
     with EngineProcess(model_dir, *flags, threads=threads) as engine:
         warm = {"input_ids": [5] * prompt_tokens, "sampling_params": {"max_new_tokens": 1}}
         httpx.post(f"{engine.url}/generate", json=warm, timeout=600)  # first-touch of the pool
         started = threading.Event()
-
-        def stream() -> None:
-            body = {"input_ids": [5, 6, 7, 8], "stream": True,
-                    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}  # fmt: skip
-            with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        stamps.append(time.perf_counter())
-                        if len(stamps) == 40:
-                            started.set()
-
-        runner = threading.Thread(target=stream)
+        runner_tokens = min(3000, prompt_tokens + 500)  # within the model's context
+        stamps = _StreamStamps(engine.url, runner_tokens, started, after=40)
+        runner = threading.Thread(target=stamps.run)
         runner.start()
         started.wait(600)
         long = {"input_ids": [3 + i % 90 for i in range(prompt_tokens)],
@@ -275,17 +267,47 @@ def _interleave(
         window["start"] = time.perf_counter()
         httpx.post(f"{engine.url}/generate", json=long, timeout=600)
         window["end"] = time.perf_counter()
+        # the runner outlives the prefill (it would end on its own at runner_tokens)
+        httpx.post(f"{engine.url}/abort_request", json={"rid": stamps.rid}, timeout=60)
         runner.join()
-    before = [t for t in stamps if t < window["start"]]
-    during = [t for t in stamps if window["start"] <= t <= window["end"]]
-    rate_before = (len(before) - 1) / (before[-1] - before[0])
-    rate_during = len(during) / (window["end"] - window["start"])
+        first, last = stamps.tokens_at(window["start"]), stamps.tokens_at(window["end"])
+        alone = _StreamStamps(engine.url, last, threading.Event())
+        alone.run()
+    during = window["end"] - window["start"]
     return {
         "interleave_prompt_tokens": prompt_tokens,
         "interleave_chunk": chunk,
-        "interleave_prefill_s": window["end"] - window["start"],
-        "interleave_decode_rate_ratio": rate_during / rate_before,
+        "interleave_prefill_s": during,
+        "interleave_tokens": (first, last),
+        "interleave_decode_rate_ratio": (alone.time_at(last) - alone.time_at(first)) / during,
     }
+
+
+class _StreamStamps:
+    """One streamed request of ``new`` tokens after a 4-token prompt: when each of its
+    tokens arrived (a stream chunk may bring several)."""
+
+    def __init__(self, url: str, new: int, started: threading.Event, after: int = 0) -> None:
+        self.url, self.new, self.started, self.after = url, new, started, after
+        self.rid = f"interleave-{new}-{after}"
+        self.stamps: list[tuple[float, int]] = []  # (arrival, tokens so far)
+
+    def run(self) -> None:
+        body = {"input_ids": [5, 6, 7, 8], "stream": True, "rid": self.rid,
+                "sampling_params": {"max_new_tokens": self.new, "ignore_eos": True}}  # fmt: skip
+        with httpx.stream("POST", f"{self.url}/generate", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    tokens = json.loads(line[6:])["meta_info"]["completion_tokens"]
+                    self.stamps.append((time.perf_counter(), tokens))
+                    if tokens >= self.after:
+                        self.started.set()
+
+    def tokens_at(self, when: float) -> int:
+        return max((n for t, n in self.stamps if t <= when), default=0)
+
+    def time_at(self, tokens: int) -> float:
+        return min(t for t, n in self.stamps if n >= tokens)
 
 
 def _longtail_lengths(rng, n: int, median: int, cap: int) -> list[int]:  # type: ignore[no-untyped-def]

@@ -165,7 +165,7 @@ def _engine(r: dict[str, Any]) -> list[Row]:
             _status(t, _num(t) is not None and t > 1)),
         *([Row("engine", f"decode rate of a running request while a "
                f"{r['interleave_prompt_tokens']}-token prompt prefills "
-               f"(chunks of {r['interleave_chunk']}), over before",
+               f"(chunks of {r['interleave_chunk']}), over alone",
                f"{r['interleave_decode_rate_ratio']:.2f}", "≥ 0.5",
                _status(r["interleave_decode_rate_ratio"],
                        r["interleave_decode_rate_ratio"] >= 0.5))]
