@@ -36,7 +36,7 @@ class EngineConfig:
     cuda_graph: bool = False
     """Embedded engines on CUDA replay their decode steps as CUDA graphs (SGLang's
     default; one graph per batch size, up to cuda_graph_max_bs; not with LoRA). Off until
-    a GPU run has checked the replay (moerl/engine/decode_graphs.py). SGLang servers
+    a GPU run has checked the replay (moerl/engine/core/decode_graphs.py). SGLang servers
     choose their own (--disable-cuda-graph)."""
     cuda_graph_max_bs: int | None = None
     """The largest decode batch captured as a graph (None: max_running_requests, at most

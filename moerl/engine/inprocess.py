@@ -51,7 +51,7 @@ class InProcessEngine:
     ) -> None:
         """Build the engine on ``model_path`` (in a background thread unless ``wait``:
         the caller builds its trainer meanwhile; ``wait_healthy`` joins it)."""
-        from moerl.engine.__main__ import parse_args
+        from moerl.engine.cli import parse_args
 
         self.model_path = Path(model_path)
         # --num-threads stays unset: torch's threads are the process's, the trainer's
@@ -113,10 +113,10 @@ class InProcessEngine:
         server's own error shape."""
         app = self._app
         if app is None:
-            from moerl.engine.server import _error
+            from moerl.engine.app import error_response
 
             reason = "the engine is starting" if self._error is None else str(self._error)
-            await _error(reason, 503)(scope, receive, send)
+            await error_response(reason, 503)(scope, receive, send)
             return
         await app(scope, receive, send)
 

@@ -10,9 +10,9 @@ import torch
 
 
 def decode_graphs(runner: Any, args: argparse.Namespace) -> Any:
-    """CUDA graphs for the runner's decode steps (``moerl.engine.decode_graphs``)."""
+    """CUDA graphs for the runner's decode steps (``moerl.engine.core.decode_graphs``)."""
     from moerl.device import graphed
-    from moerl.engine.decode_graphs import DEFAULT_MAX_BS, DecodeGraphs
+    from moerl.engine.core.decode_graphs import DEFAULT_MAX_BS, DecodeGraphs
 
     max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests)
     return DecodeGraphs(runner, max_bs, lambda fn: graphed(fn, runner.device))
@@ -20,12 +20,12 @@ def decode_graphs(runner: Any, args: argparse.Namespace) -> Any:
 
 def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine import API_KEY_ENV
-    from moerl.engine.eos import eos_token_ids
-    from moerl.engine.model_runner import ModelRunner
-    from moerl.engine.prefix_cache import PrefixCache
-    from moerl.engine.scheduler import Scheduler
-    from moerl.engine.server import create_app
-    from moerl.engine.state import EngineState
+    from moerl.engine.app import create_app
+    from moerl.engine.core.eos import eos_token_ids
+    from moerl.engine.core.model_runner import ModelRunner
+    from moerl.engine.core.prefix_cache import PrefixCache
+    from moerl.engine.core.scheduler import Scheduler
+    from moerl.engine.core.state import EngineState
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -33,7 +33,7 @@ def build_state(args: argparse.Namespace) -> Any:
         args.model_path, dtype=args.dtype, seed=args.random_seed, device=args.device
     )
     if args.enable_lora:
-        from moerl.engine.lora import LoraManager
+        from moerl.engine.lora.adapters import LoraManager
 
         runner.lora = LoraManager(
             runner.model,

@@ -9,7 +9,7 @@ Each failure is a ``RequestError`` (HTTP 400) whose message starts with the fiel
 Types follow SGLang 0.5.23 (``GenerateReqInput`` and ``SamplingParams``): ``null`` means
 "the default" for every sampling parameter, a batch (``input_ids`` as a list of lists,
 ``text`` as a list) takes a value or a per-item list for per-request fields. Ranges of the
-sampling parameters are checked where they are defined (``moerl.engine.sampling``); this
+sampling parameters are checked where they are defined (``moerl.engine.core.sampling``); this
 module checks only what the engine needs to stay up, plus these bounds of its own:
 
 - ``n`` (parallel samples of one request) is at most ``MAX_N``;
@@ -89,7 +89,7 @@ STR_TO_NUMBER = Kind(
 )
 
 # SGLang 0.5.23's API sampling parameters (sglang/srt/sampling/sampling_params.py). Which of
-# them the engine serves is decided in moerl.engine.sampling; here only their types.
+# them the engine serves is decided in moerl.engine.core.sampling; here only their types.
 SAMPLING: dict[str, Kind] = {
     "max_new_tokens": INT,
     "stop": STR | STRS,
@@ -193,7 +193,7 @@ CONTROL: dict[str, dict[str, Kind]] = {
     "/unload_lora_adapter": {"lora_name": STR},
 }
 
-# PEFT adapter_config.json keys the engine reads (moerl.engine.lora).
+# PEFT adapter_config.json keys the engine reads (moerl.engine.lora.adapters).
 PEFT_CONFIG: dict[str, Kind] = {
     "r": INT,
     "lora_alpha": NUMBER,

@@ -361,7 +361,7 @@ class EngineClient(EngineTransport):
         urls: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """SGLang's same-host weight path: ``serialize()`` (e.g. a partial of
-        moerl.engine.tensor_payload's serialize_named_tensors: handles to tensors this process
+        moerl.engine.weights.tensor_payload's serialize_named_tensors: handles to tensors this process
         keeps alive until every engine answered) is called once per tensor-parallel rank of
         each engine (``tp_sizes`` by URL, default 1): torch counts a shared CPU tensor's
         readers per dump, so a dump may be read once. Needs an open weight-update session."""

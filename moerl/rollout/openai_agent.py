@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from moerl.common.trajectory import Trajectory
-from moerl.engine.prefix_cache import shared_prefix
+from moerl.engine.core.prefix_cache import shared_prefix
 from moerl.rollout.decode import response_from_openai_choice, trajectory_from_response
 from moerl.rollout.episode import RoleStream
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moerl.engine.bucket import dtype_of
+from moerl.engine.weights.bucket import dtype_of
 from moerl.sync.stream import Bucket, Staging, bucketize
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moerl.engine.bucket import dtype_name, dtype_of
+from moerl.engine.weights.bucket import dtype_name, dtype_of
 
 
 class Staging:

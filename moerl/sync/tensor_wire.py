@@ -13,7 +13,7 @@ the other staging buffer. Tensors the engines can open where they lie are not ga
 all (``TensorWire.borrow``): CPU tensors in shared memory, as the trainer's parameters are once
 :func:`share_parameters` moved them there, so a push of an unconverted model copies its
 bytes once, in the engine. An engine inside this process (``launcher.placement=colocated``)
-gets in-process handles instead (moerl/engine/tensor_payload.py says why) and can borrow
+gets in-process handles instead (moerl/engine/weights/tensor_payload.py says why) and can borrow
 any tensor. Same interface as :class:`moerl.sync.wire.Wire`.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from moerl.engine.bucket import dtype_of
 from moerl.engine.inprocess import is_inprocess_url
-from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.engine.weights.bucket import dtype_of
+from moerl.engine.weights.tensor_payload import serialize_named_tensors
 from moerl.rollout.client import EngineClient
 from moerl.sync.stream import Bucket, shared_in_memory
 from moerl.sync.wire import RunCoro, WeightSyncError

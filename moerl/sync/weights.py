@@ -2,7 +2,7 @@
 
 Every trainer rank calls ``connect()``, ``push(version)`` and ``close()`` together.
 Global rank 0 alone talks HTTP and owns the custom group (trainer = rank 0, engines
-at rank offsets 1, 2, …; ``moerl.engine.group``). Each pipeline stage's ranks iterate
+at rank offsets 1, 2, …; ``moerl.engine.weights.group``). Each pipeline stage's ranks iterate
 ``export_hf`` in lockstep (it gathers TP/EP shards collectively); the stage's lowest
 global rank gathers the tensors straight into two reused buffers, buckets of at most
 ``bucket_mb`` (a larger tensor goes alone), and, for stages other than rank 0's, sends
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from moerl import device
-from moerl.engine.bucket import dtype_of
-from moerl.engine.group import init_custom_process_group
+from moerl.engine.weights.bucket import dtype_of
+from moerl.engine.weights.group import init_custom_process_group
 from moerl.parallel.full_state import live_tensors
 from moerl.rollout.aio import EventLoopThread
 from moerl.rollout.client import EngineClient

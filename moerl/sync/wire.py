@@ -10,7 +10,7 @@ Requests reach an engine in broadcast order: a broadcast finishes at the root on
 every engine has entered it (gloo and NCCL both meet the receivers), so the request
 for bucket k+1, sent after bucket k's broadcast finished, arrives while the engine is
 inside bucket k's receive, and the engine receives in arrival order
-(``moerl.engine.weights``). At most two requests are in flight: bucket k+1 goes out only
+(``moerl.engine.weights.routes``). At most two requests are in flight: bucket k+1 goes out only
 once the engines answered bucket k-1, so an engine needs two receive buffers.
 
 Waits are on futures (the broadcast's and the HTTP call's, whichever ends first), never

@@ -268,7 +268,7 @@ def test_bucketize_bounds_and_casts():
 def test_bucketize_gathers_the_flattened_bucket_bytes_into_two_buffers_in_turn():
     """Each bucket's bytes are SGLang's flattened_bucket (the cast tensors end to end, an
     odd offset included), gathered into the staging buffer not used by the bucket before."""
-    from moerl.engine.bucket import flatten
+    from moerl.engine.weights.bucket import flatten
     from moerl.sync.stream import Staging, bucketize
 
     gen = torch.Generator().manual_seed(0)
@@ -307,8 +307,8 @@ def test_a_bucket_of_one_float_dtype_is_checked_in_one_pass(dtype):
     """finite_bucket: True only for an all-finite bucket of one floating dtype; a NaN or
     inf anywhere, several dtypes or integers leave the per-tensor check (which names the
     tensor) to the engine."""
-    from moerl.engine.bucket import dtype_name
-    from moerl.engine.weights import finite_bucket
+    from moerl.engine.weights.bucket import dtype_name
+    from moerl.engine.weights.routes import finite_bucket
 
     values = torch.randn(300).to(dtype)
     raw = values.view(torch.uint8)

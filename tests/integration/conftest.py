@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from engine_http import KEY, Http, InProcessEngine
 
-from moerl.engine.group import init_custom_process_group
 from moerl.engine.process import EngineProcess
+from moerl.engine.weights.group import init_custom_process_group
 from moerl.parallel.spawn import free_port
 
 

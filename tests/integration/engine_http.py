@@ -58,7 +58,7 @@ class InProcessEngine:
     def __init__(self, model_path: Path, *flags: str) -> None:
         import uvicorn
 
-        from moerl.engine.__main__ import parse_args
+        from moerl.engine.cli import parse_args
         from moerl.engine.launch import build_state
 
         port = free_port()
@@ -116,7 +116,7 @@ class WeightTrainer:
     """The trainer side of a weight update: rank 0 of a gloo group with one engine."""
 
     def __init__(self, url: str) -> None:
-        from moerl.engine.group import init_custom_process_group
+        from moerl.engine.weights.group import init_custom_process_group
         from moerl.parallel.spawn import free_port
 
         self.url = url
@@ -137,8 +137,8 @@ class WeightTrainer:
         self.group = box["g"]
 
     def send(self, tensors: dict[str, torch.Tensor], version: str, bucketed: bool) -> dict:
-        from moerl.engine.bucket import dtype_name, flatten
-        from moerl.engine.group import broadcast
+        from moerl.engine.weights.bucket import dtype_name, flatten
+        from moerl.engine.weights.group import broadcast
 
         names = list(tensors)
         body = {

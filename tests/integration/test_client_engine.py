@@ -104,8 +104,8 @@ def test_control_calls(ds_engine):
 def test_weight_update_through_client_tags_tokens(tiny_checkpoints, engine_factory):
     """Trainer rank 0 in this process, the engine as rank 1; tokens after the swap carry
     the new version in the trajectory's per-token versions."""
-    from moerl.engine.bucket import dtype_name, flatten
-    from moerl.engine.group import broadcast, init_custom_process_group
+    from moerl.engine.weights.bucket import dtype_name, flatten
+    from moerl.engine.weights.group import broadcast, init_custom_process_group
 
     eng = engine_factory(tiny_checkpoints["deepseek_moe"], "--enable-return-routed-experts")
     with safe_open(str(tiny_checkpoints["deepseek_moe"] / "model.safetensors"), "pt") as f:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from moerl.engine.__main__ import parse_args
+from moerl.engine.cli import parse_args
 from moerl.engine.inprocess import InProcessEngine, engine_mounts
 
 

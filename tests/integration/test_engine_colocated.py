@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moerl.engine.inprocess import InProcessEngine, engine_mounts, is_inprocess_url
-from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.engine.weights.tensor_payload import serialize_named_tensors
 from moerl.rollout.client import EngineClient
 from moerl.rollout.errors import EngineError
 from moerl.sync.tensor_wire import share_cpu_tensors

@@ -1,5 +1,5 @@
 """A GRPO group's first tokens: the n samples of one prompt are prefilled once and their
-first tokens drawn in one batched draw (moerl.engine.scheduler ``_first_tokens``), each
+first tokens drawn in one batched draw (moerl.engine.core.scheduler ``_first_tokens``), each
 with the prompt's own next-token logprob, as transformers computes it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):  # type: ignore[no-untyped-def]
-    from moerl.engine.__main__ import parse_args
+    from moerl.engine.cli import parse_args
     from moerl.engine.launch import build_state
 
     path = tiny_checkpoints["deepseek_moe"]
@@ -23,7 +23,7 @@ def engine(tiny_checkpoints):  # type: ignore[no-untyped-def]
 
 
 def _run(state, bodies):  # type: ignore[no-untyped-def]
-    from moerl.engine.server import parse_generate
+    from moerl.engine.native.generate import parse_generate
 
     reqs = [r for body in bodies for r in parse_generate(state, body)]
     done = threading.Semaphore(0)
@@ -41,7 +41,7 @@ def test_a_groups_first_tokens_come_from_one_draw(engine, monkeypatch):  # type:
     log-softmax of the prompt's last logits."""
     from transformers import AutoModelForCausalLM
 
-    from moerl.engine import scheduler
+    from moerl.engine.core import scheduler
 
     path, state = engine
     sizes: list[int] = []

@@ -231,8 +231,8 @@ def test_after_each_chunk_the_running_requests_decode_for_their_share(engine, sh
 
 
 def test_decode_share_outside_zero_to_one_is_a_usage_error():
-    from moerl.engine.__main__ import parse_args
-    from moerl.engine.scheduler import Scheduler
+    from moerl.engine.cli import parse_args
+    from moerl.engine.core.scheduler import Scheduler
 
     assert parse_args(["--model-path", "x"]).decode_share == 0.6
     for bad in ("1", "-0.1", "nan"):

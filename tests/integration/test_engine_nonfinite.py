@@ -11,7 +11,7 @@ import threading
 import torch
 from safetensors.torch import save, save_file
 
-from moerl.engine.group import broadcast
+from moerl.engine.weights.group import broadcast
 
 GREEDY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 O_PROJ = "base_model.model.model.layers.1.self_attn.o_proj"

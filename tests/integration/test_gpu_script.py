@@ -80,7 +80,7 @@ def test_engine_profile_runs_on_the_cpu(capsys):
     beside transformers' forward, and op counts from the scheduler thread's profile."""
     from profile_engine import main
 
-    from moerl.engine.scheduler import Scheduler
+    from moerl.engine.core.scheduler import Scheduler
 
     step = Scheduler._step
     got = main(["--device", "cpu", "--requests", "2", "--new-tokens", "20"])

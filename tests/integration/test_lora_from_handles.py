@@ -21,7 +21,7 @@ GREEDY = {
 
 SENDER = f"""
 import sys, torch, torch.multiprocessing as tmp
-from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.engine.weights.tensor_payload import serialize_named_tensors
 tmp.set_sharing_strategy("file_system")
 g = torch.Generator().manual_seed(0)
 named = [("{O_PROJ}.lora_A.weight", torch.randn(4, 64, generator=g).share_memory_()),

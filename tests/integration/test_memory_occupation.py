@@ -20,7 +20,7 @@ LONG = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 100, "ignore_
 SENDER = """
 import sys, torch, torch.multiprocessing as tmp
 from safetensors.torch import load_file
-from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.engine.weights.tensor_payload import serialize_named_tensors
 tmp.set_sharing_strategy("file_system")
 named = [(k, v.share_memory_()) for k, v in load_file(sys.argv[1]).items()]
 for line in sys.stdin:

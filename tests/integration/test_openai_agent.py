@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from moerl.engine.prefix_cache import shared_prefix
+from moerl.engine.core.prefix_cache import shared_prefix
 from moerl.models.tokenizer import build_tiny_tokenizer
 from moerl.rollout import EngineClient
 from moerl.rollout.openai_agent import AgentRecorder

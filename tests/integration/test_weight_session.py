@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from moerl.engine.group import broadcast
+from moerl.engine.weights.group import broadcast
 
 GREEDY = {
     "input_ids": [5, 6, 7],
@@ -72,7 +72,7 @@ def test_weights_load_only_inside_a_session(http, weight_group, tiny_checkpoints
 # per line: a payload is read once.
 SENDER = """
 import sys, torch, torch.multiprocessing as tmp
-from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.engine.weights.tensor_payload import serialize_named_tensors
 tmp.set_sharing_strategy("file_system")
 nan = torch.ones(64); nan[3] = float("nan")
 cases = {"norm3": [("model.norm.weight", torch.full((64,), 3.0))],

@@ -185,7 +185,7 @@ def test_validate_names_key_value_and_fix(
     ],
 )
 def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[str]) -> None:
-    from moerl.engine.__main__ import parse_args
+    from moerl.engine.cli import parse_args
     from moerl.launch import engine_flags
 
     cfg = _compose(
@@ -215,7 +215,7 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
 def test_engine_cuda_graph_becomes_engine_flags(
     overrides: list[str], enabled: bool, max_bs: int | None
 ) -> None:
-    from moerl.engine.__main__ import parse_args
+    from moerl.engine.cli import parse_args
     from moerl.launch import engine_flags
 
     cfg = _compose(*overrides)
@@ -342,7 +342,7 @@ def test_dr_grpo_takes_the_rollout_length_as_its_normaliser() -> None:
 
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
 def test_engine_device_reaches_the_engine_flags(device: str) -> None:
-    from moerl.engine.__main__ import parse_args
+    from moerl.engine.cli import parse_args
     from moerl.launch import engine_flags
 
     cfg = validate_config(_compose(f"engine.device={device}"), world_size=1)

@@ -1,4 +1,4 @@
-"""Decode steps as captured graphs (``moerl.engine.decode_graphs``) against transformers'
+"""Decode steps as captured graphs (``moerl.engine.core.decode_graphs``) against transformers'
 own full forward.
 
 On the CPU the step function runs eagerly every time (``run_eagerly``): the same static
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from moerl.device import graphed
-from moerl.engine.decode_graphs import DecodeGraphs, batch_sizes, run_eagerly
-from moerl.engine.kv_pool import Plan
-from moerl.engine.model_runner import ModelRunner
+from moerl.engine.core.decode_graphs import DecodeGraphs, batch_sizes, run_eagerly
+from moerl.engine.core.kv_pool import Plan
+from moerl.engine.core.model_runner import ModelRunner
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_CUDA])]
@@ -143,7 +143,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(runner, cap
 
     runner.graphs = graphs = DecodeGraphs(runner, max_bs=4, capture=refuse)
     pool, owners, seqs = prefilled(runner, (3, 8), rng, slots=4)
-    with caplog.at_level("WARNING", logger="moerl.engine.decode_graphs"):
+    with caplog.at_level("WARNING", logger="moerl.engine.core.decode_graphs"):
         for _ in range(3):
             decode_and_check(runner, pool, owners, seqs, rng)
     assert len(tries) == 1 and graphs.captures == 0
@@ -169,7 +169,7 @@ def test_released_weights_drop_the_graphs(tiny_checkpoints):
 
 
 def test_the_engine_flags(tmp_path):
-    from moerl.engine.__main__ import parse_args
+    from moerl.engine.cli import parse_args
 
     args = parse_args(["--model-path", str(tmp_path)])
     assert not args.enable_cuda_graph and args.cuda_graph_max_bs is None
@@ -185,7 +185,7 @@ def test_graphs_are_built_on_cuda_only_when_enabled(tiny_checkpoints):
     """On the CPU the engine has no graphs even when asked (there is nothing to capture);
     on CUDA (``pytest -m gpu``) ``--enable-cuda-graph`` gives them, and
     ``--disable-cuda-graph`` wins over it."""
-    from moerl.engine.__main__ import parse_args
+    from moerl.engine.cli import parse_args
     from moerl.engine.launch import build_state
 
     path = str(tiny_checkpoints["deepseek_moe"])

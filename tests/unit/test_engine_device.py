@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engine.kv_pool import Plan
-from moerl.engine.lora import LoraManager
-from moerl.engine.model_runner import ModelRunner
-from moerl.engine.sampling import Sampler, SamplingParams, sample_batch
-from moerl.engine.weights import ReceiveBuffers, receive_device
+from moerl.engine.core.kv_pool import Plan
+from moerl.engine.core.model_runner import ModelRunner
+from moerl.engine.core.sampling import Sampler, SamplingParams, sample_batch
+from moerl.engine.lora.adapters import LoraManager
+from moerl.engine.weights.routes import ReceiveBuffers, receive_device
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_CUDA])]
@@ -30,7 +30,7 @@ class Owner:
 
 
 class EvenTokens:
-    """A grammar matcher (``moerl.engine.sampling.Matcher``) allowing even ids only; its
+    """A grammar matcher (``moerl.engine.core.sampling.Matcher``) allowing even ids only; its
     mask is a CPU tensor, as the real backend's."""
 
     def __init__(self, vocab: int) -> None:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moerl.engine.eos import eos_token_ids
+from moerl.engine.core.eos import eos_token_ids
 from moerl.models.tokenizer import build_tiny_tokenizer
 
 TOKENIZER_EOS = 2  # "<eos>" of the built-in tokenizer

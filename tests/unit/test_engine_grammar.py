@@ -1,4 +1,4 @@
-"""moerl.engine.grammar on the tiny models' tokenizer with the real llguidance: what a
+"""moerl.engine.core.grammar on the tiny models' tokenizer with the real llguidance: what a
 grammar allows, step by step, against brute force over the vocabulary and Python's own
 ``re`` and ``json``."""
 
@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from moerl.engine.grammar import GrammarBackend
+from moerl.engine.core.grammar import GrammarBackend
 from moerl.models.tokenizer import build_tiny_tokenizer
 
 VOCAB = 128  # the model's logits are wider than the tokenizer

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engine.kv_pool import KVPool
-from moerl.engine.model_runner import ModelRunner
+from moerl.engine.core.kv_pool import KVPool
+from moerl.engine.core.model_runner import ModelRunner
 
 
 class Owner:
@@ -122,7 +122,7 @@ def test_a_wiped_slot_does_not_poison_its_next_owner(runner):
 
 
 def test_copy_slots_gives_each_target_its_sources_sequence(runner):
-    """Batched follower copies (moerl/engine/scheduler.py _copy_leaders): each target
+    """Batched follower copies (moerl/engine/core/scheduler.py _copy_leaders): each target
     then decodes exactly as its source's sequence, as one copy_slot each would."""
     rng = np.random.default_rng(2)
     pool = runner.new_pool(8)

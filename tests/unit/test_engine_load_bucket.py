@@ -1,4 +1,4 @@
-"""moerl/engine/model_runner.py ``load_bucket``: a pushed bucket lands in the model as
+"""moerl/engine/core/model_runner.py ``load_bucket``: a pushed bucket lands in the model as
 transformers' own loading of the same tensors from a checkpoint puts them (per-expert
 names into fused experts included), is refused whole before any write, and its cached
 targets follow the release and resume of the weights."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moerl.engine.model_runner import ModelRunner
+from moerl.engine.core.model_runner import ModelRunner
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engine.prefix_cache import PrefixCache, Sequence, shared_prefix
+from moerl.engine.core.prefix_cache import PrefixCache, Sequence, shared_prefix
 
 
 def seq(tokens: list[int]) -> Sequence:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moerl.engine.sampling import SamplingParams, kept_set, sample_batch
+from moerl.engine.core.sampling import SamplingParams, kept_set, sample_batch
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""moerl/engine/scheduler.py ``_settle``: the requests one decode step finishes go to the
+"""moerl/engine/core/scheduler.py ``_settle``: the requests one decode step finishes go to the
 prefix cache, then give their slots back highest first, so a step that finishes the
 whole batch moves no KV between slots (each free moves the last used slot into the
 freed one), and what is cached and served stays each request's own."""
@@ -10,10 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from moerl.engine.model_runner import ModelRunner
-from moerl.engine.prefix_cache import PrefixCache
-from moerl.engine.sampling import SamplingParams
-from moerl.engine.scheduler import Request, Scheduler
+from moerl.engine.core.model_runner import ModelRunner
+from moerl.engine.core.prefix_cache import PrefixCache
+from moerl.engine.core.sampling import SamplingParams
+from moerl.engine.core.scheduler import Request, Scheduler
 
 
 def _run(runner: ModelRunner, prompts: list[list[int]], new: list[int]) -> Scheduler:

@@ -4,7 +4,7 @@ a character-level tokenizer gives its token text's UTF-8."""
 
 from __future__ import annotations
 
-from moerl.engine.token_bytes import byte_decoder, is_byte_level, token_bytes
+from moerl.engine.openai.token_bytes import byte_decoder, is_byte_level, token_bytes
 from moerl.models.tokenizer import build_tiny_tokenizer
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from sglang_protocol_for_tests import validate_with_sglang
 
-from moerl.engine.openai_requests import Call
-from moerl.engine.openai_responses import chat_response
-from moerl.engine.openai_stream import chat_events
-from moerl.engine.tool_calls import parse_tool_calls, safe_prefix
+from moerl.engine.openai.requests import Call
+from moerl.engine.openai.responses import chat_response
+from moerl.engine.openai.stream import chat_events
+from moerl.engine.openai.tool_calls import parse_tool_calls, safe_prefix
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from sglang_protocol_for_tests import validate_with_sglang
 
-from moerl.engine.openai_requests import Call, chat_call
-from moerl.engine.openai_responses import chat_response
-from moerl.engine.openai_stream import chat_events
-from moerl.engine.tool_calls import parse_call_array
-from moerl.engine.tool_choice import ToolChoice, calls_schema, tool_choice
+from moerl.engine.openai.requests import Call, chat_call
+from moerl.engine.openai.responses import chat_response
+from moerl.engine.openai.stream import chat_events
+from moerl.engine.openai.tool_calls import parse_call_array
+from moerl.engine.openai.tool_choice import ToolChoice, calls_schema, tool_choice
 from moerl.engine.validate import RequestError
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.engine.group import init_custom_process_group
+from moerl.engine.weights.group import init_custom_process_group
 from moerl.parallel.spawn import free_port
 
 

@@ -1,4 +1,4 @@
-"""The /update_weights_from_tensor payload (moerl/engine/tensor_payload.py): handles to
+"""The /update_weights_from_tensor payload (moerl/engine/weights/tensor_payload.py): handles to
 another process's shared tensors, SGLang's flattened-bucket metadata read without sglang,
 and nothing but tensor data unpickled from the network."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moerl.config.sync import SyncConfig, check_overlap, sync_transport
-from moerl.engine.tensor_payload import read_named_tensors, serialize_named_tensors
+from moerl.engine.weights.tensor_payload import read_named_tensors, serialize_named_tensors
 
 # A separate process builds SGLang's own FlattenedTensorBucket (as a trainer using SGLang
 # would), shares it by file name and prints the dump; it keeps the tensors alive until
@@ -100,7 +100,7 @@ def test_in_process_handles_give_the_senders_tensors_and_fail_clearly_elsewhere(
     assert [n for n, _ in got] == ["w", "b"]
     assert got[0][1].data_ptr() == base.data_ptr() and got[0][1].shape == (2, 3)
     assert got[1][1].data_ptr() == base[6:].data_ptr()
-    reader = "import sys; from moerl.engine.tensor_payload import read_named_tensors as r; r([sys.argv[1]], None)"
+    reader = "import sys; from moerl.engine.weights.tensor_payload import read_named_tensors as r; r([sys.argv[1]], None)"
     other = subprocess.run([sys.executable, "-c", reader, dump], capture_output=True, text=True)
     assert other.returncode != 0 and "not held by this process" in other.stderr
     lone = serialize_named_tensors([("x", torch.ones(3))], in_process=True)  # nobody keeps x
@@ -154,7 +154,7 @@ def test_a_transport_that_does_not_exist_is_refused():
 # read once) and keeps it alive until told to exit.
 SHARED_SENDER = """
 import sys, torch, torch.multiprocessing as tmp
-from moerl.engine.tensor_payload import serialize_named_tensors
+from moerl.engine.weights.tensor_payload import serialize_named_tensors
 tmp.set_sharing_strategy("file_system")
 weight = torch.arange(1024.0).share_memory_()
 for _ in range(2):
@@ -169,7 +169,7 @@ def test_mapped_storages_keep_a_senders_memory_mapped_between_pushes():
     no page faults); the kept storages are bounded by bytes, least recently used first."""
     import gc
 
-    from moerl.engine.tensor_payload import MappedStorages
+    from moerl.engine.weights.tensor_payload import MappedStorages
 
     sender = _sender(SHARED_SENDER)
     try:

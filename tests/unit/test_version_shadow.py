@@ -13,7 +13,7 @@ import moerl
 from moerl._version import __version__, shadowing
 
 PROBE = (
-    "import moerl, moerl.engine.server_info as info; from moerl._version import shadowing; "
+    "import moerl, moerl.engine.native.info as info; from moerl._version import shadowing; "
     "print(info.VERSION); print(moerl.__file__); print(shadowing())"
 )
 

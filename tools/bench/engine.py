@@ -88,8 +88,8 @@ def _stall(url: str, model_dir: Path, new_tokens: int) -> tuple[float, float, fl
     streaming client saw; plus the median step (ms) and the update's wall time (s)."""
     from safetensors import safe_open
 
-    from moerl.engine.bucket import dtype_name, flatten
-    from moerl.engine.group import broadcast, init_custom_process_group
+    from moerl.engine.weights.bucket import dtype_name, flatten
+    from moerl.engine.weights.group import broadcast, init_custom_process_group
     from moerl.parallel.spawn import free_port
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:

@@ -106,7 +106,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _per_tensor(sync, tensors: dict[str, torch.Tensor], version: int) -> float:  # type: ignore[no-untyped-def]
     """SGLang's load_format=None path, through the sync's own group and event loop."""
-    from moerl.engine.group import broadcast
+    from moerl.engine.weights.group import broadcast
 
     start = time.perf_counter()
     sync._run(sync.client.begin_weight_update()).result(timeout=60)  # SGLang's session
@@ -128,7 +128,7 @@ def _per_tensor(sync, tensors: dict[str, torch.Tensor], version: int) -> float: 
 
 def _receive_reference(port: int, nbytes: int, count: int) -> None:
     """The reference's receiver (its own process): ``count`` broadcasts into one buffer."""
-    from moerl.engine.group import broadcast, init_custom_process_group
+    from moerl.engine.weights.group import broadcast, init_custom_process_group
 
     torch.set_num_threads(1)
     group = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, timeout_s=60)
@@ -142,7 +142,7 @@ class Reference:
     script, run with ``--reference-receiver``)."""
 
     def __init__(self, nbytes: int, count: int) -> None:
-        from moerl.engine.group import init_custom_process_group
+        from moerl.engine.weights.group import init_custom_process_group
         from moerl.parallel.spawn import free_port
 
         port = free_port()
@@ -155,7 +155,7 @@ class Reference:
         self.time()  # untimed warm-up: both buffers touched once
 
     def time(self) -> float:
-        from moerl.engine.group import broadcast
+        from moerl.engine.weights.group import broadcast
 
         start = time.perf_counter()
         broadcast(self.group, self.tensor)

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
+    from moerl.engine.core.scheduler import Scheduler
     from moerl.engine.inprocess import InProcessEngine, engine_mounts
-    from moerl.engine.scheduler import Scheduler
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 

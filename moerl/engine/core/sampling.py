@@ -52,7 +52,7 @@ class UnknownFieldError(ValueError):
 
 
 class Matcher(Protocol):
-    """A request's grammar state (``moerl.engine.grammar``)."""
+    """A request's grammar state (``moerl.engine.core.grammar``)."""
 
     def allowed(self) -> torch.Tensor: ...  # bool [V]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from moerl.engine.openai_requests import Call
-from moerl.engine.token_bytes import token_bytes
-from moerl.engine.tool_calls import parse_call_array, parse_tool_calls
+from moerl.engine.openai.requests import Call
+from moerl.engine.openai.token_bytes import token_bytes
+from moerl.engine.openai.tool_calls import parse_call_array, parse_tool_calls
 
 # -- pieces of a response ---------------------------------------------------------------
 

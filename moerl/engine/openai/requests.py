@@ -15,8 +15,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from moerl.engine.chat_template import apply_template, chat_messages
-from moerl.engine.tool_choice import ToolChoice, calls_schema, check_unconstrained, tool_choice
+from moerl.engine.openai.chat_template import apply_template, chat_messages
+from moerl.engine.openai.tool_choice import (
+    ToolChoice,
+    calls_schema,
+    check_unconstrained,
+    tool_choice,
+)
 from moerl.engine.validate import (
     BOOL,
     INT,

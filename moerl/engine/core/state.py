@@ -1,6 +1,6 @@
 """What one engine process serves from: its model runner, scheduler, tokenizer and the
-HTTP layer's settings (`server.py` builds the app on it; `server_info.py`, `weights.py`
-and `lora_routes.py` read it)."""
+HTTP layer's settings (moerl/engine/app.py builds the app on it; the route groups read
+it)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moerl.engine.model_runner import ModelRunner
-    from moerl.engine.scheduler import Scheduler
+    from moerl.engine.core.model_runner import ModelRunner
+    from moerl.engine.core.scheduler import Scheduler
 
 
 @dataclass
@@ -31,7 +31,7 @@ class EngineState:
     def grammar_backend(self) -> Any:
         """The grammar backend (built on first use from the tokenizer)."""
         if self._grammar is None:
-            from moerl.engine.grammar import GrammarBackend
+            from moerl.engine.core.grammar import GrammarBackend
 
             self._grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size)
         return self._grammar

@@ -9,8 +9,8 @@ import time
 from contextlib import aclosing
 from typing import Any
 
-from moerl.engine.openai_requests import Call
-from moerl.engine.openai_responses import (
+from moerl.engine.openai.requests import Call
+from moerl.engine.openai.responses import (
     assistant_message,
     chat_logprobs,
     completion_logprobs,
@@ -19,7 +19,7 @@ from moerl.engine.openai_responses import (
     usage,
     usage_of,
 )
-from moerl.engine.tool_calls import safe_prefix
+from moerl.engine.openai.tool_calls import safe_prefix
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Weight-update endpoints: a process group with the trainer, and broadcasts into it.
 
 ``/init_weights_update_group`` joins a gloo/NCCL group spanning trainer rank 0 and
-the engines (``moerl.engine.group``). ``/update_weights_from_distributed`` receives
+the engines (``moerl.engine.weights.group``). ``/update_weights_from_distributed`` receives
 the broadcast tensors (one by one, or one ``flattened_bucket``) on a worker thread
 while decoding goes on, validates every name and shape, and only then swaps them
 into the model between two decode steps — running requests continue on the new
@@ -17,7 +17,7 @@ NCCL group on the engine's GPU (which needs an engine started with a CUDA ``--de
 ``ModelRunner.load_bucket`` copies them into the model wherever it runs.
 
 ``/update_weights_from_tensor`` is the same-host path without a group: the body carries
-handles to the sender's shared-memory (or CUDA IPC) tensors (moerl/engine/tensor_payload.py),
+handles to the sender's shared-memory (or CUDA IPC) tensors (moerl/engine/weights/tensor_payload.py),
 checked the same way before the copy. Both loads run only inside SGLang's weight-update
 session (``/begin_weight_update`` ... ``/end_weight_update``).
 """
@@ -34,10 +34,10 @@ import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
-from moerl.engine.bucket import dtype_of, nbytes, unflatten
-from moerl.engine.group import broadcast, init_custom_process_group
-from moerl.engine.tensor_payload import MappedStorages, read_named_tensors
 from moerl.engine.validate import nonfinite_tensor
+from moerl.engine.weights.bucket import dtype_of, nbytes, unflatten
+from moerl.engine.weights.group import broadcast, init_custom_process_group
+from moerl.engine.weights.tensor_payload import MappedStorages, read_named_tensors
 
 
 class ReceiveBuffers:
@@ -281,7 +281,7 @@ def register_weight_routes(
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: HTTPRequest) -> Any:
         """SGLang's same-host path: tensors arrive as shared-memory (or CUDA IPC) handles
-        in serialized_named_tensors (moerl/engine/tensor_payload.py), checked whole before
+        in serialized_named_tensors (moerl/engine/weights/tensor_payload.py), checked whole before
         the model changes."""
         body = await body_of(request)
         refused = refuse_load("update_weights_from_tensor")

@@ -7,11 +7,12 @@ whose request named that adapter (``lora_path``), so requests with different
 adapters, or none, share one batched forward. Loading validates everything first and
 registers atomically: a bad adapter is never half-applied. Per-expert adapters on
 routed experts (``…mlp.experts.{i}.{gate,up,down}_proj``) are applied inside the fused
-experts forward, see ``moerl.engine.lora_experts`` (which also states the coverage rule).
+experts forward, see ``moerl.engine.lora.experts`` (which also states the coverage rule).
 
 Versioned names: loading ``policy-v3`` leaves requests running on ``policy-v2`` as they
 are (adapters are immutable once loaded); unloading an adapter that running, retracted
-or waiting requests use is refused (see ``lora_routes``), so none finishes on another.
+or waiting requests use is refused (see ``moerl.engine.lora.routes``), so none finishes on
+another.
 """
 
 # N rows of the batch, r rank
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from moerl.engine.lora_experts import (
+from moerl.engine.lora.experts import (
     EXPERT_MODULE,
     ExpertWeights,
     fused_experts,

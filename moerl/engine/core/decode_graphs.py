@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from moerl.engine.kv_pool import KVPool, Plan
+from moerl.engine.core.kv_pool import KVPool, Plan
 
 if TYPE_CHECKING:
-    from moerl.engine.model_runner import ModelRunner
+    from moerl.engine.core.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

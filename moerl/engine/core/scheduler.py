@@ -52,9 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from moerl.engine.model_runner import ModelRunner
-from moerl.engine.prefix_cache import PrefixCache, Sequence
-from moerl.engine.sampling import (
+from moerl.engine.core.model_runner import ModelRunner
+from moerl.engine.core.prefix_cache import PrefixCache, Sequence
+from moerl.engine.core.sampling import (
     Matcher,
     Sampled,
     Sampler,
@@ -89,7 +89,7 @@ class Request:
     return_sampling_mask: bool = False
     sampling_logprobs_mode: str = "selected"
     lora: str | None = None  # adapter name (the request's lora_path)
-    matcher: Matcher | None = None  # the grammar's state (moerl.engine.grammar)
+    matcher: Matcher | None = None  # the grammar's state (moerl.engine.core.grammar)
     on_token: Callable[[Request], None] | None = None  # streaming callback (scheduler thread)
     on_done: Callable[[Request], None] | None = None
     output_ids: list[int] = field(default_factory=list)

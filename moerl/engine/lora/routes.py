@@ -11,9 +11,9 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
-from moerl.engine.lora import read_peft_dir
-from moerl.engine.tensor_payload import read_named_tensors
+from moerl.engine.lora.adapters import read_peft_dir
 from moerl.engine.validate import check_peft_config, nonfinite_tensor
+from moerl.engine.weights.tensor_payload import read_named_tensors
 
 
 def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: Any) -> None:

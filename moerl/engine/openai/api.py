@@ -2,7 +2,7 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (docs/architecture.md, "The
 engine protocol").
 
-A request is translated to a /generate body (``openai_requests``), checked and run by
+A request is translated to a /generate body (``requests``), checked and run by
 /generate's own machinery (``parse_generate``, ``run_all``, ``start_stream``), and its
 /generate responses are rendered in SGLang's OpenAI shapes (``protocol.py``'s
 ``CompletionResponse``, ``ChatCompletionResponse`` and their stream chunks): ``usage``,
@@ -32,11 +32,17 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from moerl.engine.openai_requests import Call, chat_call, completion_call
-from moerl.engine.openai_responses import chat_response, completion_response
-from moerl.engine.openai_stream import chat_events, completion_events
-from moerl.engine.server import build_response, failure, parse_generate, run_all, start_stream
-from moerl.engine.state import EngineState
+from moerl.engine.core.state import EngineState
+from moerl.engine.native.generate import (
+    build_response,
+    failure,
+    parse_generate,
+    run_all,
+    start_stream,
+)
+from moerl.engine.openai.requests import Call, chat_call, completion_call
+from moerl.engine.openai.responses import chat_response, completion_response
+from moerl.engine.openai.stream import chat_events, completion_events
 from moerl.engine.validate import check_generate
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -3,7 +3,7 @@
 An inference implementation independent of the megatron-core trainer, as SGLang is.
 Forward hooks on each MoE router record the top-k expert ids the forward actually
 used, so Keep Routing replays exactly what produced each token. Keys and values live
-in a ``KVPool`` (``moerl.engine.kv_pool``), one slot per request: a forward writes its
+in a ``KVPool`` (``moerl.engine.core.kv_pool``), one slot per request: a forward writes its
 new tokens into the rows' slots and attention reads them in place. ``extend`` runs the
 new tokens of several requests in one forward (batched prefill, rows left-padded),
 ``decode`` one token for each running request.
@@ -11,7 +11,7 @@ new tokens of several requests in one forward (batched prefill, rows left-padded
 Everything runs on one device (``--device``): the weights, the KV pool, the masks and
 positions, and the logits the scheduler samples from; the routes leave it as numpy.
 On CUDA, decode steps replay captured graphs where they can (``graphs``, set by the
-engine's launch; ``moerl.engine.decode_graphs``).
+engine's launch; ``moerl.engine.core.decode_graphs``).
 """
 
 # B batch, S tokens, H hidden, L layers, K top-k, V vocab
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moerl.device import resolve
-from moerl.engine.kv_pool import KVPool, Plan, SlotCache
+from moerl.engine.core.kv_pool import KVPool, Plan, SlotCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from moerl._version import __version__
 
 if TYPE_CHECKING:
-    from moerl.engine.state import EngineState
+    from moerl.engine.core.state import EngineState
 
 SGLANG_API = "0.5.23"  # the SGLang release whose native HTTP API the engine speaks
 VERSION = f"moerl {__version__} embedded engine (SGLang {SGLANG_API} native API)"
