@@ -283,8 +283,9 @@ def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def check_generate(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A /generate body, checked; returns it with its sampling parameters normalised."""
-    check_finite(body)
+    """A /generate body, checked; returns it with its sampling parameters normalised.
+    Types first, then NaN and inf anywhere: a value of the wrong type is named as that
+    (``"return_logprob": -Infinity`` must be true or false), a NaN number as not finite."""
     batch = is_batch(body)
     check_fields(
         body,
@@ -307,13 +308,14 @@ def check_generate(body: Mapping[str, Any]) -> dict[str, Any]:
         ]
     else:
         out["sampling_params"] = check_sampling(params, "sampling_params")
+    check_finite(body)
     return out
 
 
 def check_control(path: str, body: Mapping[str, Any]) -> None:
-    """A control endpoint's body: finite, typed, and the values no group or load can use."""
-    check_finite(body)
+    """A control endpoint's body: typed, finite, and the values no group or load can use."""
     check_fields(body, CONTROL.get(path, {}))
+    check_finite(body)
     if path == "/init_weights_update_group":
         rank, world, port = body.get("rank_offset"), body.get("world_size"), body.get("master_port")
         if world is not None and world < 1:
@@ -340,8 +342,8 @@ def check_control(path: str, body: Mapping[str, Any]) -> None:
 
 def check_peft_config(config: Mapping[str, Any], path: str = "adapter_config") -> None:
     """The PEFT adapter config keys the engine reads: finite, typed, ``r >= 1``."""
-    check_finite(config, path)
     check_fields(config, PEFT_CONFIG, f"{path}.")
+    check_finite(config, path)
     rank = config.get("r")
     if rank is not None and rank < 1:
         raise RequestError(f"{path}.r", f"must be >= 1, got {rank}")

@@ -1,7 +1,8 @@
 """Property-based fuzzing of the engine's HTTP API (issue 16): random JSON bodies for
 /generate and every control endpoint, shaped like the real ones often enough to reach deep
 code. Every answer is 2xx, 4xx or 503, within a client-side timeout and a size bound,
-errors are JSON; afterwards /health is 200 and a valid request succeeds.
+errors are JSON, a refused /generate body names the field it refuses; afterwards /health
+is 200 and a valid request succeeds.
 
 Seeded (derandomize) and bounded: ~20 s in the default suite, ``-m slow`` runs longer."""
 
@@ -195,6 +196,22 @@ def _check(r: httpx.Response, stream: bool = False) -> None:
         assert len(r.content) <= MAX_BODY
 
 
+def _names_a_field(body: object, r: httpx.Response) -> None:
+    """A refused /generate body is refused by name: the message names one of its fields
+    (a sampling parameter's own name counts), or the prompt it lacks."""
+    if not 400 <= r.status_code < 500 or not isinstance(body, dict):
+        return
+    answer = r.json()
+    error = answer.get("error")
+    message = error["message"] if isinstance(error, dict) else str(answer)
+    keys = {str(k) for k in body} | {"input_ids", "text", "request body"}
+    params = body.get("sampling_params")
+    for one in params if isinstance(params, list) else [params]:
+        if isinstance(one, dict):
+            keys |= {str(k) for k in one}
+    assert any(k and k in message for k in keys), (message, body)
+
+
 def _send(http, path: str, body: object) -> None:  # type: ignore[no-untyped-def]
     # allow_nan: Python's json writes NaN/Infinity, which the engine must refuse cleanly
     raw = json.dumps(body, allow_nan=True)
@@ -209,7 +226,10 @@ def _send(http, path: str, body: object) -> None:  # type: ignore[no-untyped-def
             r.read()
         _check(r, stream=True)
     else:
-        _check(http.post(path, raw=raw, timeout=TIMEOUT_S))
+        r = http.post(path, raw=raw, timeout=TIMEOUT_S)
+        _check(r)
+    if path == "/generate":
+        _names_a_field(body, r)
 
 
 def _fuzz(http, examples: int) -> None:  # type: ignore[no-untyped-def]

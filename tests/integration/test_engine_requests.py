@@ -40,6 +40,16 @@ def test_malformed_generate_is_400_naming_the_field(http, raw, field):
     assert http.post("/generate", GEN, timeout=10).json()["meta_info"]["completion_tokens"] == 3
 
 
+def test_refusals_say_what_to_send(http):
+    """Found by fuzzing the messages: each names what is wrong and what was meant."""
+    r = http.post("/generate", {**GEN, "return_logprob": True, "token_ids_logprob": [3, 500]})
+    assert r.status_code == 400 and "[0, 128), got [500]" in r.json()["error"]["message"]
+    r = http.post("/destroy_weights_update_group", {"group_name": None})  # null: the default
+    assert "'weight_update_group' to destroy (joined: none)" in r.json()["message"]
+    r = http.post("/unload_lora_adapter", {})
+    assert r.json()["error_message"] == "unload_lora_adapter needs lora_name"
+
+
 def _generate_in_thread(http: Http, body: dict) -> tuple[threading.Thread, dict]:
     box: dict = {}
 

@@ -1,13 +1,22 @@
 """moerl/engine/validate.py ``nonfinite_tensor`` on tensors larger than its check's chunk:
 a NaN or ±inf anywhere (first chunk, a middle one, the ragged last one) is found, in
-every float dtype, against torch's own ``isfinite`` as the reference."""
+every float dtype, against torch's own ``isfinite`` as the reference. And request bodies:
+a field of the wrong type is named as such before any NaN or inf in it is."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from moerl.engine.validate import _CHUNK, nonfinite_tensor
+from moerl.engine.validate import (
+    _CHUNK,
+    RequestError,
+    check_control,
+    check_generate,
+    nonfinite_tensor,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -30,3 +39,29 @@ def test_a_strided_tensor_is_checked_too():
     assert nonfinite_tensor([("t", view)]) is None
     t[3, 5] = float("nan")
     assert nonfinite_tensor([("t", view)]) == "t"
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [  # a value of the wrong type is named as that, even when it is -Infinity
+        ({"input_ids": [1], "return_routed_experts": -math.inf}, "return_routed_experts: must be true or false"),
+        ({"input_ids": [1], "rid": {"x": math.nan}}, "rid: must be a string"),
+        ({"input_ids": [1], "sampling_params": {"ignore_eos": math.inf}}, "sampling_params.ignore_eos: must be true or false"),
+        # a number that is not finite is named as not finite
+        ({"input_ids": [1], "sampling_params": {"temperature": math.nan}}, "sampling_params.temperature: must be a finite number"),
+        ({"input_ids": [1], "sampling_params": {"custom_params": {"a": [math.inf]}}}, r"sampling_params.custom_params.a\[0\]: must be a finite number"),
+    ],
+)  # fmt: skip
+def test_a_refused_body_names_the_type_before_the_number(body, words):
+    with pytest.raises(RequestError, match=words):
+        check_generate(body)
+
+
+def test_a_control_body_names_the_type_before_the_number():
+    with pytest.raises(RequestError, match="abort_all: must be true or false"):
+        check_control("/abort_request", {"abort_all": -math.inf})
+    with pytest.raises(RequestError, match="master_port: must be an integer"):
+        check_control("/init_weights_update_group", {"master_port": math.nan})
+    with pytest.raises(RequestError, match="config_dict.lora_alpha: must be a finite number"):
+        body = {"lora_name": "a", "config_dict": {"r": 4, "lora_alpha": math.nan}}
+        check_control("/load_lora_adapter_from_tensors", body)

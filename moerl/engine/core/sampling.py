@@ -175,7 +175,7 @@ class SamplingParams:
                 "json_schema or ebnf"
             )
         if self.watermark is not None:
-            raise ValueError("watermark is not served by the embedded engine")
+            raise ValueError("watermark is not served by the embedded engine; use SGLang")
 
     def _check_logit_bias(self, vocab_size: int | None) -> None:
         for key in self.logit_bias or {}:

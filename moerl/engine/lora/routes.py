@@ -107,6 +107,8 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
     async def unload_lora_adapter(request: HTTPRequest) -> Any:
         body = await body_of(request)
         name = body.get("lora_name")
+        if name is None:
+            return reply(False, "unload_lora_adapter needs lora_name")
 
         def unload() -> None:
             # Refused while any request (running, retracted, or still waiting to start)

@@ -212,8 +212,11 @@ def _parse_one(state: EngineState, body: dict[str, Any]) -> list[Request]:
     if top_n < 0:
         raise ValueError(f"top_logprobs_num={top_n} must be >= 0")
     chosen = body.get("token_ids_logprob") or None
-    if chosen and not all(0 <= t < runner.vocab_size for t in chosen):
-        raise ValueError(f"token_ids_logprob: ids must be in [0, {runner.vocab_size})")
+    outside = [t for t in chosen or [] if not 0 <= t < runner.vocab_size]
+    if outside:
+        raise ValueError(
+            f"token_ids_logprob: ids must be in [0, {runner.vocab_size}), got {outside[:5]}"
+        )
     # As SGLang: without --enable-return-routed-experts the key is silently absent from
     # the response (the client turns that into a clear error).
     routed = bool(body.get("return_routed_experts", False)) and sched.enable_routed_experts

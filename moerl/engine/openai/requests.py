@@ -178,8 +178,8 @@ class Call:
 
 
 def _check(body: dict[str, Any], kinds: dict[str, Kind]) -> None:
+    check_fields(body, kinds)  # types first: a bool given -Infinity is named as not a bool
     check_finite(body)
-    check_fields(body, kinds)
     for name, default in REFUSED.items():
         value = body.get(name)
         if value is not None and value != default:

@@ -220,7 +220,7 @@ def register_weight_routes(
         ]
         if missing:
             raise ValueError(f"init_weights_update_group needs {missing}")
-        name = body.get("group_name", "weight_update_group")
+        name = body.get("group_name") or "weight_update_group"  # null: the default
         if name in state.groups:
             return fail(f"group {name!r} exists; destroy it first")
         backend = body.get("backend") or "gloo"
@@ -246,10 +246,11 @@ def register_weight_routes(
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: HTTPRequest) -> Any:
         body = await body_of(request)
-        name = body.get("group_name", "weight_update_group")
+        name = body.get("group_name") or "weight_update_group"  # null: the default
         group = state.groups.pop(name, None)
         if group is None:
-            return fail(f"no weight-update group {name!r}")
+            joined = sorted(state.groups) or "none"
+            return fail(f"no weight-update group {name!r} to destroy (joined: {joined})")
         del group
         return ok(f"destroyed {name!r}")
 
@@ -315,7 +316,7 @@ def register_weight_routes(
         refused = refuse_load("update_weights_from_distributed")
         if refused is not None:
             return refused
-        name = body.get("group_name", "weight_update_group")
+        name = body.get("group_name") or "weight_update_group"  # null: the default
         if name not in state.groups:
             return fail(f"no weight-update group {name!r}: call /init_weights_update_group first")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
