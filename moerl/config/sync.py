@@ -35,7 +35,9 @@ class SyncConfig:
     1 MB, 1.6× at 176 MB)."""
     dtype: str | None = None
     """Cast weights to this dtype before sending (e.g. 'bfloat16' for a bf16 engine);
-    None = the trainer's parameter dtype."""
+    None = the trainer's parameter dtype. What transformers keeps in float32 for the
+    model (DeepSeek-V3's router weights and score bias) is sent uncast: the engine holds
+    it in float32, and a cast would round it."""
     master_address: str = "127.0.0.1"
     """An address of trainer rank 0 that every engine can reach (a cluster needs the
     node's hostname or IP)."""

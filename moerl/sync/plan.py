@@ -17,7 +17,7 @@ storages' addresses and records again when one moved (a reloaded or resumed mode
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,9 +110,11 @@ class PushPlan:
         limit_bytes: int,
         dtype: torch.dtype | None,
         staging: Staging,
+        keep: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[Bucket, bool] | PushPlan | None]:
         """``bucketize``'s buckets of ``stream``, as it gives them, then the plan (None
-        when this push cannot be replayed). ``params``: the tensors views may come from."""
+        when this push cannot be replayed). ``params``: the tensors views may come from;
+        ``keep``: as ``bucketize``'s."""
         owners = {p.untyped_storage().data_ptr(): p for p in params}
         pieces: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
@@ -123,7 +125,7 @@ class PushPlan:
                 yield name, tensor
 
         planned: list[_PlannedBucket] | None = []
-        for bucket, last in bucketize(watched(), limit_bytes, dtype, staging):
+        for bucket, last in bucketize(watched(), limit_bytes, dtype, staging, keep=keep):
             if planned is not None:
                 planned = cls._add(planned, bucket, pieces, limit_bytes)
             yield bucket, last

@@ -158,7 +158,13 @@ def build_publisher(
                 directory=cfg.sync.adapter_dir or run_dir / "adapters",
             )  # fmt: skip
         )
-    from moerl.sync.weights import WeightSync
+    from moerl.sync.weights import WeightSync, fp32_modules
+
+    # a cast push leaves what transformers keeps in float32 (a router's weights) uncast;
+    # the run's starting checkpoint says which (moerl/launch.py's prepare_checkpoint)
+    start = Path(cfg.model.path) if cfg.model.path else run_dir / "init_hf"
+    has_config = (start / "config.json").is_file()
+    keep = fp32_modules(start) if cfg.sync.dtype and has_config else []
 
     def make_sync() -> WeightSync:
         return WeightSync(
@@ -166,6 +172,7 @@ def build_publisher(
             dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
             master_port=cfg.sync.master_port, run_coro=run_coro,
             flush_cache=cfg.rollout.partial_rollout != "in_place", transport=transport,
+            keep_dtype=keep,
         )  # fmt: skip
 
     return FullWeights(make_sync)

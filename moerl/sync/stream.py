@@ -140,12 +140,15 @@ def bucketize(
     dtype: torch.dtype | None,
     staging: Staging | None = None,
     borrow: Callable[[torch.Tensor], bool] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[Bucket, bool]]:
     """``(bucket, is_last)`` of at most ``limit_bytes`` each (a bigger tensor goes alone,
     as its own bytes), cast to ``dtype`` when given, gathered into ``staging`` (two
     buffers of its own when None). With ``borrow``, the tensors it accepts that need no
     cast are not copied: they follow, after the copied buckets, in one bucket of borrowed
-    tensors (the module docstring). The last bucket may be empty."""
+    tensors (the module docstring). ``keep``: names sent in their own dtype whatever
+    ``dtype`` says (what the engine keeps in float32, a router's weights). The last
+    bucket may be empty."""
     staging = staging or Staging(limit_bytes)
     assert staging.limit_bytes >= limit_bytes, "staging buffers smaller than a bucket"
     current, buffer = Bucket(), None
@@ -153,7 +156,7 @@ def bucketize(
     borrowed = Bucket(tensors=lent)
     for name, tensor in stream:
         tensor = tensor.detach()
-        target = dtype or tensor.dtype
+        target = tensor.dtype if dtype is None or (keep is not None and keep(name)) else dtype
         if borrow is not None and target == tensor.dtype and borrow(tensor):
             borrowed.describe(name, target, tensor.shape)
             lent.append(tensor)

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,6 +99,34 @@ def _alone() -> bool:
     return not dist.is_initialized() or dist.get_world_size() == 1
 
 
+def kept_names(modules: Sequence[str]) -> Callable[[str], bool] | None:
+    """Whether a tensor name lies in one of ``modules`` (dotted names such as
+    ``gate.weight`` or ``e_score_correction_bias``, matched on whole components as
+    transformers matches its ``_keep_in_fp32_modules``); None for no modules."""
+    if not modules:
+        return None
+    pattern = re.compile(r"(^|\.)(" + "|".join(re.escape(m) for m in modules) + r")(\.|$)")
+    return lambda name: pattern.search(name) is not None
+
+
+def fp32_modules(model_path: str | Path) -> list[str]:
+    """The modules transformers keeps in float32 for the checkpoint at ``model_path``
+    (its class's ``_keep_in_fp32_modules`` and ``_keep_in_fp32_modules_strict``): an
+    engine built on transformers holds them so, whatever its dtype. [] when the
+    checkpoint's architecture is not one transformers knows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return []
+    names: list[str] = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        names += [m for m in getattr(cls, attr, None) or [] if m not in names]
+    return names
+
+
 class WeightSync:
     """Trainer side of full-weight sync; every trainer rank builds one and calls its methods.
 
@@ -121,6 +151,9 @@ class WeightSync:
         transport: "broadcast" (the custom group, /update_weights_from_distributed) or
             "tensor" (same host: handles to shared buckets, /update_weights_from_tensor;
             moerl/sync/tensor_wire.py); the backend and master_* then go unused.
+        keep_dtype: module names (transformers' ``_keep_in_fp32_modules``, e.g.
+            ``gate.weight``) whose tensors are sent in their own dtype whatever ``dtype``
+            says: the engine keeps them in float32, and a bf16 push would round them.
     """
 
     def __init__(
@@ -140,6 +173,7 @@ class WeightSync:
         timeout_s: float = 300.0,
         flush_cache: bool = True,
         transport: str = "broadcast",
+        keep_dtype: Sequence[str] = (),
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be positive (64 is a good default)")
@@ -154,6 +188,7 @@ class WeightSync:
         self.chunks, self.model_cfg = chunks, model_cfg
         self.limit_bytes = max(1, int(bucket_mb * 2**20))
         self.dtype = None if dtype is None else dtype_of(dtype)
+        self.keep = kept_names(keep_dtype)
         self.backend, self.group_name, self.timeout_s = backend, group_name, timeout_s
         self.master_address, self.master_port = master_address, master_port
         self.rank = _rank()
@@ -316,7 +351,9 @@ class WeightSync:
             stats.update(self._forward(self._sources(stream, leads, plan=views), version))
         elif self.rank in leads:
             staging = self._staging_on(p2p_device())
-            for bucket, last in bucketize(stream, self.limit_bytes, self.dtype, staging):
+            for bucket, last in bucketize(
+                stream, self.limit_bytes, self.dtype, staging, keep=self.keep
+            ):
                 send_bucket(bucket, last, dst=0)
                 stats["bytes"] += bucket.nbytes
                 stats["buckets"] += 1 if bucket.names else 0
@@ -358,7 +395,7 @@ class WeightSync:
                 return None
             held = self._staging_on(self._comm(), hold=True)
             held.rewind()
-            buckets = list(bucketize(stream, self.limit_bytes, self.dtype, held))
+            buckets = list(bucketize(stream, self.limit_bytes, self.dtype, held, keep=self.keep))
         return Staged(buckets, time.perf_counter() - start)
 
     def send_staged(self, staged: Staged, version: int) -> dict[str, float]:
@@ -436,7 +473,8 @@ class WeightSync:
             if plan and borrow is None and leads == [0] and _alone():
                 return [self._planned(stream, own)]
             return [
-                bucketize(stream, self.limit_bytes, self.dtype, own, borrow) if lead == 0
+                bucketize(stream, self.limit_bytes, self.dtype, own, borrow, self.keep)
+                if lead == 0
                 else receive_buckets(lead, self._staging_on(p2p_device()))
                 for lead in leads
             ]  # fmt: skip
@@ -452,7 +490,10 @@ class WeightSync:
             return
         self._plan = None
         params = live_tensors(self.chunks)
-        for item in PushPlan.record(stream, params, self.limit_bytes, self.dtype, staging):
+        record = PushPlan.record(
+            stream, params, self.limit_bytes, self.dtype, staging, keep=self.keep
+        )
+        for item in record:
             if isinstance(item, tuple):
                 yield item
             else:
