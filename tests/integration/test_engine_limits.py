@@ -156,3 +156,68 @@ def test_a_backtracking_stop_regex_ends_its_own_request_not_the_engine(http, tin
     message = answer.json()["error"]["message"] if "error" in answer.json() else answer.text
     assert "(a|aa)+b" in message and "--stop-regex-timeout-ms" in message
     assert http.get("/health", timeout=5).status_code == 200
+
+
+def test_a_submission_larger_than_the_batch_does_not_queue_others_behind_all_of_it(
+    tiny_checkpoints,
+):
+    """One request with n=40 on an engine of 4 running slots: a request sent after it waits
+    behind one batch of it, not all 40 (each admission tops the queue up to one batch from
+    its backlog), so it is answered first; every sample still comes back, and an abort
+    reaches the samples still in the backlog."""
+    import asyncio
+
+    from moerl.engine.inprocess import InProcessEngine, engine_mounts
+
+    eng = InProcessEngine(
+        tiny_checkpoints["qwen3_moe"], "--max-running-requests", "4", "--disable-radix-cache"
+    )
+    sched = eng.state.scheduler
+    big = {"input_ids": [5, 6, 7], "rid": "big",
+           "sampling_params": {"max_new_tokens": 8, "n": 40, "ignore_eos": True}}  # fmt: skip
+    small = {"input_ids": [9, 4], "rid": "small",
+             "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}  # fmt: skip
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(mounts=engine_mounts([eng]), timeout=120) as client:
+            first = asyncio.create_task(client.post(f"{eng.url}/generate", json=big))
+            while sched.queued() + len(sched.running) < 40:  # all of it submitted
+                await asyncio.sleep(0.001)
+            second = asyncio.create_task(client.post(f"{eng.url}/generate", json=small))
+            order = []
+            for done in asyncio.as_completed([first, second]):
+                r = await done
+                assert r.status_code == 200, r.text
+                body = r.json()
+                order.append("big" if isinstance(body, list) else "small")
+                if isinstance(body, list):
+                    assert len(body) == 40
+                    assert all(b["meta_info"]["completion_tokens"] == 8 for b in body)
+            return order
+
+    try:
+        assert asyncio.run(run()) == ["small", "big"]
+        assert sched.queued() == 0 and not sched.backlog
+        # an abort reaches the samples still in the backlog
+        assert sched.max_running == 4
+        sched.pause("in_place")
+        many = [_request(i) for i in range(10)]
+        sched.submit(*many)
+        assert len(sched.backlog) == 6 and sched.queued() == 10
+        done = []
+        sched.control(lambda: sched.abort(abort_all=True), lambda r, e: done.append((r, e)))
+        sched.resume()
+        deadline = time.monotonic() + 30
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done and done[0][0] == 10 and all(r.done for r in many)
+        assert sched.queued() == 0
+    finally:
+        eng.close()
+
+
+def _request(i: int):  # type: ignore[no-untyped-def]
+    from moerl.engine.core.sampling import SamplingParams
+    from moerl.engine.core.scheduler import Request
+
+    return Request(rid=f"q{i}", input_ids=[5, 6], params=SamplingParams.from_request({}, 128))

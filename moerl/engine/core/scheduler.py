@@ -39,6 +39,7 @@ and running request is failed, and ``submit`` and ``control`` refuse at once.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -182,6 +183,12 @@ class Scheduler:
         self.weight_version = weight_version
         self.enable_routed_experts = enable_routed_experts
         self.waiting: queue.Queue[Request] = queue.Queue()
+        # a submission larger than the running batch (n=1024, a batch of 400 prompts)
+        # queues its first --max-running-requests; the rest joins ``waiting`` a batch at a
+        # time as it drains (``_feed``), so a request sent after it waits behind one batch
+        # of it, not all of it (SGLang queues it behind all; moerl's own)
+        self.backlog: collections.deque[Request] = collections.deque()
+        self._backlog_lock = threading.Lock()
         self.retracted: list[Request] = []
         self.running: list[Request] = []
         # a prefill longer than one --chunked-prefill-size forward: one chunk per step,
@@ -235,12 +242,34 @@ class Scheduler:
             if (
                 bounded
                 and self.max_queued is not None
-                and self.waiting.qsize() + len(requests) > self.max_queued
+                and self.queued() + len(requests) > self.max_queued
             ):
                 raise Unavailable(QUEUE_FULL)
-            for request in requests:
+            for request in requests[: self.max_running]:
                 self.waiting.put(request)
+            if len(requests) > self.max_running:
+                with self._backlog_lock:
+                    self.backlog.extend(requests[self.max_running :])
         self.wake.set()
+
+    def queued(self) -> int:
+        """Requests waiting to start (``waiting`` and the backlog of large submissions)."""
+        return self.waiting.qsize() + len(self.backlog)
+
+    def queued_requests(self) -> list[Request]:
+        """A snapshot of the requests waiting to start (any thread)."""
+        with self.waiting.mutex:
+            waiting = list(self.waiting.queue)
+        with self._backlog_lock:
+            return waiting + list(self.backlog)
+
+    def _feed(self) -> None:
+        """Top ``waiting`` up from the backlog to one running batch (scheduler thread)."""
+        room = self.max_running - self.waiting.qsize()
+        if room > 0 and self.backlog:
+            with self._backlog_lock:
+                for _ in range(min(room, len(self.backlog))):
+                    self.waiting.put(self.backlog.popleft())
 
     def control(
         self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
@@ -263,7 +292,7 @@ class Scheduler:
         return sum(1 for r in self.running + self.retracted + self.prefilling if r.lora == name)
 
     def load(self) -> int:
-        return len(self.running) + self.waiting.qsize() + len(self.retracted) + len(self.prefilling)
+        return len(self.running) + self.queued() + len(self.retracted) + len(self.prefilling)
 
     # -- control actions (scheduler thread) ------------------------------------------------
     def finish(self, request: Request, reason: dict[str, Any]) -> None:
@@ -349,6 +378,13 @@ class Scheduler:
                 pending.append(req)
         for req in pending:
             self.waiting.put(req)
+        with self._backlog_lock:
+            kept = [r for r in self.backlog if not match(r)]
+            for req in self.backlog:
+                if match(req):
+                    self.finish(req, _abort(message))
+                    count += 1
+            self.backlog = collections.deque(kept)
         return count
 
     def pause(self, mode: str) -> None:
@@ -424,6 +460,7 @@ class Scheduler:
                     or (
                         not self.running
                         and self.waiting.empty()
+                        and not self.backlog
                         and not self.retracted
                         and self._prefilling is None
                     )
@@ -474,6 +511,10 @@ class Scheduler:
             except queue.Empty:
                 break
             self.fail(req, reason, 503)
+        with self._backlog_lock:
+            left, self.backlog = list(self.backlog), collections.deque()
+        for req in left:
+            self.fail(req, reason, 503)
         while True:
             try:
                 _, done = self.controls.get_nowait()
@@ -515,6 +556,7 @@ class Scheduler:
     def _admit(self) -> None:
         """Take resumed and waiting requests while slots, the per-step count and the
         token budget allow (at least one), and prefill them together."""
+        self._feed()
         batch: list[tuple[Request, bool]] = []
         tokens = 0
 

@@ -113,8 +113,7 @@ def register_lora_routes(app: FastAPI, state: Any, body_of: Any, on_scheduler: A
         def unload() -> None:
             # Refused while any request (running, retracted, or still waiting to start)
             # generates with it, as SGLang refuses: a request never switches adapter.
-            with sched.waiting.mutex:
-                waiting = sum(1 for r in sched.waiting.queue if r.lora == name and not r.done)
+            waiting = sum(1 for r in sched.queued_requests() if r.lora == name and not r.done)
             busy = sched.uses_adapter(name) + waiting
             if busy:
                 raise ValueError(

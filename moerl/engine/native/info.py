@@ -95,7 +95,7 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "running_requests": len(sched.running),
         # tokens of KV cache held by running requests (a retracted one holds none)
         "kv_cache_tokens": sched.pool.tokens,
-        "waiting_requests": sched.waiting.qsize(),
+        "waiting_requests": sched.queued(),
         # tokens and sequences the prefix cache holds
         "prefix_cache_tokens": 0 if sched.prefix_cache is None else sched.prefix_cache.tokens,
         "prefix_cache_sequences": 0 if sched.prefix_cache is None else len(sched.prefix_cache),
