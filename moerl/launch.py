@@ -140,9 +140,8 @@ def check_resume(cfg: MoerlConfig, world: int) -> None:
 
 def engine_flags(engine: Any) -> list[str]:
     """An embedded engine's batching and prefix-cache flags for ``engine.max_running_requests``,
-    ``engine.max_prefill_tokens``, ``engine.chunked_prefill_size``, ``engine.decode_share``, ``engine.admission_*``,
-    ``engine.cuda_graph*``
-    and ``engine.prefix_cache*``."""
+    ``engine.max_prefill_tokens``, ``engine.chunked_prefill_size``, ``engine.decode_share``,
+    ``engine.admission_*``, ``engine.cuda_graph*`` and ``engine.prefix_cache*``."""
     flags = ["--max-running-requests", str(engine.max_running_requests)]
     flags += ["--device", engine.device]
     flags += ["--max-prefill-tokens", str(engine.max_prefill_tokens)]

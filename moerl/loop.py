@@ -152,7 +152,7 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         publisher = build_publisher(
             cfg, trainer, client=rollout.client if rollout else None,
             run_coro=rollout.submit if rollout else None, run_dir=ctx.run_dir,
-            backend=sync_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
+            hf_dir=ctx.hf_dir, backend=sync_backend(cfg.sync, cfg.engine.kind, device.has_cuda()),
             transport=sync_transport(
                 cfg.sync, ctx.engine_urls, device.has_cuda(), _weights_mb(ctx.hf_dir),
                 colocated=cfg.launcher.placement == "colocated",

@@ -140,10 +140,13 @@ def build_publisher(
     run_dir: Path,
     backend: str,
     transport: str = "broadcast",
+    hf_dir: Path | None = None,
 ) -> Publisher:
     """The publisher a run's config asks for: adapters when the trainer has LoRA, full
     weights otherwise. ``client``/``run_coro``: rank 0's engine client and the loop it
-    lives on (None elsewhere); ``transport``: full weights' (sync_transport). Full weights
+    lives on (None elsewhere); ``transport``: full weights' (sync_transport); ``hf_dir``:
+    the run's initial checkpoint, whose model class says what a cast push leaves in
+    float32 (``sync.dtype``; a router's weights). Full weights
     connect here (collective)."""
     if trainer.lora is not None:
         from moerl.sync.adapters import AdapterSync
@@ -160,11 +163,7 @@ def build_publisher(
         )
     from moerl.sync.weights import WeightSync, fp32_modules
 
-    # a cast push leaves what transformers keeps in float32 (a router's weights) uncast;
-    # the run's starting checkpoint says which (moerl/launch.py's prepare_checkpoint)
-    start = Path(cfg.model.path) if cfg.model.path else run_dir / "init_hf"
-    has_config = (start / "config.json").is_file()
-    keep = fp32_modules(start) if cfg.sync.dtype and has_config else []
+    keep = fp32_modules(hf_dir) if cfg.sync.dtype and hf_dir is not None else []
 
     def make_sync() -> WeightSync:
         return WeightSync(

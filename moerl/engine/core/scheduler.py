@@ -379,12 +379,14 @@ class Scheduler:
         for req in pending:
             self.waiting.put(req)
         with self._backlog_lock:
-            kept = [r for r in self.backlog if not match(r)]
+            kept: collections.deque[Request] = collections.deque()
             for req in self.backlog:
                 if match(req):
                     self.finish(req, _abort(message))
                     count += 1
-            self.backlog = collections.deque(kept)
+                else:
+                    kept.append(req)
+            self.backlog = kept
         return count
 
     def pause(self, mode: str) -> None:
