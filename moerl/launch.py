@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from moerl.config.recipe import check_recipe_choices
 from moerl.config.schema import MoerlConfig
 from moerl.config.store import CONFIG_GROUPS, register_configs
+from moerl.config.threads import set_omp_spincount
 from moerl.validate import resolve_checkpoint_dir, validate_config
 
 register_configs()
@@ -435,6 +436,8 @@ def main(cfg: DictConfig) -> None:
     from moerl._version import shadowing
     from moerl.telemetry.logs import hold_console
 
+    # before the preflight imports torch: libgomp reads it once, as it loads
+    set_omp_spincount(OmegaConf.select(cfg, "launcher.omp_spincount", default=None))
     if (shadow := shadowing()) is not None:
         print(f"moerl: warning: {shadow}", file=sys.stderr, flush=True)
     hydra_cfg = HydraConfig.get()

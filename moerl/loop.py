@@ -184,6 +184,11 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 metrics = {**landed, **trainer.step(trajs, **_probes(cfg, step, last))}
             if slept and rollout:
                 rollout.wake_engines(["weights"])  # before a push: it writes into them
+            # the rollout side's metrics, taken while its loop waits for the push: after
+            # it, this hand-off delayed the next step's requests (the last step's come
+            # after its push, with the final eval's)
+            if rollout is not None and step != last:
+                metrics.update(rollout.metrics())
             if push:
                 with run_log.span("sync", step=step, version=trainer.version):
                     metrics.update(_publish(publisher, rollout, trainer.version, inflight=inflight))
@@ -196,7 +201,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             if rollout:
                 if evaluate:
                     rollout.start_eval(step, trainer.version, final=step == last)
-                metrics.update(rollout.metrics(wait_eval=step == last))
+                if step == last:
+                    metrics.update(rollout.metrics(wait_eval=True))
             run_log.log(
                 step, batch or trajs, metrics, version=trainer.version - 1, wall_s=time.time() - t0,
                 wait_s=wait_s,

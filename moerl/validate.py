@@ -353,6 +353,8 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
             )
     if lc.threads is not None:
         positive_int("launcher.threads", lc.threads)
+    if lc.omp_spincount is not None:
+        non_negative_int("launcher.omp_spincount", lc.omp_spincount)
     if lc.backend is not None:
         one_of("launcher.backend", lc.backend, BACKENDS)
     one_of("launcher.placement", lc.placement, PLACEMENTS)

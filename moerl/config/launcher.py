@@ -19,6 +19,14 @@ class LauncherConfig:
     """torch CPU threads per locally spawned trainer rank; None = by the core split of
     moerl/config/threads.py (CPU cores / ranks, less the engines' share when generation
     overlaps training)."""
+    omp_spincount: int | None = 50000
+    """``GOMP_SPINCOUNT`` for the run's processes (trainer ranks, embedded engines), set by
+    the launcher before torch loads when the environment sets neither it nor
+    ``OMP_WAIT_POLICY``: how many times an idle OpenMP thread of torch's CPU ops polls for
+    more work before it sleeps. libgomp's default (300000) kept the trainer's idle thread
+    busy on a core for milliseconds after each burst of ops, through the weight push that
+    the engine needed that core for (moerl/config/threads.py). 0 sleeps at once; None
+    leaves libgomp's default."""
     dry_run: bool = False
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None

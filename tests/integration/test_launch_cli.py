@@ -106,3 +106,45 @@ def test_dry_run_reads_the_checkpoints_config(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:]
     assert "parallel.ep=4" in proc.stderr and "dry run" not in proc.stdout
+
+
+_FIRST_TORCH_IMPORT = """
+import builtins, os, sys
+seen = []
+load = builtins.__import__
+def spy(name, *args, **kwargs):
+    if name == "torch" and "torch" not in sys.modules and not seen:
+        seen.append(os.environ.get("GOMP_SPINCOUNT"))
+    return load(name, *args, **kwargs)
+builtins.__import__ = spy
+from moerl.launch import main
+sys.argv = ["moerl.launch", *sys.argv[1:]]
+main()
+print("GOMP_SPINCOUNT when torch loaded:", seen[0] if seen else "torch not loaded")
+"""
+
+
+def test_the_launcher_sets_the_openmp_spin_count_before_torch_loads(tmp_path) -> None:
+    """libgomp reads GOMP_SPINCOUNT once, as torch loads it: the launcher's setting counts
+    only if it comes before the preflight's first torch import (a dry run of a recipe
+    imports torch there). The user's environment wins; null leaves libgomp's default."""
+
+    def at_torch(*args: str, **env: str) -> str:
+        clean = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("WORLD_SIZE", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+        }
+        out = subprocess.run(
+            [sys.executable, "-c", _FIRST_TORCH_IMPORT, f"hydra.run.dir={tmp_path / 'run'}",
+             "+recipe=deepseek_moe", "launcher.dry_run=true", *args],
+            cwd=tmp_path, env={**clean, **env}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-1].rsplit(": ", 1)[1]
+
+    assert at_torch() == "50000"
+    assert at_torch("launcher.omp_spincount=2000") == "2000"
+    assert at_torch(GOMP_SPINCOUNT="7") == "7"
+    assert at_torch(OMP_WAIT_POLICY="passive") == "None"
+    assert at_torch("launcher.omp_spincount=null") == "None"

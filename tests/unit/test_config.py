@@ -163,6 +163,7 @@ def testpackage_header() -> None:
         (["engine.decode_share=1.0"], 1, ["engine.decode_share=1.0", "[0, 1)"]),
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
+        (["launcher.omp_spincount=-1"], 1, ["launcher.omp_spincount=-1", ">= 0"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
     ],
 )

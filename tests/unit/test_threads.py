@@ -6,7 +6,13 @@ import pytest
 
 from moerl.config.buffer import StalenessConfig
 from moerl.config.schema import MoerlConfig
-from moerl.config.threads import overlapped, resolve_threads, split_cores, usable_cores
+from moerl.config.threads import (
+    overlapped,
+    resolve_threads,
+    set_omp_spincount,
+    split_cores,
+    usable_cores,
+)
 
 
 @pytest.mark.parametrize(
@@ -102,3 +108,25 @@ def test_the_colocated_engine_sleeps_by_default_only_with_cuda():
     assert _sleep_tags(push=True, full_weights=True) == ["kv_cache", "weights"]
     assert _sleep_tags(push=True, full_weights=False) == ["kv_cache"]
     assert _sleep_tags(push=False, full_weights=True) == ["kv_cache"]
+
+
+@pytest.mark.parametrize(
+    ("environ", "spincount", "after"),
+    [
+        ({}, 50000, "50000"),
+        ({}, 0, "0"),
+        ({"GOMP_SPINCOUNT": "7"}, 50000, "7"),  # the user's environment wins
+        ({"OMP_WAIT_POLICY": "active"}, 50000, None),  # it says how threads wait already
+        ({}, None, None),  # launcher.omp_spincount=null: libgomp's default
+        ({}, -1, None),  # left for the preflight to refuse
+        ({}, "50000", None),
+        ({}, True, None),
+    ],
+)
+def test_omp_spincount_is_set_unless_the_environment_chooses(environ, spincount, after):
+    env = dict(environ)
+    assert set_omp_spincount(spincount, env) == (
+        after is not None and "GOMP_SPINCOUNT" not in environ
+    )
+    assert env.get("GOMP_SPINCOUNT") == after
+    assert env.get("OMP_WAIT_POLICY") == environ.get("OMP_WAIT_POLICY")
