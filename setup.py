@@ -104,7 +104,9 @@ setup(
         "httptools",
         "rich",
         "matplotlib>=3.6",  # moerl.telemetry.plots, tools/plot_run.py (Figure API, no pyplot)
-        # moerl.rollout.client: async HTTP to the engines (SGLang native API).
+        # moerl.rollout.client: async HTTP to the engines (SGLang native API): aiohttp on
+        # sockets (a sixth of httpx's client CPU per request), httpx for in-process mounts
+        "aiohttp",
         "httpx",
         # the embedded engine's constrained decoding (regex, json_schema, ebnf): one of the
         # grammar backends SGLang itself offers, a self-contained wheel (no torch, no triton)

@@ -339,7 +339,8 @@ def _vs_generate(
     cuda_graph: bool = False,
 ) -> dict:
     """Engine vs ``model.generate`` tokens/s at fixed and long-tailed lengths (medians of
-    ``reps`` alternating repetitions), and the prompt tokens a group of 8 prefills."""
+    ``reps`` alternating repetitions), and the prompt tokens a group of 8 prefills. The
+    engine is reached through moerl's EngineClient, as the rollout reaches it."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -385,18 +386,20 @@ def _vs_generate(
         return sum(lens) / wall  # a row's tokens after its own length are waste
 
     async def run_engine(url: str, lens: list[int]) -> float:
-        async with httpx.AsyncClient(timeout=600) as client:
+        # through moerl's own client, as the rollout reaches the engine
+        from moerl.rollout.client import EngineClient
+
+        async with EngineClient([url], timeout_s=600) as client:
             start = time.perf_counter()
             outs = await asyncio.gather(*[
-                client.post(f"{url}/generate", json={
-                    "input_ids": p,
-                    "sampling_params": {"max_new_tokens": n, "temperature": 1.0,
-                                        "ignore_eos": True},
-                })
+                client.generate(
+                    p, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True},
+                    return_logprob=False,
+                )
                 for p, n in zip(batch, lens)
             ])  # fmt: skip
             wall = time.perf_counter() - start
-        got = [o.json()["meta_info"]["completion_tokens"] for o in outs]
+        got = [o["meta_info"]["completion_tokens"] for o in outs]
         assert got == lens, (got, lens)
         return sum(lens) / wall
 
