@@ -64,6 +64,8 @@ DEAD_ENGINE_FIX = (
 
 _T = TypeVar("_T", bound="EngineTransport")
 _JSON = {"Content-Type": "application/json"}
+KEEPALIVE_S = 4.0
+"""How long the client keeps an idle connection to an engine (below the servers' 5 s)."""
 _CLIENTS = object()
 """``EngineTransport._send``'s default timeout: the client's own."""
 
@@ -204,7 +206,11 @@ class EngineTransport:
         if session is None or session.closed:
             self._session_loop = loop
             session = self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                # idle connections go before the servers' own keep-alive (5 s in uvicorn,
+                # SGLang and this engine) ends them under a request
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
+                ),
                 headers=self._headers,
                 # httpx's timeouts: each wait for the server, not the whole answer
                 timeout=aiohttp.ClientTimeout(

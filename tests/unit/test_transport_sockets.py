@@ -27,10 +27,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class Scripted:
     """A local HTTP server answering every path with ``handler``; ``seen`` holds each
-    request's method, path, headers and raw body."""
+    request's method, path, headers and raw body. ``keepalive_s``: how long it keeps an
+    idle connection open."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, keepalive_s: float = 75.0) -> None:
         self.handler = handler
+        self.keepalive_s = keepalive_s
         self.seen: list[dict[str, Any]] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -46,7 +48,7 @@ class Scripted:
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", record)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.keepalive_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -171,6 +173,21 @@ def test_a_stalled_answer_times_out_and_a_control_call_is_not_sent_twice():
     generate_calls, control_calls, generate_msg, control_msg = asyncio.run(go())
     assert generate_calls == 2 and control_calls == 1
     assert "Timeout" in generate_msg and "Timeout" in control_msg
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused():
+    """The engine ends an idle connection first (its keep-alive ran out): the next call,
+    a weight-update call that is never re-sent, goes out on a new connection."""
+
+    async def go():
+        async with Scripted(ok_json({"success": True}), keepalive_s=0.1) as engine:
+            async with EngineClient([engine.url], max_retries=0) as client:
+                await client.begin_weight_update()
+                await asyncio.sleep(0.5)  # the server closes the idle connection
+                await client.end_weight_update()
+            return [call["path"] for call in engine.seen]
+
+    assert asyncio.run(go()) == ["/begin_weight_update", "/end_weight_update"]
 
 
 def test_a_plain_text_error_keeps_the_servers_words():
