@@ -211,9 +211,13 @@ def start_colocated(cfg: Any, hf_dir: Path, run_dir: Path) -> tuple[list[str], l
     from moerl.telemetry.logs import rank_log_path
 
     print(f"moerl: building the colocated engine in rank 0 on {hf_dir}", flush=True)
+    # --num-threads: the scheduler thread's own (moerl/config/threads.py); the trainer's
+    # threads stay the process's
+    threads = [] if cfg.engine.threads is None else ["--num-threads", str(cfg.engine.threads)]
     engine = InProcessEngine(
-        hf_dir, *policy_engine_flags(cfg), startup_timeout_s=cfg.engine.startup_timeout_s,
-        log_path=rank_log_path(run_dir, 0), wait=False,
+        hf_dir, *policy_engine_flags(cfg), *threads,
+        startup_timeout_s=cfg.engine.startup_timeout_s, log_path=rank_log_path(run_dir, 0),
+        wait=False,
     )  # fmt: skip
     return [engine.url], [engine]
 
@@ -411,8 +415,9 @@ def split_threads(cfg: MoerlConfig, world: int) -> None:
         print(f"moerl: OMP_NUM_THREADS={split.omp_cap} caps each process's CPU threads")
     if split.rule == "colocated":
         print(
-            f"moerl: CPU threads: {split.trainer} per trainer rank; the colocated engine "
-            "uses rank 0's (launcher.threads overrides)"
+            f"moerl: CPU threads: {split.trainer} per trainer rank, {split.engine} for the "
+            "colocated engine's scheduler in rank 0 (launcher.threads / engine.threads "
+            "override)"
         )
     if split.rule in ("alternating", "overlapped"):  # the rules for embedded engines
         print(

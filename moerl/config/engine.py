@@ -28,9 +28,9 @@ class EngineConfig:
     dtype: str = "float32"
     """Embedded engines' weight and compute dtype: 'float32', 'bfloat16' or 'float16'."""
     threads: int | None = None
-    """CPU threads of each embedded engine process; None = by the core split of
-    moerl/config/threads.py (all cores but one when generation and training alternate, half
-    when they overlap)."""
+    """CPU threads of each embedded engine process (of a colocated engine's scheduler
+    thread); None = by the core split of moerl/config/threads.py (all cores but one when
+    generation and training alternate, half when they overlap, one colocated)."""
     max_running_requests: int = 64
     """Requests an embedded engine decodes together (continuous batching)."""
     cuda_graph: bool = False

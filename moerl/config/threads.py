@@ -14,8 +14,13 @@ by a stated rule unless the user sets `launcher.threads` / `engine.threads`:
 - **overlapped** (any other staleness setting, the asynchronous loop): the engines get
   half the cores (at least one thread each), the trainer ranks the rest (at least one
   thread each);
-- **colocated** (`launcher.placement=colocated`): the engine lives in rank 0's process
-  and uses its torch threads, so the trainer ranks split all cores.
+- **colocated** (`launcher.placement=colocated`): the engine lives in rank 0's process;
+  the trainer ranks split all cores, and the engine's scheduler thread runs its ops on
+  one thread. A second OpenMP team in the process (the scheduler's, beside the
+  trainer's) puts libgomp over its core count, and from then on every idle OpenMP thread
+  sleeps at once, so each of the trainer's ops waited for its worker to wake: the
+  training thread was busy 65% of its step, and a colocated sync step took 115–132 ms
+  where one scheduler thread gives 69–71.
 
 With CUDA the engines' and ranks' work is on the GPU and the split does not apply.
 ``OMP_NUM_THREADS``, when set, caps every process's share (it is the number a user sets
@@ -93,9 +98,8 @@ def resolve_threads(cfg: Any, world_size: int, has_cuda: bool) -> CoreSplit:
     engines = cfg.engine.count() if cfg.engine.kind == "embedded" else 0
     if has_cuda:
         split = CoreSplit(max(1, usable_cores() // world_size), 1, "cuda")
-    elif cfg.launcher.placement == "colocated":  # the engine runs on rank 0's threads
-        per_rank = max(1, usable_cores() // world_size)
-        split = CoreSplit(per_rank, per_rank, "colocated")
+    elif cfg.launcher.placement == "colocated":  # the engine's scheduler: one thread
+        split = CoreSplit(max(1, usable_cores() // world_size), 1, "colocated")
     else:
         split = split_cores(usable_cores(), world_size, engines, overlapped(cfg.staleness))
     cap = omp_threads()

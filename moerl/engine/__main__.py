@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if (shadow := shadowing()) is not None:
         logging.getLogger("moerl.engine").warning(shadow)
+    if args.num_threads:  # its own process: every thread's ops (the scheduler's sets it too)
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     app = build_state(args)
     scheduler = app.state.engine.scheduler
 

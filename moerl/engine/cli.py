@@ -122,7 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (an engine built inside another process: its scheduler "
+        "thread's alone)",
+    )
     p.add_argument(
         "--admission-wait-ms",
         type=float,

@@ -54,7 +54,8 @@ class InProcessEngine:
         from moerl.engine.cli import parse_args
 
         self.model_path = Path(model_path)
-        # --num-threads stays unset: torch's threads are the process's, the trainer's
+        # --num-threads, when given, is the scheduler thread's alone: the process's other
+        # threads (the trainer's) keep their own
         self.args = parse_args(["--model-path", str(model_path), *flags])
         self.url = f"http://colocated-{next(_COUNTER)}{URL_SUFFIX}"
         self.startup_timeout_s = startup_timeout_s

@@ -6,8 +6,6 @@ import argparse
 import os
 from typing import Any
 
-import torch
-
 
 def decode_graphs(runner: Any, args: argparse.Namespace) -> Any:
     """CUDA graphs for the runner's decode steps (``moerl.engine.core.decode_graphs``)."""
@@ -27,8 +25,6 @@ def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine.core.scheduler import Scheduler
     from moerl.engine.core.state import EngineState
 
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
     runner = ModelRunner(
         args.model_path, dtype=args.dtype, seed=args.random_seed, device=args.device
     )
@@ -67,6 +63,7 @@ def build_state(args: argparse.Namespace) -> Any:
         admission_wait_s=args.admission_wait_ms / 1e3,
         admission_quiet_s=args.admission_quiet_ms / 1e3,
         decode_share=args.decode_share,
+        threads=args.num_threads,
     )
     state = EngineState(
         runner=runner,

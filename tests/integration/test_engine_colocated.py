@@ -143,3 +143,41 @@ def test_stop_is_reported_and_requests_fail_fast_then_restart_serves(tiny_checkp
     finally:
         engine.close()
     assert not engine.alive()
+
+
+_THREADS_PROBE = """
+import sys, threading, torch
+from moerl.engine.inprocess import InProcessEngine
+
+torch.set_num_threads(2)  # the trainer's, in the process
+engine = InProcessEngine(sys.argv[1], "--num-threads", "1")
+box = {}
+done = threading.Event()
+engine.state.scheduler.control(
+    lambda: torch.get_num_threads(), lambda result, err: (box.update(n=result), done.set())
+)
+done.wait(60)
+later = []
+thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+thread.start()
+thread.join()
+engine.close()
+print("THREADS", box["n"], torch.get_num_threads(), later[0])
+"""
+
+
+def test_the_colocated_schedulers_thread_count_is_its_own(tiny_checkpoints):
+    """--num-threads of an engine built inside another process sets the scheduler
+    thread's torch threads alone: the process's main thread, and threads started later,
+    keep the process's count (a second OpenMP team of the engine's would make libgomp's
+    threads sleep at once, slowing every op of the trainer's; moerl/config/threads.py)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_PROBE, str(tiny_checkpoints["deepseek_moe"])],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    scheduler, main, later = out.stdout.strip().splitlines()[-1].split()[1:]
+    assert (int(scheduler), int(main), int(later)) == (1, 2, 2)

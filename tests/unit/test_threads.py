@@ -60,16 +60,18 @@ def test_user_settings_win_and_the_rest_follows_the_rule(monkeypatch):
 
 def test_a_colocated_engine_shares_rank_zeros_threads(monkeypatch):
     """launcher.placement=colocated on CPU: no cores set aside for an engine process,
-    whatever the schedule; user settings still win."""
+    whatever the schedule, and one thread for the engine's scheduler (a second OpenMP team
+    in the process stops libgomp's threads from waiting for work); user settings still win."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = MoerlConfig()
     cfg.launcher.placement = "colocated"
     for staleness in (0, 1):
         cfg.staleness.max_staleness = staleness
         split = resolve_threads(cfg, world_size=1, has_cuda=False)
-        assert (split.trainer, split.rule) == (usable_cores(), "colocated")
-    cfg.launcher.threads = 1
-    assert resolve_threads(cfg, world_size=1, has_cuda=False).trainer == 1
+        assert (split.trainer, split.engine, split.rule) == (usable_cores(), 1, "colocated")
+    cfg.launcher.threads, cfg.engine.threads = 1, 2
+    split = resolve_threads(cfg, world_size=1, has_cuda=False)
+    assert (split.trainer, split.engine) == (1, 2)
 
 
 def test_omp_num_threads_caps_every_process_share(monkeypatch):

@@ -140,8 +140,15 @@ class Scheduler:
         admission_wait_s: float = 0.0,
         admission_quiet_s: float = 0.0,
         decode_share: float = 0.6,
+        threads: int | None = None,
     ) -> None:
         self.runner = runner
+        if threads is not None and threads < 1:
+            raise ValueError(f"--num-threads {threads} must be >= 1")
+        # torch CPU threads of the scheduler thread's own ops (its forwards and sampling),
+        # set in that thread alone: an engine inside a trainer's process leaves the
+        # trainer's threads as they are (None: the process's)
+        self.threads = threads
         if not (isinstance(decode_share, (int, float)) and 0 <= decode_share < 1):
             raise ValueError(f"--decode-share {decode_share!r} must be in [0, 1)")
         # while a chunked prefill is pending, the running requests' decode steps get at
@@ -452,6 +459,8 @@ class Scheduler:
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
         reason = None
+        if self.threads is not None:
+            own_torch_threads(self.threads)
         try:
             while not self.stop_event.is_set():
                 self.loops += 1
@@ -1133,3 +1142,19 @@ _counter = itertools.count()
 
 def new_rid() -> str:
     return f"{uuid.uuid4().hex[:12]}{next(_counter)}"
+
+
+def own_torch_threads(threads: int) -> None:
+    """Run the calling thread's torch CPU ops on ``threads`` threads, leaving every other
+    thread's count, and the count new threads start with, as they were. With OpenMP
+    (torch's CPU backend on Linux and macOS) the count is each thread's own;
+    ``torch.set_num_threads`` also changes the default later threads take up, which a
+    helper thread sets back. Elsewhere the count is the process's and this sets it."""
+    before = torch.get_num_threads()  # this thread's, taken up from the default
+    torch.set_num_threads(threads)
+    if before != threads:
+        helper = threading.Thread(target=torch.set_num_threads, args=(before,))
+        helper.start()
+        helper.join()
+        if torch.get_num_threads() != threads:  # one count for the process: ours wins
+            torch.set_num_threads(threads)
