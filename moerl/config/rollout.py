@@ -110,9 +110,11 @@ class RolloutConfig:
     reward_workers: int = 4
     """Threads running synchronous reward functions (async ones run on the event loop)."""
     reward_inline_us: float = 100.0
-    """A synchronous reward function whose every call so far took less than this many
-    microseconds runs on the event loop, without a thread hand-off (timed on the pool for
-    the first group; the first slower call sends it back to the pool for good). 0: always
+    """A synchronous reward function whose calls compute for less than this many
+    microseconds (its thread's CPU time) runs on the event loop, without a thread hand-off:
+    timed on the pool for the first group (its fastest call decides), then on the loop,
+    where a call that computed longer, or waits (wall time past the bound) in more than one
+    call in 50, send it back to the pool for good (moerl/rollout/scoring.py). 0: always
     the pool."""
 
     def validate(self, key: str = "rollout") -> None:

@@ -2,11 +2,18 @@
 
 A task's reward is a plain function (run on a private thread pool, so a slow verifier never
 blocks the event loop that keeps other groups generating) or a coroutine function (a remote
-verifier or reward model, awaited on the loop). A plain function whose every call so far
-took less than ``inline_s`` (``rollout.reward_inline_us``) runs on the loop instead: a
-string comparison of a few microseconds cost a millisecond per group in thread hand-offs
-on 2 cores. The first group always goes to the pool, which times each call, and the first
-call over the bound sends the function back to the pool for good.
+verifier or reward model, awaited on the loop). A plain function whose calls compute for
+less than ``inline_s`` (``rollout.reward_inline_us``) runs on the loop instead: a string
+comparison of a few microseconds cost a millisecond per group in thread hand-offs on 2
+cores. The first group always goes to the pool, which times each call twice: the CPU
+time of its thread and the wall time. A call whose wall time passed the bound on little CPU
+waited: for the interpreter lock, which the trainer's thread holds for milliseconds at a
+time, or on I/O. Timed by wall time alone, one wait of the first kind kept a microsecond
+reward on the pool for the whole run (every call of a 60-step run went through the pool).
+So the first group decides by its fastest call (a function that blocks on I/O waits in
+every call; the first call of the run may warm caches), and on the loop the function goes
+back to the pool at the first call that computed long, or once more than one call in 50
+waited (at least 2).
 """
 
 # G completions per group
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,11 +76,14 @@ class RewardRunner:
         workers: int,
         inline_s: float = 100e-6,
         clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         """``inline_s``: the bound under which a plain function runs on the loop (0: never);
-        ``clock`` times its calls."""
+        ``clock`` (wall) and ``cpu_clock`` (the calling thread's CPU) time its calls."""
         self.task = task
-        self.clock = clock
+        self.clock, self.cpu_clock = clock, cpu_clock
+        self.calls = self.waited = 0  # calls timed on the loop, and those that waited
+        self._lock = threading.Lock()  # the first group's shares are timed in parallel
         self.workers = workers
         self.inline_s = inline_s
         self._is_async = inspect.iscoroutinefunction(task.reward)
@@ -105,17 +116,28 @@ class RewardRunner:
         return [self._checked(prompt, traj, value) for traj, value in zip(share, values)]
 
     def _timed(self, prompt: Prompt, share: list[Trajectory]) -> list[Any]:
-        """The reward of each completion, each call timed: ``inline`` turns True after
-        the first share whose calls were all fast, False for good at the first slow one."""
-        reward, values, slowest = self.task.reward, [], 0.0
+        """The reward of each completion, each call timed (module docstring): ``inline``
+        turns True after a first share whose fastest call computed little without waiting,
+        False for good at a call on the loop that computed long, or once waits there pass
+        one call in 50."""
+        reward, values = self.task.reward, []
+        heavy, fastest, lightest, waited = False, math.inf, math.inf, 0
         for traj in share:
-            start = self.clock()
+            wall, cpu = self.clock(), self.cpu_clock()
             values.append(reward(prompt, traj))
-            slowest = max(slowest, self.clock() - start)
-        if slowest >= self.inline_s:
-            self.inline = False
-        elif self.inline is None:
-            self.inline = True
+            wall, cpu = self.clock() - wall, self.cpu_clock() - cpu
+            heavy |= cpu >= self.inline_s
+            fastest, lightest = min(fastest, wall), min(lightest, cpu)
+            waited += wall >= self.inline_s
+        with self._lock:
+            if self.inline is None:  # the first group, on the pool: by its fastest call
+                # (the first call of a function may warm caches or import)
+                self.inline = lightest < self.inline_s and fastest < self.inline_s
+            elif self.inline:
+                self.calls += len(share)
+                self.waited += waited
+                if heavy or self.waited > max(1, self.calls // 50):
+                    self.inline = False
         return values
 
     async def _one(self, prompt: Prompt, traj: Trajectory) -> float:

@@ -101,7 +101,7 @@ def _threads(task: Recording, start: int, stop: int | None = None) -> set[int]:
 
 def test_a_fast_reward_runs_on_the_loop_after_the_pool_timed_it():
     task = Clocked([10e-6] * 16)
-    runner = RewardRunner(task, 4, inline_s=100e-6, clock=task.clock)  # type: ignore[arg-type]
+    runner = RewardRunner(task, 4, inline_s=100e-6, clock=task.clock, cpu_clock=task.clock)  # type: ignore[arg-type]
 
     async def two_groups() -> tuple[list[float], list[float], int]:
         first = await runner.score(PROMPT, _group(8))  # timed on the pool
@@ -117,9 +117,9 @@ def test_a_fast_reward_runs_on_the_loop_after_the_pool_timed_it():
     assert _threads(task, 8) == {loop_thread} and runner.inline is True
 
 
-def test_one_slow_call_sends_the_reward_back_to_the_pool_for_good():
+def test_one_call_that_computed_long_sends_the_reward_back_to_the_pool_for_good():
     task = Clocked([10e-6] * 8 + [10e-6, 5e-3] + [10e-6] * 30)
-    runner = RewardRunner(task, 2, inline_s=100e-6, clock=task.clock)  # type: ignore[arg-type]
+    runner = RewardRunner(task, 2, inline_s=100e-6, clock=task.clock, cpu_clock=task.clock)  # type: ignore[arg-type]
 
     async def groups() -> int:
         for _ in range(4):
@@ -148,3 +148,77 @@ def test_inline_zero_always_uses_the_pool():
     finally:
         runner.close()
     assert loop_thread not in _threads(task, 0) and runner.inline is False
+
+
+class Waiting(Recording):
+    """Each reward call 'takes' the next (wall, cpu) seconds of ``costs`` on two injected
+    clocks: a wall time above its CPU time is a wait (the interpreter lock, or I/O)."""
+
+    def __init__(self, costs: list[tuple[float, float]]) -> None:
+        super().__init__()
+        self.costs, self.wall, self.cpu = list(costs), 0.0, 0.0
+
+    def wall_clock(self) -> float:
+        return self.wall
+
+    def cpu_clock(self) -> float:
+        return self.cpu
+
+    def reward(self, prompt: Prompt, traj: Trajectory) -> float:
+        wall, cpu = self.costs.pop(0) if self.costs else (0.0, 0.0)
+        self.wall, self.cpu = self.wall + wall, self.cpu + cpu
+        return super().reward(prompt, traj)
+
+
+def _waiting_runs(costs: list[tuple[float, float]], groups: int) -> tuple[RewardRunner, set]:
+    """``groups`` groups of 8 through one worker (the calls keep ``costs``' order); the
+    runner and the threads each group's calls ran on."""
+    task = Waiting(costs)
+    runner = RewardRunner(
+        task,
+        1,
+        inline_s=100e-6,
+        clock=task.wall_clock,
+        cpu_clock=task.cpu_clock,  # type: ignore[arg-type]
+    )
+
+    async def run() -> int:
+        for _ in range(groups):
+            assert await runner.score(PROMPT, _group(8)) == [float(i) for i in range(8)]
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(run())
+    finally:
+        runner.close()
+    return runner, {g: loop_thread in _threads(task, 8 * g, 8 * g + 8) for g in range(groups)}
+
+
+FAST, WAITED = (10e-6, 10e-6), (5e-3, 10e-6)  # a microsecond reward; one that waited 5 ms
+
+
+def test_a_wait_for_the_interpreter_lock_does_not_keep_a_fast_reward_off_the_loop():
+    """Timed by wall time alone, one call of the first group that waited for the lock (the
+    trainer's thread holds it for milliseconds) kept the reward on the pool for good."""
+    runner, on_loop = _waiting_runs([FAST, WAITED] + [FAST] * 6 + [FAST] * 7 + [WAITED], 3)
+    assert on_loop == {0: False, 1: True, 2: True} and runner.inline is True
+    assert (runner.calls, runner.waited) == (16, 1)
+
+
+def test_a_reward_that_waits_in_every_call_stays_on_the_pool():
+    """Blocking I/O (a synchronous verifier call) waits in every call: the first group's
+    fastest call is slow, so the loop never runs it."""
+    runner, on_loop = _waiting_runs([WAITED] * 24, 3)
+    assert on_loop == {0: False, 1: False, 2: False} and runner.inline is False
+
+
+def test_waits_past_one_call_in_fifty_send_the_reward_back_to_the_pool():
+    runner, on_loop = _waiting_runs([FAST] * 8 + [WAITED, WAITED] + [FAST] * 22, 4)
+    assert on_loop == {0: False, 1: True, 2: False, 3: False} and runner.inline is False
+
+
+def test_a_slow_first_call_of_the_run_does_not_keep_a_fast_reward_off_the_loop():
+    """The run's first call may import or warm caches (2 ms of CPU); the group's fastest
+    call decides."""
+    runner, on_loop = _waiting_runs([(2e-3, 2e-3)] + [FAST] * 7, 2)
+    assert on_loop == {0: False, 1: True} and runner.inline is True
