@@ -96,7 +96,7 @@ class RewardRunner:
         if self._is_async:
             return await gather_or_cancel([self._one(prompt, traj) for traj in group])
         if self.inline:
-            values = self._timed(prompt, list(group))
+            values = self._timed(prompt, list(group), on_loop=True)
             if any(inspect.isawaitable(v) for v in values):
                 values = await gather_or_cancel([_awaited(v) for v in values])
             return [self._checked(prompt, traj, value) for traj, value in zip(group, values)]
@@ -115,11 +115,12 @@ class RewardRunner:
             values = await gather_or_cancel([_awaited(v) for v in values])
         return [self._checked(prompt, traj, value) for traj, value in zip(share, values)]
 
-    def _timed(self, prompt: Prompt, share: list[Trajectory]) -> list[Any]:
-        """The reward of each completion, each call timed (module docstring): ``inline``
-        turns True after a first share whose fastest call computed little without waiting,
-        False for good at a call on the loop that computed long, or once waits there pass
-        one call in 50."""
+    def _timed(self, prompt: Prompt, share: list[Trajectory], on_loop: bool = False) -> list[Any]:
+        """The reward of each completion, each call timed (module docstring). On the pool
+        the first share timed decides ``inline`` by its fastest call (the other pool
+        shares of the groups scored meanwhile count nothing: their threads wait for the
+        lock more); on the loop (``on_loop``) a call that computed long, or waits past one
+        call in 50, set it False for good."""
         reward, values = self.task.reward, []
         heavy, fastest, lightest, waited = False, math.inf, math.inf, 0
         for traj in share:
@@ -130,9 +131,9 @@ class RewardRunner:
             fastest, lightest = min(fastest, wall), min(lightest, cpu)
             waited += wall >= self.inline_s
         with self._lock:
-            if self.inline is None:  # the first group, on the pool: by its fastest call
-                # (the first call of a function may warm caches or import)
-                self.inline = lightest < self.inline_s and fastest < self.inline_s
+            if not on_loop:
+                if self.inline is None:  # by its fastest call: a first call may warm caches
+                    self.inline = lightest < self.inline_s and fastest < self.inline_s
             elif self.inline:
                 self.calls += len(share)
                 self.waited += waited

@@ -93,7 +93,7 @@ class Reply:
     content: bytes
 
 
-def parse_body(resp: Reply | httpx.Response) -> Any:
+def parse_body(resp: Reply) -> Any:
     """JSON when the body is JSON, {} when empty, {"message": text} otherwise."""
     if not resp.content:
         return {}
@@ -212,15 +212,17 @@ class EngineTransport:
                     limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
                 ),
                 headers=self._headers,
-                # httpx's timeouts: each wait for the server, not the whole answer
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self._connect_timeout_s, sock_read=self._timeout_s
-                ),
+                timeout=self._timeout(self._timeout_s),
                 # engine traffic stays inside the cluster: never through an env proxy
                 trust_env=False,
-                auto_decompress=True,
             )
         return session
+
+    def _timeout(self, read_s: float | None) -> aiohttp.ClientTimeout:
+        """httpx's timeouts: each wait for the server, not the whole answer."""
+        return aiohttp.ClientTimeout(
+            total=None, sock_connect=self._connect_timeout_s, sock_read=read_s
+        )
 
     async def _send(
         self, method: str, url: str, path: str, body: Any, timeout_s: Any = _CLIENTS
@@ -230,11 +232,7 @@ class EngineTransport:
             kwargs: dict[str, Any] = {} if timeout_s is _CLIENTS else {"timeout": timeout_s}
             answer = await self._http.request(method, url + path, json=body, **kwargs)
             return Reply(answer.status_code, answer.content)
-        kwargs = {}
-        if timeout_s is not _CLIENTS:
-            kwargs = {"timeout": aiohttp.ClientTimeout(
-                total=None, sock_connect=self._connect_timeout_s, sock_read=timeout_s
-            )}  # fmt: skip
+        kwargs = {} if timeout_s is _CLIENTS else {"timeout": self._timeout(timeout_s)}
         if body is not None:  # as httpx sends json=None: no body
             kwargs["data"] = encode_json(body)
             kwargs["headers"] = _JSON

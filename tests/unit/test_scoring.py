@@ -222,3 +222,23 @@ def test_a_slow_first_call_of_the_run_does_not_keep_a_fast_reward_off_the_loop()
     call decides."""
     runner, on_loop = _waiting_runs([(2e-3, 2e-3)] + [FAST] * 7, 2)
     assert on_loop == {0: False, 1: True} and runner.inline is True
+
+
+def test_pool_shares_after_the_first_count_nothing():
+    """Groups scored while the first was still being timed run on the pool too; their
+    calls (whose threads wait for the lock more) neither decide nor count as the loop's."""
+    task = Waiting([FAST] * 4 + [WAITED] * 4 + [FAST] * 4)
+    runner = RewardRunner(
+        task,
+        2,
+        inline_s=100e-6,
+        clock=task.wall_clock,
+        cpu_clock=task.cpu_clock,  # type: ignore[arg-type]
+    )
+    runner._timed(PROMPT, _group(4))  # the first share timed, on the pool: fast
+    assert runner.inline is True
+    runner._timed(PROMPT, _group(4))  # another group's share, still on the pool: waited
+    assert runner.inline is True and (runner.calls, runner.waited) == (0, 0)
+    runner._timed(PROMPT, _group(4), on_loop=True)
+    assert (runner.calls, runner.waited) == (4, 0)
+    runner.close()

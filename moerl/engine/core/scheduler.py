@@ -459,9 +459,9 @@ class Scheduler:
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
         reason = None
-        if self.threads is not None:
-            own_torch_threads(self.threads)
         try:
+            if self.threads is not None:  # inside: a failure here ends the thread as any
+                own_torch_threads(self.threads)
             while not self.stop_event.is_set():
                 self.loops += 1
                 self._run_controls()
