@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from moerl.config.recipe import check_recipe_choices
 from moerl.config.schema import MoerlConfig
 from moerl.config.store import CONFIG_GROUPS, register_configs
-from moerl.config.threads import set_omp_spincount
+from moerl.config.threads import keep_freed_memory, set_omp_spincount
 from moerl.validate import resolve_checkpoint_dir, validate_config
 
 register_configs()
@@ -142,7 +142,8 @@ def check_resume(cfg: MoerlConfig, world: int) -> None:
 def engine_flags(engine: Any) -> list[str]:
     """An embedded engine's batching and prefix-cache flags for ``engine.max_running_requests``,
     ``engine.max_prefill_tokens``, ``engine.chunked_prefill_size``, ``engine.decode_share``,
-    ``engine.admission_*``, ``engine.cuda_graph*`` and ``engine.prefix_cache*``."""
+    ``engine.admission_*``, ``engine.shared_prompt_min_tokens``, ``engine.cuda_graph*`` and
+    ``engine.prefix_cache*``."""
     flags = ["--max-running-requests", str(engine.max_running_requests)]
     flags += ["--device", engine.device]
     flags += ["--max-prefill-tokens", str(engine.max_prefill_tokens)]
@@ -150,6 +151,7 @@ def engine_flags(engine: Any) -> list[str]:
     flags += ["--decode-share", str(engine.decode_share)]
     flags += ["--admission-wait-ms", str(engine.admission_wait_ms)]
     flags += ["--admission-quiet-ms", str(engine.admission_quiet_ms)]
+    flags += ["--shared-prompt-min-tokens", str(engine.shared_prompt_min_tokens)]
     if engine.cuda_graph:
         flags.append("--enable-cuda-graph")
         if engine.cuda_graph_max_bs is not None:
@@ -443,6 +445,8 @@ def main(cfg: DictConfig) -> None:
 
     # before the preflight imports torch: libgomp reads it once, as it loads
     set_omp_spincount(OmegaConf.select(cfg, "launcher.omp_spincount", default=None))
+    # before the large allocations (this process), and for every process started after
+    keep_freed_memory(OmegaConf.select(cfg, "launcher.malloc_keep_mb", default=None))
     if (shadow := shadowing()) is not None:
         print(f"moerl: warning: {shadow}", file=sys.stderr, flush=True)
     hydra_cfg = HydraConfig.get()

@@ -309,6 +309,13 @@ def _check_engine_numbers(e: EngineConfig) -> None:
     if not isinstance(e.cuda_graph, bool):
         raise ValueError(f"engine.cuda_graph={e.cuda_graph!r} must be true or false")
     non_negative_int("engine.max_restarts", e.max_restarts)
+    share = e.shared_prompt_min_tokens
+    if share != -1 and (isinstance(share, bool) or not isinstance(share, int) or share < 1):
+        raise ValueError(
+            f"engine.shared_prompt_min_tokens={share!r} must be a positive integer (prompts "
+            "at least this long are read by a group's samples from one copy), or -1 to copy "
+            "every prompt"
+        )
     finite("engine.decode_share", e.decode_share)
     if not 0 <= e.decode_share < 1:
         raise ValueError(
@@ -355,6 +362,8 @@ def _check_launcher(lc: LauncherConfig, world_size: int) -> None:
         positive_int("launcher.threads", lc.threads)
     if lc.omp_spincount is not None:
         non_negative_int("launcher.omp_spincount", lc.omp_spincount)
+    if lc.malloc_keep_mb is not None:
+        non_negative_int("launcher.malloc_keep_mb", lc.malloc_keep_mb)
     if lc.backend is not None:
         one_of("launcher.backend", lc.backend, BACKENDS)
     one_of("launcher.placement", lc.placement, PLACEMENTS)

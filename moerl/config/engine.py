@@ -73,6 +73,12 @@ class EngineConfig:
     used dropped first). A token holds its keys and values in every layer: kilobytes for
     the tiny test models, ~0.3 MB for DeepSeek-V2-Lite in bf16, so lower it for big
     models on small hosts."""
+    shared_prompt_min_tokens: int = 256
+    """An embedded engine's samples of one prompt (a GRPO group, admitted together) read one
+    copy of its KV when the prompt has at least this many tokens, so a group's KV grows
+    with n × response rather than n × (prompt + response), as SGLang's shared pages give;
+    shorter prompts are copied to each sample, whose decode reads its own slot in place
+    (a little faster: tools/bench/engine.py's shared_prompt case). -1: always copy."""
     startup_timeout_s: float = 300.0
     """How long an engine may take to become healthy before the run fails."""
 

@@ -27,6 +27,14 @@ class LauncherConfig:
     busy on a core for milliseconds after each burst of ops, through the weight push that
     the engine needed that core for (moerl/config/threads.py). 0 sleeps at once; None
     leaves libgomp's default."""
+    malloc_keep_mb: int | None = 256
+    """glibc's allocator keeps this many MiB a process freed (its trim threshold) and
+    serves blocks up to min(this, 32) MiB from its heap, for every process of the run,
+    unless the environment sets ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_`` or
+    ``MALLOC_TOP_PAD_``: a CPU step frees and allocates megabyte tensors every op, and
+    glibc's default maps them afresh each time, so every step paid page faults again
+    (the engine's decode step 8.3 → 5.3 ms; moerl/config/threads.py). 0 or None leaves
+    glibc's default. No effect without glibc."""
     dry_run: bool = False
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None

@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    from moerl.config.threads import keep_freed_memory
+
+    keep_freed_memory(args.malloc_keep_mb)  # before the model's allocations
     from moerl.common import triton_hold
     from moerl.device import has_cuda
 

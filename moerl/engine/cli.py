@@ -82,6 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "recently used dropped first",
     )
     p.add_argument(
+        "--shared-prompt-min-tokens",
+        type=int,
+        default=256,
+        help="the n samples of a request (or requests admitted together with the same input) "
+        "read one copy of a prompt at least this long instead of one copy each, so a group's "
+        "KV grows with n x response, as SGLang's shared pages; shorter prompts are copied, "
+        "which decodes a little faster (-1: always copy; moerl's own, SGLang always shares)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default=None,
         choices=PARSERS,
@@ -152,10 +161,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "seconds, c*share/(1-share) seconds of decode steps before the next chunk); 0: one "
         "decode step per chunk, SGLang's alternation (moerl's own)",
     )
+    p.add_argument(
+        "--malloc-keep-mb",
+        type=int,
+        default=256,
+        help="glibc keeps this many MiB the engine freed and serves blocks up to min(this, 32) "
+        "MiB from its heap, so a decode step does not fault its tensors' pages in afresh "
+        "(moerl/config/threads.py); 0: glibc's default; skipped where the environment sets "
+        "MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ or MALLOC_TOP_PAD_ (moerl's own)",
+    )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     if args.admission_wait_ms < 0 or args.admission_quiet_ms < 0:
         p.error("--admission-wait-ms and --admission-quiet-ms must be >= 0")
+    if args.malloc_keep_mb < 0:
+        p.error(f"--malloc-keep-mb {args.malloc_keep_mb}: must be >= 0 (0: glibc's default)")
+    if args.shared_prompt_min_tokens == 0 or args.shared_prompt_min_tokens < -1:
+        p.error(f"--shared-prompt-min-tokens {args.shared_prompt_min_tokens}: >= 1, or -1 (off)")
     if not 0 <= args.decode_share < 1:
         p.error(f"--decode-share {args.decode_share:g}: must be in [0, 1)")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:

@@ -64,6 +64,9 @@ def build_state(args: argparse.Namespace) -> Any:
         admission_quiet_s=args.admission_quiet_ms / 1e3,
         decode_share=args.decode_share,
         threads=args.num_threads,
+        shared_prompt_min_tokens=(
+            None if args.shared_prompt_min_tokens == -1 else args.shared_prompt_min_tokens
+        ),
     )
     state = EngineState(
         runner=runner,

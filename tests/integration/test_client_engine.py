@@ -215,7 +215,10 @@ def test_dead_engine_is_named_and_skipped(ds_engine):
             [dead, ds_engine.url], max_retries=2, retry_backoff_s=0.01
         ) as client:
             outs = await asyncio.gather(
-                *[client.generate([5, 6], {"max_new_tokens": 2}) for _ in range(4)]
+                *[
+                    client.generate([5, 6], {"max_new_tokens": 2, "ignore_eos": True})
+                    for _ in range(4)
+                ]
             )
         return outs
 

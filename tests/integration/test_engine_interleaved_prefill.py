@@ -240,3 +240,22 @@ def test_decode_share_outside_zero_to_one_is_a_usage_error():
             parse_args(["--model-path", "x", "--decode-share", bad])
     with pytest.raises(ValueError, match=r"--decode-share 1.0 must be in \[0, 1\)"):
         Scheduler(None, decode_share=1.0)  # type: ignore[arg-type]
+
+
+def test_shared_prompt_min_tokens_is_checked_where_it_is_read():
+    """--shared-prompt-min-tokens: >= 1, or -1 for copies (None in the scheduler)."""
+    from moerl.engine.cli import parse_args
+    from moerl.engine.core.scheduler import Scheduler
+
+    assert parse_args(["--model-path", "x"]).shared_prompt_min_tokens == 256
+    assert (
+        parse_args(
+            ["--model-path", "x", "--shared-prompt-min-tokens", "-1"]
+        ).shared_prompt_min_tokens
+        == -1
+    )
+    for bad in ("0", "-2", "1.5"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "x", "--shared-prompt-min-tokens", bad])
+    with pytest.raises(ValueError, match=r"--shared-prompt-min-tokens 0 must be >= 1"):
+        Scheduler(None, shared_prompt_min_tokens=0)  # type: ignore[arg-type]

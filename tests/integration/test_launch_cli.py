@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tiny_hf_for_tests import hf_dir as _hf_dir
 
+from moerl.config.threads import MALLOC_ENV
+
 
 def _launch(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """moerl.launch with ``args`` in ``run``'s parent (Hydra's run dir: ``run``), outside
@@ -115,11 +117,13 @@ load = builtins.__import__
 def spy(name, *args, **kwargs):
     if name == "torch" and "torch" not in sys.modules and not seen:
         seen.append(os.environ.get("GOMP_SPINCOUNT"))
+        seen.append(os.environ.get("MALLOC_TRIM_THRESHOLD_"))
     return load(name, *args, **kwargs)
 builtins.__import__ = spy
 from moerl.launch import main
 sys.argv = ["moerl.launch", *sys.argv[1:]]
 main()
+print("MALLOC_TRIM_THRESHOLD_ when torch loaded:", seen[1] if seen else "torch not loaded")
 print("GOMP_SPINCOUNT when torch loaded:", seen[0] if seen else "torch not loaded")
 """
 
@@ -127,13 +131,15 @@ print("GOMP_SPINCOUNT when torch loaded:", seen[0] if seen else "torch not loade
 def test_the_launcher_sets_the_openmp_spin_count_before_torch_loads(tmp_path) -> None:
     """libgomp reads GOMP_SPINCOUNT once, as torch loads it: the launcher's setting counts
     only if it comes before the preflight's first torch import (a dry run of a recipe
-    imports torch there). The user's environment wins; null leaves libgomp's default."""
+    imports torch there). The user's environment wins; null leaves libgomp's default.
+    glibc's malloc tuning (launcher.malloc_keep_mb) is in the environment by then too, for
+    the processes the run starts."""
 
     def at_torch(*args: str, **env: str) -> str:
         clean = {
             k: v
             for k, v in os.environ.items()
-            if k not in ("WORLD_SIZE", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+            if k not in ("WORLD_SIZE", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", *MALLOC_ENV)
         }
         out = subprocess.run(
             [sys.executable, "-c", _FIRST_TORCH_IMPORT, f"hydra.run.dir={tmp_path / 'run'}",
@@ -141,10 +147,18 @@ def test_the_launcher_sets_the_openmp_spin_count_before_torch_loads(tmp_path) ->
             cwd=tmp_path, env={**clean, **env}, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
-        return out.stdout.strip().splitlines()[-1].rsplit(": ", 1)[1]
+        lines = out.stdout.strip().splitlines()
+        malloc[args] = lines[-2].rsplit(": ", 1)[1]
+        return lines[-1].rsplit(": ", 1)[1]
+
+    malloc: dict[tuple[str, ...], str] = {}
 
     assert at_torch() == "50000"
     assert at_torch("launcher.omp_spincount=2000") == "2000"
     assert at_torch(GOMP_SPINCOUNT="7") == "7"
     assert at_torch(OMP_WAIT_POLICY="passive") == "None"
     assert at_torch("launcher.omp_spincount=null") == "None"
+    if sys.platform.startswith("linux"):  # glibc
+        assert malloc[()] == str(256 << 20)
+        at_torch("launcher.malloc_keep_mb=0")
+        assert malloc[("launcher.malloc_keep_mb=0",)] == "None"

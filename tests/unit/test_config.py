@@ -161,9 +161,11 @@ def testpackage_header() -> None:
         (["engine.max_prefill_tokens=0"], 1, ["engine.max_prefill_tokens=0"]),
         (["engine.admission_wait_ms=-1"], 1, ["engine.admission_wait_ms=-1", ">= 0"]),
         (["engine.decode_share=1.0"], 1, ["engine.decode_share=1.0", "[0, 1)"]),
+        (["engine.shared_prompt_min_tokens=0"], 1, ["engine.shared_prompt_min_tokens=0", "-1"]),
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["launcher.omp_spincount=-1"], 1, ["launcher.omp_spincount=-1", ">= 0"]),
+        (["launcher.malloc_keep_mb=-1"], 1, ["launcher.malloc_keep_mb=-1", ">= 0"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
     ],
 )
@@ -192,7 +194,7 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     cfg = _compose(
         *overrides, "engine.max_prefill_tokens=999", "engine.chunked_prefill_size=-1",
         "engine.admission_wait_ms=2.5", "engine.admission_quiet_ms=0.5",
-        "engine.decode_share=0.25",
+        "engine.decode_share=0.25", "engine.shared_prompt_min_tokens=-1",
     )  # fmt: skip
     got = engine_flags(cfg.engine)
     assert got[-len(flags) :] == flags
@@ -202,6 +204,7 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     assert (args.max_prefill_tokens, args.chunked_prefill_size) == (999, -1)
     assert (args.admission_wait_ms, args.admission_quiet_ms) == (2.5, 0.5)
     assert args.decode_share == 0.25
+    assert args.shared_prompt_min_tokens == -1
 
 
 @pytest.mark.parametrize(

@@ -121,24 +121,96 @@ def test_a_wiped_slot_does_not_poison_its_next_owner(runner):
         pool.reserve(1, pool.max_tokens + 1)
 
 
-def test_copy_slots_gives_each_target_its_sources_sequence(runner):
-    """Batched follower copies (moerl/engine/core/scheduler.py _copy_leaders): each target
-    then decodes exactly as its source's sequence, as one copy_slot each would."""
+def test_load_from_gives_each_target_its_sources_prompt(runner):
+    """Prompts prefilled in a pool of their own, copied into a running pool's slots in one
+    indexed copy per tensor (moerl/engine/core/scheduler.py ``_place``): each target then
+    decodes exactly as its source's sequence."""
     rng = np.random.default_rng(2)
-    pool = runner.new_pool(8)
+    wave = runner.new_pool(2, slots=2, tokens=9)
     leaders = [Owner() for _ in range(2)]
-    seqs = [rng.integers(3, 100, 7).tolist() for _ in leaders]
-    for o, seq in zip(leaders, seqs):
-        pool.alloc(o)
-        runner.extend(pool, [o.slot], [seq])
+    seqs = [rng.integers(3, 100, n).tolist() for n in (7, 9)]
+    for o in leaders:
+        wave.alloc(o)
+    runner.extend(wave, [o.slot for o in leaders], seqs)
+    pool = runner.new_pool(8)
     followers = [Owner() for _ in range(4)]
     for o in followers:
         pool.alloc(o)
-    sources = [leaders[i % 2].slot for i in range(4)]
-    pool.copy_slots(sources, [o.slot for o in followers], 7)  # type: ignore[arg-type]
-    assert [pool.length(o.slot) for o in followers] == [7] * 4  # type: ignore[arg-type]
+    pairs = [(leaders[i % 2].slot, o.slot, len(seqs[i % 2])) for i, o in enumerate(followers)]
+    pool.load_from(wave, pairs)  # type: ignore[arg-type]
+    assert [pool.length(o.slot) for o in followers] == [7, 9, 7, 9]  # type: ignore[arg-type]
     new = [11, 12, 13, 14]
     logits_BV, _ = runner.decode(pool, [o.slot for o in followers], new)  # type: ignore[misc]
     for b in range(4):
         want, _ = full_forward(runner, [*seqs[b % 2], new[b]])
         torch.testing.assert_close(logits_BV[b], want[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
+    """Slots that read their prompts from other pools (two prefill pools, prompts of
+    different lengths, four samples on one prompt) decode beside a slot holding all its
+    tokens, every logit and route as one full forward of each whole sequence; a slot
+    with a prefix also extends by several tokens, moves when another is freed, exports
+    prefix + own tokens, and the prompt's KV is held once."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 100, n).tolist() for n in (12, 5, 9)]
+    waves, prefixes = [], []
+    for group in ((0, 1), (2,)):
+        wave = runner.new_pool(2, slots=len(group), tokens=12)
+        rows = [Owner() for _ in group]
+        for o in rows:
+            wave.alloc(o)
+        runner.extend(wave, [o.slot for o in rows], [prompts[i] for i in group])
+        waves.append(wave)
+        prefixes += [wave.share(o.slot, len(prompts[i])) for o, i in zip(rows, group)]  # type: ignore[arg-type]
+    pool = runner.new_pool(8)
+    own = Owner()  # a request holding its whole sequence, in the same batch
+    pool.alloc(own)
+    own_seq = rng.integers(3, 100, 6).tolist()
+    runner.extend(pool, [own.slot], [own_seq])  # type: ignore[list-item]
+    which = [0, 0, 0, 0, 1, 2]  # four samples of prompt 0, one each of 1 and 2
+    owners = [Owner() for _ in which]
+    seqs = [list(prompts[i]) for i in which]
+    for o, i in zip(owners, which):
+        pool.alloc(o)
+        pool.attach(o.slot, prefixes[i])  # type: ignore[arg-type]
+    assert pool.shared == 6
+    # the prompts' KV once (12 + 5 + 9), the own slot's 6
+    assert pool.tokens == 12 + 5 + 9 + 6
+    everyone = [*owners, own]
+    seqs.append(own_seq)
+    for _ in range(3):
+        new = [int(t) for t in rng.integers(3, 100, len(everyone))]
+        logits_BV, routes_BLK = runner.decode(pool, [o.slot for o in everyone], new)  # type: ignore[misc]
+        for b, seq in enumerate(seqs):
+            seq.append(new[b])
+            want_logits, want_routes = full_forward(runner, seq)
+            torch.testing.assert_close(logits_BV[b], want_logits[-1], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(routes_BLK[b], want_routes[-1])
+    # a prefixed slot extends by three tokens at once (attention over prefix + own)
+    more = rng.integers(3, 100, 3).tolist()
+    logits, _ = runner.extend(pool, [owners[4].slot], [more], logits_from=[0])  # type: ignore[list-item]
+    seqs[4] += more
+    want, _ = full_forward(runner, seqs[4])
+    torch.testing.assert_close(logits[0], want[-3:], rtol=1e-4, atol=1e-4)
+    # freeing a slot moves the last one (a sample of prompt 2) and keeps its prefix
+    pool.free(owners[1])
+    assert owners[5].slot == 2 and pool.prefix(2) is prefixes[2]
+    keys, values = pool.export(owners[4].slot, len(seqs[4]))  # type: ignore[arg-type]
+    assert keys[0].shape[1] == len(seqs[4])
+    left = [o for i, o in enumerate(owners) if i != 1]
+    kept = [s for i, s in enumerate(seqs[:6]) if i != 1]
+    new = [int(t) for t in rng.integers(3, 100, len(left) + 1)]
+    logits_BV, _ = runner.decode(pool, [o.slot for o in [*left, own]], new)  # type: ignore[misc]
+    for b, seq in enumerate([*kept, seqs[6]]):
+        want, _ = full_forward(runner, [*seq, new[b]])
+        torch.testing.assert_close(logits_BV[b], want[-1], rtol=1e-4, atol=1e-4)
+    # the export is the sequence's KV: a fresh slot loaded with it decodes as the sequence
+    fresh = Owner()
+    pool.alloc(fresh)
+    pool.load(fresh.slot, keys, values)  # type: ignore[arg-type]
+    logits_BV, _ = runner.decode(pool, [fresh.slot], [17])  # type: ignore[list-item]
+    want, _ = full_forward(runner, [*seqs[4], 17])
+    torch.testing.assert_close(logits_BV[0], want[-1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="attach a prefix first"):
+        pool.attach(fresh.slot, prefixes[0])  # type: ignore[arg-type]

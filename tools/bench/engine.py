@@ -29,6 +29,10 @@ rows' own tokens count. Each prints
 
 (medians over the repetitions) and, for a GRPO group of 8 samples of one prompt, how
 many prompt tokens the engine prefilled (``group_prefill_tokens``, the prompt once).
+Then a group of 8 on a 512-token prompt with the samples reading one copy of the prompt's
+KV and with a copy each (``--shared-prompt-min-tokens -1``), two engines alternating: the
+most KV each held over the prompt once + 8 responses (``shared_prompt_kv_ratio``, target
+<= 1.3) and the group's time (``shared_prompt_speed_ratio``: copied over shared).
 
 ``--device`` (default cpu) runs every engine and ``generate`` there; weight updates still
 travel over gloo (a CPU bucket the engine copies into its model). ``--cuda-graph on``
@@ -233,6 +237,58 @@ def _turn_reuse(
         "turn_ms_full_prefill": full_s * 1000,
         "turn_prefix_reuse_speedup": full_s / reuse_s,
         "turn_cached_tokens_median": statistics.median(cached),
+    }
+
+
+def _shared_prompt(
+    family: str, tmp: Path, threads: int, prompt_tokens: int, new: int, reps: int, device: str
+) -> dict:
+    """A GRPO group (one /generate, n=8) on a ``prompt_tokens`` prompt, ``new`` tokens each,
+    on an engine whose samples read one copy of the prompt (the default) and on one that
+    copies it to each (--shared-prompt-min-tokens -1), alternating, a fresh prompt each
+    time: the most KV each held (``kv_cache_peak_bytes``, in tokens) over the ideal, the
+    prompt once and 8 responses (issue 29's target: <= 1.3), and the group's time."""
+    from moerl.engine.process import EngineProcess
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(family), max_position_embeddings=prompt_tokens + new + 64)
+    model_dir = save_tiny_checkpoint(cfg, tmp / f"hf-shared-{prompt_tokens}")
+    sampling = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True, "n": 8}
+    times: dict[str, list[float]] = {"shared": [], "copied": []}
+    peaks: dict[str, float] = {}
+    flags = ["--device", device]
+    with (
+        EngineProcess(model_dir, *flags, threads=threads) as shared,
+        EngineProcess(
+            model_dir, *flags, "--shared-prompt-min-tokens", "-1", threads=threads
+        ) as copied,
+    ):
+        urls = {"shared": shared.url, "copied": copied.url}
+        token = 3
+        for rep in range(reps + 1):  # the first is a warm-up, not timed
+            for name, url in urls.items():
+                token += 1  # a prompt no engine has seen: nothing comes from the cache
+                body = {"input_ids": [token] + [3 + i % 90 for i in range(prompt_tokens - 1)],
+                        "sampling_params": sampling}  # fmt: skip
+                start = time.perf_counter()
+                out = httpx.post(f"{url}/generate", json=body, timeout=600).json()
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+                assert len(out) == 8 and all(len(o["output_ids"]) == new for o in out), out
+        for name, url in urls.items():
+            info = httpx.get(f"{url}/server_info", timeout=60).json()
+            peaks[name] = info["kv_cache_peak_bytes"] / info["kv_cache_token_bytes"]
+    ideal = prompt_tokens + 8 * (new - 1)  # tokens run: the prompt, each sample's but last
+    shared_s, copied_s = statistics.median(times["shared"]), statistics.median(times["copied"])
+    return {
+        "shared_prompt_tokens": prompt_tokens,
+        "shared_prompt_new_tokens": new,
+        "shared_prompt_kv_ratio": peaks["shared"] / ideal,
+        "copied_prompt_kv_ratio": peaks["copied"] / ideal,
+        "shared_prompt_group_s": shared_s,
+        "copied_prompt_group_s": copied_s,
+        "shared_prompt_speed_ratio": copied_s / shared_s,
     }
 
 
@@ -586,6 +642,22 @@ def main(argv: list[str] | None = None) -> dict:
             f"prefill_s={results['interleave_prefill_s']:.2f} decode_rate_ratio="
             f"{results['interleave_decode_rate_ratio']:.2f} (a running request's tokens/s "
             "while the prompt prefills, over before; target >= 0.5)",
+            flush=True,
+        )
+        results.update(
+            _shared_prompt(
+                args.family, Path(tmp), args.threads, 512, 16 if args.quick else 64,
+                1 if args.quick else 3, args.device,
+            )
+        )  # fmt: skip
+        print(
+            f"engine shared_prompt group=8 prompt_tokens=512 new_tokens="
+            f"{results['shared_prompt_new_tokens']} kv_ratio="
+            f"{results['shared_prompt_kv_ratio']:.2f} (KV held over the prompt once + 8 "
+            f"responses; target <= 1.3) copied_kv_ratio={results['copied_prompt_kv_ratio']:.2f}"
+            f" group_s shared={results['shared_prompt_group_s']:.2f} copied="
+            f"{results['copied_prompt_group_s']:.2f} speed_ratio="
+            f"{results['shared_prompt_speed_ratio']:.2f}x",
             flush=True,
         )
         context = 96 if args.quick else args.turn_context

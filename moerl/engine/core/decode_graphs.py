@@ -146,6 +146,7 @@ class DecodeGraphs:
             and pool.used == batch
             and slots == list(range(batch))
             and len(pool.keys) == pool.num_layers
+            and not pool.shared  # graphs read the pool's own tensors only
         )
 
     def decode(

@@ -8,9 +8,19 @@ the slots it needs as a view: the running requests hold slots 0..B-1, so a decod
 keys are ``keys[l][:B, :, :T]``, with no per-step copy. Freeing a slot moves the last used
 slot into it (one copy of one request's KV), which keeps the used slots contiguous.
 
-Both dimensions grow by doubling (the number of slots up to ``max_slots``, the capacity up
-to ``max_tokens``), so a pool sized by its longest request is reallocated only a
-logarithmic number of times. The layer shapes (H, D) are read from the first forward:
+A slot may also read a **prefix** it does not hold: a prompt's keys/values kept elsewhere
+(``Prefix``: a row of the KV pool its prefill ran in), shared by the n samples of a group,
+so a group's memory grows with n × response, not n × (prompt + response), as SGLang's
+shared pages give. Such a slot holds only the tokens after its prefix (its ``base``): a
+token at position p sits at p - base. A forward whose rows have prefixes reads, per layer,
+keys laid out as [the rows' prefixes (padded to the longest) | their own tokens] and a
+mask over both, so every attention implementation runs unchanged.
+
+Both dimensions grow to what is needed and by a quarter at least (``GROWTH``; the number
+of slots up to ``max_slots``, the capacity up to ``max_tokens``), so a pool sized by its
+longest request is reallocated a logarithmic number of times and holds at most a quarter
+more than it needs (doubling held up to twice: a group's KV then missed the 1.3 x bound
+of issue 29's target). The layer shapes (H, D) are read from the first forward:
 transformers' MLA caches its compressed latent, not per-head keys.
 
 ``SlotCache`` is the ``transformers.Cache`` a forward gets: it routes each layer's
@@ -23,15 +33,37 @@ the attention unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+GROWTH = 1.25
+"""A pool dimension that is short grows to the need, and to this times its size at least."""
+
 
 class SlotOwner(Protocol):
     slot: int | None
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Positions 0..length-1 of slot ``slot`` of ``pool``, read by other pools' slots as
+    their first tokens (the pool must not write that row again while it is shared)."""
+
+    pool: KVPool
+    slot: int
+    length: int
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """[H, length, Dk], a view."""
+        return self.pool.keys[layer][self.slot, :, : self.length]
+
+    def values(self, layer: int) -> torch.Tensor:
+        """[H, length, Dv], a view."""
+        return self.pool.values[layer][self.slot, :, : self.length]
 
 
 @dataclass
@@ -45,10 +77,17 @@ class Plan:
     counts: list[int]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where the index tensors, positions and mask are made: the model's device."""
+    prefixes: list[Prefix | None] | None = None
+    """Each row's prefix (None: the slot holds all its tokens); its tokens at positions
+    start.. go to slot positions start - prefix length.."""
 
     def __post_init__(self) -> None:
+        prefixes = self.prefixes or [None] * len(self.slots)
+        self.bases = [0 if p is None else p.length for p in prefixes]
         self.width = max(self.counts)  # S
-        self.keys_read = max(s + c for s, c in zip(self.starts, self.counts))  # T
+        # T: own positions read (and written up to)
+        self.keys_read = max(s - b + c for s, b, c in zip(self.starts, self.bases, self.counts))
+        self.prefix_width = max(self.bases)  # P: the prefixes' part of the keys read
         first = self.slots[0]
         self.contiguous = self.slots == list(range(first, first + len(self.slots)))
         rows: list[int] = []
@@ -59,13 +98,29 @@ class Plan:
             rows += [b] * count
             cols += range(self.width - count, self.width)
             slot_idx += [slot] * count
-            pos_idx += range(start, start + count)
+            pos_idx += range(start - self.bases[b], start - self.bases[b] + count)
         dev = self.device
         self.rows = torch.tensor(rows, device=dev)  # the valid (row, column) pairs of the input
         self.cols = torch.tensor(cols, device=dev)
         self.slot_idx = torch.tensor(slot_idx, device=dev)  # where each goes in the pool
         self.pos_idx = torch.tensor(pos_idx, device=dev)
         self.index = torch.tensor(self.slots, device=dev)
+        # the prefixes read, by the pool row holding them: (prefix pool, its rows, the
+        # batch rows they go to, the longest of them)
+        self.prefix_reads: list[tuple[KVPool, torch.Tensor, torch.Tensor, int]] = []
+        groups: dict[int, list[tuple[int, Prefix]]] = {}
+        for b, prefix in enumerate(prefixes):
+            if prefix is not None:
+                groups.setdefault(id(prefix.pool), []).append((b, prefix))
+        for members in groups.values():
+            self.prefix_reads.append(
+                (
+                    members[0][1].pool,
+                    torch.tensor([p.slot for _, p in members], device=dev),
+                    torch.tensor([b for b, _ in members], device=dev),
+                    max(p.length for _, p in members),
+                )
+            )
 
     def positions(self) -> torch.Tensor:
         """Position ids [B, S] (padding takes its row's first position)."""
@@ -75,12 +130,19 @@ class Plan:
         return torch.tensor(self.starts, device=dev)[:, None] + (cols - first).clamp(min=0)
 
     def attention_mask(self, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
-        """[B, 1, S, T]: the query at position p sees keys 0..p of its slot (padding: as
-        its row's first token, whose key this forward writes). Boolean (True: attend)
-        for SDPA, else additive for eager attention."""
+        """[B, 1, S, P + T]: the query at position p sees its prefix and keys 0..p - base
+        of its slot (padding: as its row's first token, whose key this forward writes).
+        Boolean (True: attend) for SDPA, else additive for eager attention."""
         positions = self.positions()  # [B, S]
         keys = torch.arange(self.keys_read, device=self.device)
-        allowed = keys[None, None, :] <= positions[:, :, None]  # [B, S, T]
+        if self.prefix_width:
+            bases = torch.tensor(self.bases, device=self.device)[:, None, None]
+            allowed = keys[None, None, :] <= positions[:, :, None] - bases  # [B, S, T]
+            prefix = torch.arange(self.prefix_width, device=self.device)
+            seen = (prefix[None, None, :] < bases).expand(-1, self.width, -1)  # [B, S, P]
+            allowed = torch.cat([seen, allowed], dim=2)
+        else:
+            allowed = keys[None, None, :] <= positions[:, :, None]  # [B, S, T]
         allowed = allowed[:, None]
         if boolean:
             return allowed
@@ -98,7 +160,7 @@ class KVPool:
         max_slots: int,
         max_tokens: int,
         slots: int = 4,
-        tokens: int = 64,
+        tokens: int = 16,
         device: torch.device | str = "cpu",
     ) -> None:
         self.num_layers = num_layers
@@ -110,10 +172,13 @@ class KVPool:
         self.capacity = min(tokens, max_tokens)
         self.keys: list[torch.Tensor] = []  # empty until the first forward's shapes
         self.values: list[torch.Tensor] = []
-        self.lengths: list[int] = []  # of used slots 0..used-1
+        self.lengths: list[int] = []  # of used slots 0..used-1, prefix included
+        self.prefixes: list[Prefix | None] = []  # of used slots
         self.owners: list[SlotOwner] = []
         self.moves = 0  # frees that moved the last used slot's KV into the freed one
         self.reallocations = 0
+        self.attached = 0  # slots given a prefix to read
+        self.peak_nbytes = 0  # the most ``nbytes`` seen after a growth or an attach
 
     @property
     def used(self) -> int:
@@ -121,7 +186,26 @@ class KVPool:
 
     @property
     def tokens(self) -> int:
-        return sum(self.lengths)
+        """Tokens whose KV the used slots read, a shared prefix counted once."""
+        shared = {(id(p.pool), p.slot): p.length for p in self.prefixes if p is not None}
+        return sum(self.lengths) - sum(self.bases()) + sum(shared.values())
+
+    @property
+    def shared(self) -> int:
+        """Used slots that read a prefix."""
+        return sum(p is not None for p in self.prefixes)
+
+    def bases(self) -> list[int]:
+        return [0 if p is None else p.length for p in self.prefixes]
+
+    def nbytes(self) -> int:
+        """Bytes of KV this pool holds and reads: its own tensors and the prefix pools
+        its slots read (each counted once, whole: a prefix keeps its pool alive)."""
+        pools = {id(self): self}
+        for prefix in self.prefixes:
+            if prefix is not None:
+                pools[id(prefix.pool)] = prefix.pool
+        return sum(t.nbytes for pool in pools.values() for t in pool.keys + pool.values)
 
     # -- slots ---------------------------------------------------------------------------
     def alloc(self, owner: SlotOwner) -> int:
@@ -132,6 +216,7 @@ class KVPool:
         owner.slot = self.used
         self.owners.append(owner)
         self.lengths.append(0)
+        self.prefixes.append(None)
         return owner.slot
 
     def free(self, owner: SlotOwner, wipe: bool = False) -> None:
@@ -149,33 +234,66 @@ class KVPool:
         last = self.used - 1
         if slot != last:
             self.moves += 1
-            moved, length = self.owners[last], self.lengths[last]
+            moved, length, prefix = self.owners[last], self.lengths[last], self.prefixes[last]
+            own = length - (0 if prefix is None else prefix.length)
             for pool in (self.keys, self.values):
                 for tensor in pool:
-                    tensor[slot, :, :length] = tensor[last, :, :length]
-            self.owners[slot], self.lengths[slot] = moved, length
+                    tensor[slot, :, :own] = tensor[last, :, :own]
+            self.owners[slot], self.lengths[slot], self.prefixes[slot] = moved, length, prefix
             moved.slot = slot
         self.owners.pop()
         self.lengths.pop()
+        self.prefixes.pop()
 
     def length(self, slot: int) -> int:
+        """Tokens of ``slot``'s sequence, its prefix included (its next position)."""
         return self.lengths[slot]
+
+    def prefix(self, slot: int) -> Prefix | None:
+        return self.prefixes[slot]
+
+    def prefixes_of(self, slots: list[int]) -> list[Prefix | None] | None:
+        """The slots' prefixes for a ``Plan`` (None when no used slot has one)."""
+        if not any(p is not None for p in self.prefixes):
+            return None
+        return [self.prefixes[s] for s in slots]
+
+    def attach(self, slot: int, prefix: Prefix) -> None:
+        """``slot`` (empty) reads ``prefix`` as its first tokens; its own start after it."""
+        if self.lengths[slot]:
+            raise ValueError(
+                f"slot {slot} holds {self.lengths[slot]} tokens: attach a prefix first"
+            )
+        self.prefixes[slot] = prefix
+        self.lengths[slot] = prefix.length
+        self.attached += 1
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+
+    def share(self, slot: int, n: int) -> Prefix:
+        """Positions 0..n-1 of ``slot`` (which holds them itself) as a ``Prefix``."""
+        if self.prefixes[slot] is not None or self.lengths[slot] < n:
+            raise ValueError(f"slot {slot} does not hold its first {n} tokens")
+        return Prefix(self, slot, n)
 
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
 
     def reserve(self, slots: int, tokens: int) -> None:
-        """Room for ``slots`` slots of ``tokens`` positions (doubling what is short)."""
+        """Room for ``slots`` slots of ``tokens`` positions (what is short grows to the
+        need, and by ``GROWTH`` at least)."""
         if tokens > self.max_tokens:
             raise ValueError(f"{tokens} tokens exceed the KV pool's {self.max_tokens} per request")
+        if self.keys and slots <= self.slots and tokens <= self.capacity:
+            return  # the common case: room already
         new_slots, new_capacity = self.slots, self.capacity
-        while new_slots < slots:
-            new_slots = min(2 * new_slots, self.max_slots)
-        while new_capacity < tokens:
-            new_capacity = min(2 * new_capacity, self.max_tokens)
+        if new_slots < slots:
+            new_slots = min(max(slots, math.ceil(GROWTH * new_slots)), self.max_slots)
+        if new_capacity < tokens:
+            new_capacity = min(max(tokens, math.ceil(GROWTH * new_capacity)), self.max_tokens)
         if (new_slots, new_capacity) == (self.slots, self.capacity):
             return
-        used, longest = self.used, max(self.lengths, default=0)
+        used = self.used
+        longest = max((n - b for n, b in zip(self.lengths, self.bases())), default=0)
         for pool in (self.keys, self.values):
             for i, old in enumerate(pool):
                 grown = old.new_zeros(new_slots, old.shape[1], new_capacity, old.shape[3])
@@ -183,6 +301,7 @@ class KVPool:
                 pool[i] = grown
         self.slots, self.capacity = new_slots, new_capacity
         self.reallocations += 1
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
 
     # -- one forward ---------------------------------------------------------------------
     def write(self, layer: int, plan: Plan, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -198,13 +317,31 @@ class KVPool:
 
     def read(self, layer: int, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, H, T, D] of the rows' slots: a view when the slots are
-        contiguous (the running batch), else a gather."""
+        contiguous (the running batch), else a gather. Rows with prefixes: [B, H, P + T,
+        D], the prefixes (padded to the longest, P) before the slots' own tokens."""
         t = plan.keys_read
         if plan.contiguous:
             first, last = plan.slots[0], plan.slots[-1] + 1
-            return self.keys[layer][first:last, :, :t], self.values[layer][first:last, :, :t]
-        keys = self.keys[layer].index_select(0, plan.index)[:, :, :t]
-        return keys, self.values[layer].index_select(0, plan.index)[:, :, :t]
+            keys, values = (
+                self.keys[layer][first:last, :, :t],
+                self.values[layer][first:last, :, :t],
+            )
+        else:
+            keys = self.keys[layer].index_select(0, plan.index)[:, :, :t]
+            values = self.values[layer].index_select(0, plan.index)[:, :, :t]
+        if not plan.prefix_width:
+            return keys, values
+        out = []
+        for own, which in ((keys, "keys"), (values, "values")):
+            b, h, _, d = own.shape
+            # zeros where a row's prefix is shorter: masked, and finite (0 x NaN is NaN)
+            both = own.new_zeros(b, h, plan.prefix_width + t, d)
+            both[:, :, plan.prefix_width :] = own
+            for pool, rows, batch, longest in plan.prefix_reads:
+                held = getattr(pool, which)[layer]
+                both[batch, :, :longest] = held[:, :, :longest].index_select(0, rows)
+            out.append(both)
+        return out[0], out[1]
 
     def _init_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         while len(self.keys) <= layer:
@@ -214,6 +351,11 @@ class KVPool:
         dev = self.device
         self.keys[layer] = torch.zeros(*shape, keys.shape[3], dtype=keys.dtype, device=dev)
         self.values[layer] = torch.zeros(*shape, values.shape[3], dtype=values.dtype, device=dev)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+
+    def token_nbytes(self) -> int:
+        """Bytes of one token's keys and values over every layer (0 before a forward)."""
+        return sum(t.shape[1] * t.shape[3] * t.element_size() for t in self.keys + self.values)
 
     # -- copies in and out (the prefix cache) ----------------------------------------------
     def load(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -226,36 +368,45 @@ class KVPool:
         for layer, (k, v) in enumerate(zip(keys, values)):
             self.keys[layer][slot, :, :n] = k
             self.values[layer][slot, :, :n] = v
-        self.lengths[slot] = n
+        self.lengths[slot], self.prefixes[slot] = n, None
 
-    def copy_slot(self, source: int, target: int, n: int) -> None:
-        """Positions 0..n-1 of ``source`` into ``target`` (samples sharing a prompt)."""
-        for pool in (self.keys, self.values):
-            for tensor in pool:
-                tensor[target, :, :n] = tensor[source, :, :n]
-        self.lengths[target] = n
-
-    def copy_slots(self, sources: list[int], targets: list[int], n: int) -> None:
-        """``copy_slot`` for many pairs at once: one indexed copy per pool tensor."""
-        if not sources:
+    def load_from(self, source: KVPool, pairs: list[tuple[int, int, int]]) -> None:
+        """Copy the first n positions of ``source``'s slot s into this pool's slot d, for
+        every (s, d, n), in one indexed copy per pool tensor (the target slots are empty:
+        the prompts a prefill ran elsewhere, going to the requests' own slots)."""
+        if not pairs:
             return
-        if len(sources) == 1:
-            self.copy_slot(sources[0], targets[0], n)
-            return
-        src = torch.tensor(sources, device=self.device)
-        dst = torch.tensor(targets, device=self.device)
-        for pool in (self.keys, self.values):
-            for tensor in pool:
-                tensor[dst, :, :n] = tensor[src, :, :n]
-        for target in targets:
-            self.lengths[target] = n
+        longest = max(n for _, _, n in pairs)
+        self.reserve(self.used, longest)
+        if not self.keys:
+            for layer in range(len(source.keys)):
+                self._init_layer(layer, source.keys[layer][:1], source.values[layer][:1])
+        src = torch.tensor([s for s, _, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d, _ in pairs], device=self.device)
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for target, held in zip(mine, theirs):
+                # positions past a row's n: the source's (finite) values, never read
+                target[dst, :, :longest] = held[:, :, :longest].index_select(0, src)
+        for _, d, n in pairs:
+            self.lengths[d], self.prefixes[d] = n, None
 
     def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of positions 0..n-1 of ``slot``: per-layer [H, n, D]."""
-        return (
-            [k[slot, :, :n].clone() for k in self.keys],
-            [v[slot, :, :n].clone() for v in self.values],
-        )
+        """Copies of positions 0..n-1 of ``slot`` (its prefix's first): per-layer [H, n, D]."""
+        prefix = self.prefixes[slot]
+        if prefix is None:
+            return (
+                [k[slot, :, :n].clone() for k in self.keys],
+                [v[slot, :, :n].clone() for v in self.values],
+            )
+        p = min(n, prefix.length)
+        own = n - p
+        keys, values = [], []
+        for layer in range(len(self.keys)):
+            keys.append(torch.cat([prefix.keys(layer)[:, :p], self.keys[layer][slot, :, :own]], 1))
+            values.append(
+                torch.cat([prefix.values(layer)[:, :p], self.values[layer][slot, :, :own]], 1)
+            )
+        return keys, values
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -275,7 +426,7 @@ class _PoolLayer(CacheLayerMixin):
         return self.pool.read(self.layer, self.plan)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.plan.keys_read, 0
+        return self.plan.prefix_width + self.plan.keys_read, 0
 
     def get_seq_length(self) -> int:
         return min(self.plan.starts)

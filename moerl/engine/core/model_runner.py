@@ -155,9 +155,18 @@ class ModelRunner:
             param.data = torch.zeros(shape, dtype=dtype, device=param.device)
 
     # -- forward -----------------------------------------------------------------------
-    def new_pool(self, max_slots: int) -> KVPool:
-        """A KV pool for up to ``max_slots`` requests of up to the model's context."""
-        return KVPool(self.num_layers, self.dtype, max_slots, self.context_len, device=self.device)
+    def new_pool(self, max_slots: int, slots: int = 4, tokens: int = 16) -> KVPool:
+        """A KV pool for up to ``max_slots`` requests of up to the model's context, first
+        allocated for ``slots`` of ``tokens`` (both grow as ``KVPool.reserve`` says)."""
+        return KVPool(
+            self.num_layers,
+            self.dtype,
+            max_slots,
+            self.context_len,
+            slots=slots,
+            tokens=tokens,
+            device=self.device,
+        )
 
     def _forward(
         self,
@@ -208,7 +217,7 @@ class ModelRunner:
         slots' lengths grow only if the forward succeeds."""
         starts = [pool.length(s) for s in slots]
         counts = [len(r) for r in rows]
-        plan = Plan(slots, starts, counts, self.device)
+        plan = Plan(slots, starts, counts, self.device, pool.prefixes_of(slots))
         froms = logits_from or [None] * len(rows)
         logits = self._forward(pool, plan, rows, adapters, any(f is not None for f in froms))
         routes = self._routes(len(rows), plan.width)
@@ -239,7 +248,7 @@ class ModelRunner:
         if graphed is not None:
             logits_BV, routes = graphed
         else:
-            plan = Plan(slots, starts, [1] * len(slots), self.device)
+            plan = Plan(slots, starts, [1] * len(slots), self.device, pool.prefixes_of(slots))
             logits = self._forward(pool, plan, [[t] for t in tokens], adapters, False)
             logits_BV, routes = logits[:, -1].float(), self._routes(len(tokens), 1)[:, 0]
         for slot, start in zip(slots, starts):

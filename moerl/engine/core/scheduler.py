@@ -13,8 +13,11 @@ batched forward. Each request's keys and
 values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
 a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
 only the rest is prefilled; requests admitted together with the same input (the n
-samples of a GRPO group) run it once and copy it, and a prompt is cached as soon as it
-is prefilled, so samples admitted later reuse it too. HTTP handlers talk to the thread
+samples of a GRPO group) run it once, and a prompt is cached as soon as it is prefilled,
+so samples admitted later reuse it too. A prefill runs in a ``KVPool`` of its own; each
+request then gets a running slot holding a copy of its prompt, or, for a group on a
+prompt of at least ``--shared-prompt-min-tokens``, one that reads the prompt's single
+copy (``_place``), so a group's KV grows with n × response. HTTP handlers talk to the thread
 through thread-safe queues and get results back on their asyncio loop.
 
 An idle engine that gets a request waits a moment before admitting it
@@ -23,9 +26,9 @@ An idle engine that gets a request waits a moment before admitting it
 groups, one /generate each) then prefill in one forward and decode in step, where
 admitting the first alone would prefill the others in a second forward and run every
 decode step after it for fewer rows than the batch holds. A busy engine admits at once.
-The followers of a step's prompts get their leaders' KV in one indexed copy per pool
-tensor, and the requests a decode step finishes are all answered before their KV goes
-to the prefix cache and their slots are freed.
+The copied prompts go to their slots in one indexed copy per pool tensor, and the
+requests a decode step finishes are all answered before their KV goes to the prefix
+cache and their slots are freed.
 
 The thread survives its requests: an exception while prefilling, decoding or sampling
 fails only the requests that step touched (a batched forward that raises is retried one
@@ -53,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moerl.engine.core.kv_pool import KVPool
 from moerl.engine.core.model_runner import ModelRunner
 from moerl.engine.core.prefix_cache import PrefixCache, Sequence
 from moerl.engine.core.sampling import (
@@ -141,8 +145,16 @@ class Scheduler:
         admission_quiet_s: float = 0.0,
         decode_share: float = 0.6,
         threads: int | None = None,
+        shared_prompt_min_tokens: int | None = 256,
     ) -> None:
         self.runner = runner
+        if shared_prompt_min_tokens is not None and shared_prompt_min_tokens < 1:
+            raise ValueError(
+                f"--shared-prompt-min-tokens {shared_prompt_min_tokens} must be >= 1 (-1: off)"
+            )
+        # the samples of a group admitted together read one copy of a prompt this long
+        # (None: each holds its own)
+        self.share_min_tokens = shared_prompt_min_tokens
         if threads is not None and threads < 1:
             raise ValueError(f"--num-threads {threads} must be >= 1")
         # torch CPU threads of the scheduler thread's own ops (its forwards and sampling),
@@ -646,7 +658,6 @@ class Scheduler:
         for req, resumed in batch:
             try:
                 self._start(req)
-                self.pool.alloc(req)
                 tokens = req.input_ids + req.output_ids if resumed else req.input_ids
                 if resumed:
                     rows.append(_Row(req, tokens[:-1], 0, None, resumed=True))
@@ -655,35 +666,86 @@ class Scheduler:
                 key = (req.lora, start, tuple(tokens))
                 if self.prefix_cache is not None and key in leaders:
                     followers.append((req, leaders[key]))  # the same input: run once
+                    leaders[key].followers += 1
                     continue
-                reused = self._reuse(req, tokens, start)
-                row = _Row(req, tokens, reused, None if start is None else start - reused)
+                row = _Row(req, tokens, 0, start)
                 leaders[key] = row
                 rows.append(row)
             except Exception as err:
                 log.exception("prefill of request %s failed", req.rid)
                 self.fail(req, f"prefill failed: {_words(err)}")
-        yield from self._run_rows([r for r in rows if not r.req.done])
+        rows = [r for r in rows if not r.req.done]
+        # the prompts run in a pool of their own, sized to them; from there each request
+        # gets a slot of the running pool holding its prompt, or reading it (shared)
+        wave = self.runner.new_pool(
+            max(len(rows), 1), slots=len(rows), tokens=max((len(r.tokens) for r in rows), default=1)
+        )
+        for row in rows:
+            try:
+                wave.alloc(row)
+                if not row.resumed:
+                    start = row.logits_from
+                    row.reused = self._reuse(wave, row, start)
+                    row.logits_from = None if start is None else start - row.reused
+                    row.shared = (
+                        self.share_min_tokens is not None
+                        and row.followers > 0
+                        and len(row.tokens) >= self.share_min_tokens
+                    )
+            except Exception as err:
+                log.exception("prefill of request %s failed", row.req.rid)
+                self.fail(row.req, f"prefill failed: {_words(err)}")
+        yield from self._run_rows(wave, [r for r in rows if not r.req.done])
         firsts: list[tuple[Request, torch.Tensor]] = []  # first tokens to draw, in order
+        places: list[tuple[Request, _Row]] = []  # (request, the row its prompt ran in)
         for row in rows:
             if row.req.done or row.logits is None:
                 continue
             if row.resumed:
-                self.running.append(row.req)
+                places.append((row.req, row))
                 continue
-            self._first_token(row, firsts)
-        copied = self._copy_leaders(followers)
+            if self._first_token(wave, row, firsts):
+                places.append((row.req, row))
         for req, leader in followers:
             if req.done:
                 continue
             try:
                 if leader.last is None:
                     raise RuntimeError("the request it shares its input with failed")
-                self._follow(req, leader, firsts, copied=req.rid in copied)
+                if self._follow(req, leader, firsts):
+                    places.append((req, leader))
             except Exception as err:
                 log.exception("prefill of request %s failed", req.rid)
                 self.fail(req, f"prefill failed: {_words(err)}")
-        self._first_tokens(firsts)
+        self._place(wave, places)
+        for row in rows:
+            if row.resumed and not row.req.done:
+                self.running.append(row.req)
+        self._first_tokens([(req, logits) for req, logits in firsts if not req.done])
+
+    def _place(self, wave: KVPool, places: list[tuple[Request, _Row]]) -> None:
+        """Give each request a slot of the running pool: one reading its row's prompt in
+        ``wave`` (a shared row: a group's n samples read one copy), or holding a copy of
+        it (all copied in one indexed copy per pool tensor)."""
+        copies: list[tuple[int, int, int]] = []
+        copied: list[Request] = []
+        for req, row in places:
+            try:
+                slot = self.pool.alloc(req)
+                if row.shared:
+                    self.pool.attach(slot, wave.share(row.at, len(row.tokens)))
+                else:
+                    copies.append((row.at, slot, len(row.tokens)))
+                    copied.append(req)
+            except Exception as err:
+                log.exception("prefill of request %s failed", req.rid)
+                self.fail(req, f"prefill failed: {_words(err)}")
+        try:
+            self.pool.load_from(wave, copies)
+        except Exception as err:
+            log.exception("copying the KV of %d prefilled requests failed", len(copied))
+            for req in copied:
+                self.fail(req, f"prefill failed: {_words(err)}")
 
     def _first_tokens(self, firsts: list[tuple[Request, torch.Tensor]]) -> None:
         """Each new request's first token, drawn together as a decode step draws (a
@@ -724,7 +786,7 @@ class Scheduler:
                 for s in req.params.stop_strs
             )
 
-    def _run_rows(self, rows: list[_Row]) -> Iterator[None]:
+    def _run_rows(self, pool: KVPool, rows: list[_Row]) -> Iterator[None]:
         """Forward the rows' new tokens, in forwards of at most ``--chunked-prefill-size``
         tokens, stopping (a ``yield``) between them; a batch that raises is run again one
         row at a time to find the failing requests. Sets each row's logits and routes
@@ -732,13 +794,13 @@ class Scheduler:
         first processed)."""
         if not rows:
             return
-        lengths = [self.pool.length(r.slot) for r in rows]
+        lengths = [pool.length(r.at) for r in rows]
         try:
-            yield from self._forward_rows(rows)
+            yield from self._forward_rows(pool, rows)
         except Exception as err:
             for row, length in zip(rows, lengths):  # drop what the failed forward wrote
                 if not row.req.done:
-                    self.pool.set_length(row.slot, length)
+                    pool.set_length(row.at, length)
                 row.logits, row.routes = None, []
             if len(rows) == 1:
                 log.exception("prefill of request %s failed", rows[0].req.rid)
@@ -747,9 +809,9 @@ class Scheduler:
             log.warning("batched prefill failed (%s); prefilling one by one", _words(err))
             for row in rows:
                 if not row.req.done:
-                    yield from self._run_rows([row])
+                    yield from self._run_rows(pool, [row])
 
-    def _forward_rows(self, rows: list[_Row]) -> Iterator[None]:
+    def _forward_rows(self, pool: KVPool, rows: list[_Row]) -> Iterator[None]:
         done = [0] * len(rows)  # tokens of each row already run
         pieces: list[list[torch.Tensor]] = [[] for _ in rows]
         chunks = 0
@@ -772,8 +834,8 @@ class Scheduler:
             # logits wanted: the row's last token, or its positions logits_from..
             froms = [_relative(rows[i].logits_from, done[i]) for i, _ in take]
             logits, routes = self.runner.extend(
-                self.pool,
-                [rows[i].slot for i, _ in take],
+                pool,
+                [rows[i].at for i, _ in take],
                 [
                     rows[i].tokens[rows[i].reused + done[i] : rows[i].reused + done[i] + n]
                     for i, n in take
@@ -797,9 +859,11 @@ class Scheduler:
             else:
                 row.logits = torch.cat(pieces[i]) if pieces[i] else None
 
-    def _first_token(self, row: _Row, firsts: list[tuple[Request, torch.Tensor]]) -> None:
-        """After a new request's prefill: its routes and input logprobs; the logits of its
-        first token join ``firsts``."""
+    def _first_token(
+        self, wave: KVPool, row: _Row, firsts: list[tuple[Request, torch.Tensor]]
+    ) -> bool:
+        """After a new request's prefill (in ``wave``): its routes and input logprobs; the
+        logits of its first token join ``firsts``. False when it ended here."""
         req, tokens = row.req, row.tokens
         try:
             for rows_TLK in row.routes:
@@ -809,7 +873,7 @@ class Scheduler:
                 # the prompt's KV and routes, cached now: the other samples of its group
                 # (and any request sharing the prompt) admitted after it prefill only
                 # their last token. Its finished sequence replaces this entry later.
-                self._keep(req)
+                self._keep_prompt(wave, row)
             logits = row.logits
             assert logits is not None
             if start is not None:
@@ -818,54 +882,22 @@ class Scheduler:
             row.last = logits
             if req.params.max_new_tokens == 0:
                 self.finish(req, {"type": "length", "length": 0})
-                return
+                return False
         except Exception as err:
             log.exception("prefill of request %s failed", req.rid)
             self.fail(req, f"prefill failed: {_words(err)}")
-            return
+            return False
         firsts.append((req, logits))
-
-    def _copy_leaders(self, followers: list[tuple[Request, _Row]]) -> set[str]:
-        """The KV of every follower whose leader still holds its slot, copied in one
-        indexed copy per pool tensor and prompt length (a GRPO step's 28 followers took
-        224 slot copies one by one); the rids copied."""
-        by_length: dict[int, list[tuple[int, int, str]]] = {}
-        for req, leader in followers:
-            if req.done or leader.last is None or leader.req.slot is None or req.slot is None:
-                continue
-            pairs = by_length.setdefault(len(leader.tokens), [])
-            pairs.append((leader.req.slot, req.slot, req.rid))
-        copied: set[str] = set()
-        for n, pairs in by_length.items():
-            try:
-                self.pool.copy_slots([a for a, _, _ in pairs], [b for _, b, _ in pairs], n)
-            except Exception:  # each alone then, by _follow, where a failure is its own
-                log.exception("batched KV copy of %d followers failed", len(pairs))
-                continue
-            copied.update(rid for _, _, rid in pairs)
-        return copied
+        return True
 
     def _follow(
-        self,
-        req: Request,
-        leader: _Row,
-        firsts: list[tuple[Request, torch.Tensor]],
-        copied: bool = False,
-    ) -> None:
-        """A request with the same input as ``leader``, admitted with it: copy its KV
-        (unless ``copied`` already), routes and input logprobs (the prefix cache's role
-        within one step); its first token is drawn from the leader's logits (``firsts``)."""
+        self, req: Request, leader: _Row, firsts: list[tuple[Request, torch.Tensor]]
+    ) -> bool:
+        """A request with the same input as ``leader``, admitted with it: its routes and
+        input logprobs are the leader's (the prefix cache's role within one step), its KV
+        the leader's prompt (``_place``), and its first token is drawn from the leader's
+        logits (``firsts``). False when it ended here."""
         n = len(leader.tokens)
-        if copied:
-            pass  # by _copy_leaders, with the step's other followers
-        elif leader.req.slot is not None:
-            self.pool.copy_slot(leader.req.slot, req.slot, n)  # type: ignore[arg-type]
-        else:  # the leader finished at its first token: its KV went to the prefix cache
-            hit = self.prefix_cache.match(req.lora, req.input_ids, n) if self.prefix_cache else None
-            if hit is None or hit.length < n:
-                raise RuntimeError("the KV of the request it shares its input with is gone")
-            self.pool.load(req.slot, [k[:, :n] for k in hit.sequence.keys],  # type: ignore[arg-type]
-                           [v[:, :n] for v in hit.sequence.values])  # fmt: skip
         req.cache_epoch = leader.req.cache_epoch
         req.cached_tokens = n
         for rows_TLK in leader.req.routes:
@@ -875,16 +907,18 @@ class Scheduler:
         req.input_ids_logprobs = list(leader.req.input_ids_logprobs)
         if req.params.max_new_tokens == 0:
             self.finish(req, {"type": "length", "length": 0})
-            return
+            return False
         assert leader.last is not None
         firsts.append((req, leader.last))
+        return True
 
-    def _reuse(self, req: Request, tokens: list[int], logits_from: int | None) -> int:
-        """Seed ``req``'s slot and routes with the longest cached prefix of ``tokens``
-        and return its length: at most all but the last token (its logits are needed),
-        and no further than ``logits_from`` (input logprobs are computed from there on,
-        as SGLang caps the match at logprob_start_len)."""
+    def _reuse(self, wave: KVPool, row: _Row, logits_from: int | None) -> int:
+        """Seed the row's slot of ``wave`` and its request's routes with the longest
+        cached prefix of its tokens and return its length: at most all but the last token
+        (its logits are needed), and no further than ``logits_from`` (input logprobs are
+        computed from there on, as SGLang caps the match at logprob_start_len)."""
         cache = self.prefix_cache
+        req, tokens = row.req, row.tokens
         if cache is None:
             return 0
         req.cache_epoch = cache.epoch(req.lora)
@@ -893,8 +927,7 @@ class Scheduler:
         if hit is None:
             return 0
         seq, n = hit.sequence, hit.length
-        assert req.slot is not None
-        self.pool.load(req.slot, [k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
+        wave.load(row.at, [k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
         self._record(req, seq.routes_TLK[:n])
         req.cached_tokens = n
         return n
@@ -920,6 +953,27 @@ class Scheduler:
             values=values,
             routes_TLK=routes_TLK,
         )
+        cache.insert(req.lora, seq, req.cache_epoch)
+
+    def _keep_prompt(self, wave: KVPool, row: _Row) -> None:
+        """Hand a just-prefilled prompt (its row of ``wave``) to the prefix cache: views of
+        the row when its group shares it (the pool stays as long as something reads it),
+        else copies (the pool goes when the prefill ends)."""
+        cache, req = self.prefix_cache, row.req
+        if cache is None or req.cache_epoch is None:
+            return
+        n = len(row.tokens)
+        routes_TLK = np.concatenate(req.routes, axis=0) if req.routes else None
+        if routes_TLK is None or len(routes_TLK) != n or wave.length(row.at) != n:
+            log.warning("request %s: KV and routes disagree; not cached", req.rid)
+            return
+        if row.shared:
+            prefix = wave.share(row.at, n)
+            keys = [prefix.keys(layer) for layer in range(len(wave.keys))]
+            values = [prefix.values(layer) for layer in range(len(wave.values))]
+        else:
+            keys, values = wave.export(row.at, n)
+        seq = Sequence(np.asarray(row.tokens, dtype=np.int64), keys, values, routes_TLK)
         cache.insert(req.lora, seq, req.cache_epoch)
 
     def _input_logprobs(self, req: Request, tokens: list[int], logits_SV: torch.Tensor) -> None:
@@ -1112,11 +1166,16 @@ class _Row:
     routes: list[np.ndarray] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [V], or [S', V] from logits_from
     last: torch.Tensor | None = None  # the logits the first token is sampled from
+    slot: int | None = None  # its slot in the prefill's own KV pool
 
     @property
-    def slot(self) -> int:
-        assert self.req.slot is not None
-        return self.req.slot
+    def at(self) -> int:
+        """Its slot in the prefill's KV pool (allocated)."""
+        assert self.slot is not None
+        return self.slot
+
+    followers: int = 0  # requests admitted with it that have the same input
+    shared: bool = False  # its requests read its prompt's KV where it ran (not copies)
 
 
 def _relative(first: int | None, done: int) -> int | None:

@@ -54,6 +54,8 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "lora_target_modules": None if lora is None or not lora.targets else sorted(lora.targets),
         "disable_radix_cache": sched.prefix_cache is None,
         "prefix_cache_max_tokens": None if cache is None else cache.max_tokens,
+        # a group's samples read one copy of a prompt this long (None: each holds one)
+        "shared_prompt_min_tokens": sched.share_min_tokens,
         # decode steps as CUDA graphs (on CUDA, without LoRA; off on the CPU)
         **(
             runner.graphs.info()
@@ -95,6 +97,12 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "running_requests": len(sched.running),
         # tokens of KV cache held by running requests (a retracted one holds none)
         "kv_cache_tokens": sched.pool.tokens,
+        # bytes allocated for them: the running pool and the prompt pools its slots read
+        "kv_cache_bytes": sched.pool.nbytes(),
+        "kv_cache_peak_bytes": sched.pool.peak_nbytes,  # the most since the pool was made
+        "kv_cache_token_bytes": sched.pool.token_nbytes(),  # one token, every layer
+        # running requests reading their prompt's KV from one copy shared with others
+        "kv_cache_shared_requests": sched.pool.shared,
         "waiting_requests": sched.queued(),
         # tokens and sequences the prefix cache holds
         "prefix_cache_tokens": 0 if sched.prefix_cache is None else sched.prefix_cache.tokens,
