@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engine.core.kv_pool import KVPool
+from moerl.engine.core.kv_pool import KVPool, Plan
 from moerl.engine.core.model_runner import ModelRunner
 
 
@@ -177,6 +177,14 @@ def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
     assert pool.shared == 6
     # the prompts' KV once (12 + 5 + 9), the own slot's 6
     assert pool.tokens == 12 + 5 + 9 + 6
+    # the keys a decode step reads: prompts padded to the longest (12) before the own
+    # tokens; columns no prompt fills are zeros (masked, and finite: 0 x NaN is NaN)
+    slots = [o.slot for o in [*owners, own]]
+    plan = Plan(slots, [pool.length(s) for s in slots], [1] * 7, prefixes=pool.prefixes_of(slots))  # type: ignore[arg-type]
+    keys, _ = pool.read(0, plan)
+    assert keys.shape[2] == 12 + plan.keys_read
+    assert (keys[5, :, 9:12] == 0).all() and (keys[6, :, :12] == 0).all()  # prompt 2; own
+    torch.testing.assert_close(keys[4, :, :5], prefixes[1].keys(0))
     everyone = [*owners, own]
     seqs.append(own_seq)
     for _ in range(3):

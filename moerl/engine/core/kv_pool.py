@@ -112,15 +112,21 @@ class Plan:
         for b, prefix in enumerate(prefixes):
             if prefix is not None:
                 groups.setdefault(id(prefix.pool), []).append((b, prefix))
+        # the key columns before the own tokens that no prefix read fills, zeroed: (batch
+        # rows, first column); masked, but they must be finite (0 x NaN is NaN)
+        self.prefix_gaps: list[tuple[torch.Tensor, int]] = []
         for members in groups.values():
+            longest = max(p.length for _, p in members)
+            rows_B = torch.tensor([b for b, _ in members], device=dev)
             self.prefix_reads.append(
-                (
-                    members[0][1].pool,
-                    torch.tensor([p.slot for _, p in members], device=dev),
-                    torch.tensor([b for b, _ in members], device=dev),
-                    max(p.length for _, p in members),
-                )
-            )
+                (members[0][1].pool, torch.tensor([p.slot for _, p in members], device=dev),
+                 rows_B, longest)
+            )  # fmt: skip
+            if longest < self.prefix_width:
+                self.prefix_gaps.append((rows_B, longest))
+        bare = [b for b, p in enumerate(prefixes) if p is None]
+        if bare and self.prefix_width:
+            self.prefix_gaps.append((torch.tensor(bare, device=dev), 0))
 
     def positions(self) -> torch.Tensor:
         """Position ids [B, S] (padding takes its row's first position)."""
@@ -334,12 +340,14 @@ class KVPool:
         out = []
         for own, which in ((keys, "keys"), (values, "values")):
             b, h, _, d = own.shape
-            # zeros where a row's prefix is shorter: masked, and finite (0 x NaN is NaN)
-            both = own.new_zeros(b, h, plan.prefix_width + t, d)
+            both = own.new_empty(b, h, plan.prefix_width + t, d)
             both[:, :, plan.prefix_width :] = own
             for pool, rows, batch, longest in plan.prefix_reads:
                 held = getattr(pool, which)[layer]
+                # a row's columns past its own prefix: its prefix pool row's (finite) ones
                 both[batch, :, :longest] = held[:, :, :longest].index_select(0, rows)
+            for batch, first in plan.prefix_gaps:
+                both[batch, :, first : plan.prefix_width] = 0
             out.append(both)
         return out[0], out[1]
 
