@@ -26,3 +26,5 @@ def test_engine_benchmark_quick():
         assert results[key] > 0
     # a group of 8 samples of one prompt prefills it once
     assert results["group_prefill_tokens"] == results["group_prompt_tokens"]
+    # the group of 8 on a 512-token prompt holds its prompt once (memory, not speed)
+    assert results["shared_prompt_kv_ratio"] <= 1.3 < results["copied_prompt_kv_ratio"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engine.core.kv_pool import KVPool, Plan
+from moerl.engine.core.kv_pool import KVPool, Plan, Prefix
 from moerl.engine.core.model_runner import ModelRunner
 
 
@@ -222,3 +222,42 @@ def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
     torch.testing.assert_close(logits_BV[0], want[-1], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="attach a prefix first"):
         pool.attach(fresh.slot, prefixes[0])  # type: ignore[arg-type]
+
+
+def test_slots_reading_held_prefixes_equal_the_full_forward(runner):
+    """A prefix held as tensors (a prefix-cache entry's, ``Prefix.of``) is read like a pool
+    row's: a prefill slot reading it extends, then running slots get its own tokens
+    copied and read the prefix too (``load_from``), beside a slot reading a pool row's
+    prompt, and decode as the full forward."""
+    rng = np.random.default_rng(5)
+    cached = rng.integers(3, 100, 10).tolist()
+    source = runner.new_pool(1, slots=1, tokens=10)
+    holder = Owner()
+    source.alloc(holder)
+    runner.extend(source, [holder.slot], [cached])
+    keys, values = source.export(holder.slot, 10)  # type: ignore[arg-type]
+    held = Prefix.of(keys, values, 8)  # the first 8 of the 10 cached tokens
+    wave = runner.new_pool(2, slots=2, tokens=12)
+    rows = [Owner(), Owner()]
+    for o in rows:
+        wave.alloc(o)
+    wave.attach(rows[0].slot, held)  # type: ignore[arg-type]
+    other = rng.integers(3, 100, 6).tolist()
+    tail = rng.integers(3, 100, 4).tolist()
+    runner.extend(wave, [o.slot for o in rows], [tail, other])  # type: ignore[misc]
+    seqs = [cached[:8] + tail, cached[:8] + tail, other]
+    pool = runner.new_pool(8)
+    owners = [Owner() for _ in seqs]
+    for o in owners:
+        pool.alloc(o)
+    pool.load_from(wave, [(rows[0].slot, owners[0].slot, 12), (rows[0].slot, owners[1].slot, 12)])  # type: ignore[list-item]
+    pool.attach(owners[2].slot, wave.share(rows[1].slot, 6))  # type: ignore[arg-type]
+    assert pool.prefix(owners[0].slot) is held and pool.tokens == 8 + 2 * 4 + 6  # type: ignore[arg-type]
+    for _ in range(3):
+        new = [int(t) for t in rng.integers(3, 100, 3)]
+        logits_BV, routes_BLK = runner.decode(pool, [o.slot for o in owners], new)  # type: ignore[misc]
+        for b, seq in enumerate(seqs):
+            seq.append(new[b])
+            want_logits, want_routes = full_forward(runner, seq)
+            torch.testing.assert_close(logits_BV[b], want_logits[-1], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(routes_BLK[b], want_routes[-1])

@@ -165,3 +165,28 @@ def test_a_retracted_group_resumes_with_its_tokens(runner):
     assert retracts == {1: 1, None: 1}
     assert results[1][0].finish_reason == {"type": "length", "length": 8}
     _same(results[1], results[None])
+
+
+def test_a_group_reading_a_cached_prompt_holds_it_once(tiny_checkpoints, tmp_path):
+    """A prompt the prefix cache holds (here: prefilled by an earlier request that only
+    asked for its logprobs) is read where the cache keeps it by the group that arrives
+    later: each sample prefills nothing but its last token and copies only that, so the
+    group holds the prompt once (the cache's) and 8 responses; copied, once per sample.
+    Both generate the same."""
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    cfg = dataclasses.replace(tiny_config("deepseek_moe"), max_position_embeddings=1024)
+    runner = ModelRunner(save_tiny_checkpoint(cfg, tmp_path / "hf"))
+    prompt = np.random.default_rng(4).integers(3, 100, 512).tolist()
+    new, results, peaks, attached = 32, {}, {}, {}
+    for share in (256, None):
+        sched = _scheduler(runner, share)
+        results[share] = _run(sched, [[(prompt, 0)], [(prompt, new)] * 8])
+        peaks[share] = sched.pool.peak_nbytes / sched.pool.token_nbytes()
+        attached[share] = sched.pool.attached
+    _same(results[256], results[None])
+    assert all(r.cached_tokens >= 511 for r in results[256][1:])
+    assert attached == {256: 8, None: 0}
+    assert peaks[256] <= 1.3 * (512 + 8 * new), peaks
+    assert peaks[None] >= 8 * 512, peaks

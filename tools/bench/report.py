@@ -182,6 +182,13 @@ def _engine(r: dict[str, Any]) -> list[Row]:
                f"{r['group_prefill_tokens']} of {r['group_prompt_tokens']}", "the prompt once",
                "met" if r["group_prefill_tokens"] == r["group_prompt_tokens"] else "not met")]
           if "group_prefill_tokens" in r else []),
+        *([Row("engine", f"KV held by a group of 8 on a {r['shared_prompt_tokens']}-token "
+               "prompt, over the prompt once + 8 responses (each sample with its own copy); "
+               "group time, copied / shared",
+               f"{r['shared_prompt_kv_ratio']:.2f} ({r['copied_prompt_kv_ratio']:.2f}); "
+               f"{_x(r.get('shared_prompt_speed_ratio'))}", "≤ 1.3",
+               _status(r["shared_prompt_kv_ratio"], r["shared_prompt_kv_ratio"] <= 1.3))]
+          if _num(r.get("shared_prompt_kv_ratio")) is not None else []),
     ]  # fmt: skip
 
 

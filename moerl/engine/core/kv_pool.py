@@ -48,22 +48,51 @@ class SlotOwner(Protocol):
     slot: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Prefix:
-    """Positions 0..length-1 of slot ``slot`` of ``pool``, read by other pools' slots as
-    their first tokens (the pool must not write that row again while it is shared)."""
+    """The first ``length`` tokens' keys/values of a sequence, read by slots as their
+    first tokens: positions 0..length-1 of slot ``slot`` of ``pool`` (the pool must not
+    write that row again while it is shared), or of ``held`` per-layer tensors [H, >=
+    length, D] (a prefix-cache entry's)."""
 
-    pool: KVPool
-    slot: int
     length: int
+    pool: KVPool | None = None
+    slot: int = 0
+    held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @classmethod
+    def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> Prefix:
+        """The first ``length`` positions of per-layer tensors (kept, not copied)."""
+        return cls(length, held=(keys, values))
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """Equal for prefixes that read the same memory."""
+        if self.pool is not None:
+            return id(self.pool), self.slot
+        assert self.held is not None
+        return id(self.held[0]), -1
 
     def keys(self, layer: int) -> torch.Tensor:
         """[H, length, Dk], a view."""
-        return self.pool.keys[layer][self.slot, :, : self.length]
+        if self.pool is not None:
+            return self.pool.keys[layer][self.slot, :, : self.length]
+        assert self.held is not None
+        return self.held[0][layer][:, : self.length]
 
     def values(self, layer: int) -> torch.Tensor:
         """[H, length, Dv], a view."""
-        return self.pool.values[layer][self.slot, :, : self.length]
+        if self.pool is not None:
+            return self.pool.values[layer][self.slot, :, : self.length]
+        assert self.held is not None
+        return self.held[1][layer][:, : self.length]
+
+    def nbytes(self) -> int:
+        """Bytes it keeps alive: its pool's tensors, or its held tensors."""
+        if self.pool is not None:
+            return sum(t.nbytes for t in self.pool.keys + self.pool.values)
+        assert self.held is not None
+        return sum(t.nbytes for t in self.held[0] + self.held[1])
 
 
 @dataclass
@@ -106,24 +135,31 @@ class Plan:
         self.pos_idx = torch.tensor(pos_idx, device=dev)
         self.index = torch.tensor(self.slots, device=dev)
         # the prefixes read, by the pool row holding them: (prefix pool, its rows, the
-        # batch rows they go to, the longest of them)
+        # batch rows they go to, the longest of them); and those held as tensors, by row
         self.prefix_reads: list[tuple[KVPool, torch.Tensor, torch.Tensor, int]] = []
+        self.prefix_held: list[tuple[int, Prefix]] = []
         groups: dict[int, list[tuple[int, Prefix]]] = {}
         for b, prefix in enumerate(prefixes):
-            if prefix is not None:
+            if prefix is not None and prefix.pool is not None:
                 groups.setdefault(id(prefix.pool), []).append((b, prefix))
+            elif prefix is not None:
+                self.prefix_held.append((b, prefix))
         # the key columns before the own tokens that no prefix read fills, zeroed: (batch
         # rows, first column); masked, but they must be finite (0 x NaN is NaN)
         self.prefix_gaps: list[tuple[torch.Tensor, int]] = []
         for members in groups.values():
             longest = max(p.length for _, p in members)
             rows_B = torch.tensor([b for b, _ in members], device=dev)
+            held_by = members[0][1].pool
+            assert held_by is not None
             self.prefix_reads.append(
-                (members[0][1].pool, torch.tensor([p.slot for _, p in members], device=dev),
-                 rows_B, longest)
-            )  # fmt: skip
+                (held_by, torch.tensor([p.slot for _, p in members], device=dev), rows_B, longest)
+            )
             if longest < self.prefix_width:
                 self.prefix_gaps.append((rows_B, longest))
+        for b, prefix in self.prefix_held:
+            if prefix.length < self.prefix_width:
+                self.prefix_gaps.append((torch.tensor([b], device=dev), prefix.length))
         bare = [b for b, p in enumerate(prefixes) if p is None]
         if bare and self.prefix_width:
             self.prefix_gaps.append((torch.tensor(bare, device=dev), 0))
@@ -193,7 +229,7 @@ class KVPool:
     @property
     def tokens(self) -> int:
         """Tokens whose KV the used slots read, a shared prefix counted once."""
-        shared = {(id(p.pool), p.slot): p.length for p in self.prefixes if p is not None}
+        shared = {p.identity: p.length for p in self.prefixes if p is not None}
         return sum(self.lengths) - sum(self.bases()) + sum(shared.values())
 
     @property
@@ -207,11 +243,9 @@ class KVPool:
     def nbytes(self) -> int:
         """Bytes of KV this pool holds and reads: its own tensors and the prefix pools
         its slots read (each counted once, whole: a prefix keeps its pool alive)."""
-        pools = {id(self): self}
-        for prefix in self.prefixes:
-            if prefix is not None:
-                pools[id(prefix.pool)] = prefix.pool
-        return sum(t.nbytes for pool in pools.values() for t in pool.keys + pool.values)
+        read = {p.identity[0]: p for p in self.prefixes if p is not None}  # pool or tensors
+        own = sum(t.nbytes for t in self.keys + self.values)
+        return own + sum(p.nbytes() for key, p in read.items() if key != id(self))
 
     # -- slots ---------------------------------------------------------------------------
     def alloc(self, owner: SlotOwner) -> int:
@@ -279,7 +313,7 @@ class KVPool:
         """Positions 0..n-1 of ``slot`` (which holds them itself) as a ``Prefix``."""
         if self.prefixes[slot] is not None or self.lengths[slot] < n:
             raise ValueError(f"slot {slot} does not hold its first {n} tokens")
-        return Prefix(self, slot, n)
+        return Prefix(n, pool=self, slot=slot)
 
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
@@ -346,6 +380,9 @@ class KVPool:
                 held = getattr(pool, which)[layer]
                 # a row's columns past its own prefix: its prefix pool row's (finite) ones
                 both[batch, :, :longest] = held[:, :, :longest].index_select(0, rows)
+            for b, prefix in plan.prefix_held:
+                kept = prefix.keys(layer) if which == "keys" else prefix.values(layer)
+                both[b, :, : prefix.length] = kept
             for batch, first in plan.prefix_gaps:
                 both[batch, :, first : plan.prefix_width] = 0
             out.append(both)
@@ -379,12 +416,14 @@ class KVPool:
         self.lengths[slot], self.prefixes[slot] = n, None
 
     def load_from(self, source: KVPool, pairs: list[tuple[int, int, int]]) -> None:
-        """Copy the first n positions of ``source``'s slot s into this pool's slot d, for
-        every (s, d, n), in one indexed copy per pool tensor (the target slots are empty:
-        the prompts a prefill ran elsewhere, going to the requests' own slots)."""
+        """Give this pool's slot d the first n tokens of ``source``'s slot s, for every
+        (s, d, n): s's own tokens copied, in one indexed copy per pool tensor, after the
+        prefix s reads, which d then reads too (the target slots are empty: the prompts a
+        prefill ran elsewhere, going to the requests' own slots)."""
         if not pairs:
             return
-        longest = max(n for _, _, n in pairs)
+        bases = source.bases()
+        longest = max(n - bases[s] for s, _, n in pairs)
         self.reserve(self.used, longest)
         if not self.keys:
             for layer in range(len(source.keys)):
@@ -395,8 +434,11 @@ class KVPool:
             for target, held in zip(mine, theirs):
                 # positions past a row's n: the source's (finite) values, never read
                 target[dst, :, :longest] = held[:, :, :longest].index_select(0, src)
-        for _, d, n in pairs:
-            self.lengths[d], self.prefixes[d] = n, None
+        for s, d, n in pairs:
+            self.lengths[d], self.prefixes[d] = n, source.prefixes[s]
+            if source.prefixes[s] is not None:
+                self.attached += 1
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
 
     def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of positions 0..n-1 of ``slot`` (its prefix's first): per-layer [H, n, D]."""

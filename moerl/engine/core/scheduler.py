@@ -17,7 +17,8 @@ samples of a GRPO group) run it once, and a prompt is cached as soon as it is pr
 so samples admitted later reuse it too. A prefill runs in a ``KVPool`` of its own; each
 request then gets a running slot holding a copy of its prompt, or, for a group on a
 prompt of at least ``--shared-prompt-min-tokens``, one that reads the prompt's single
-copy (``_place``), so a group's KV grows with n × response. HTTP handlers talk to the thread
+copy (``_place``), so a group's KV grows with n × response; a cached prefix that long is
+read where the cache keeps it (``_reuse``). HTTP handlers talk to the thread
 through thread-safe queues and get results back on their asyncio loop.
 
 An idle engine that gets a request waits a moment before admitting it
@@ -56,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moerl.engine.core.kv_pool import KVPool
+from moerl.engine.core.kv_pool import KVPool, Prefix
 from moerl.engine.core.model_runner import ModelRunner
 from moerl.engine.core.prefix_cache import PrefixCache, Sequence
 from moerl.engine.core.sampling import (
@@ -687,10 +688,13 @@ class Scheduler:
                     start = row.logits_from
                     row.reused = self._reuse(wave, row, start)
                     row.logits_from = None if start is None else start - row.reused
+                    # a group reads the prompt where it is prefilled, unless it reads a
+                    # cached prefix of it already (then each sample copies only the rest)
                     row.shared = (
                         self.share_min_tokens is not None
                         and row.followers > 0
                         and len(row.tokens) >= self.share_min_tokens
+                        and wave.prefix(row.at) is None
                     )
             except Exception as err:
                 log.exception("prefill of request %s failed", row.req.rid)
@@ -916,7 +920,11 @@ class Scheduler:
         """Seed the row's slot of ``wave`` and its request's routes with the longest
         cached prefix of its tokens and return its length: at most all but the last token
         (its logits are needed), and no further than ``logits_from`` (input logprobs are
-        computed from there on, as SGLang caps the match at logprob_start_len)."""
+        computed from there on, as SGLang caps the match at logprob_start_len). A prefix
+        of at least ``--shared-prompt-min-tokens`` is read where the cache holds it (the
+        slot, and the running slots of the row's requests after it, read it as their
+        ``Prefix``: a turn of an episode, or a sample sent apart from its group, holds the
+        cached tokens once); a shorter one is copied."""
         cache = self.prefix_cache
         req, tokens = row.req, row.tokens
         if cache is None:
@@ -927,7 +935,10 @@ class Scheduler:
         if hit is None:
             return 0
         seq, n = hit.sequence, hit.length
-        wave.load(row.at, [k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
+        if self.share_min_tokens is not None and n >= self.share_min_tokens:
+            wave.attach(row.at, Prefix.of(seq.keys, seq.values, n))
+        else:
+            wave.load(row.at, [k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
         self._record(req, seq.routes_TLK[:n])
         req.cached_tokens = n
         return n
