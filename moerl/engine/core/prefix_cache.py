@@ -141,7 +141,10 @@ class PrefixCache:
         self._entries[key] = (adapter, seq)
         node = self._roots.setdefault(adapter, _Node())
         for token in tokens:
-            node = node.children.setdefault(token, _Node())
+            child = node.children.get(token)
+            if child is None:  # (a setdefault would make a node for every token)
+                child = node.children[token] = _Node()
+            node = child
             node.through.add(key)
         node.ends.add(key)
         self.tokens += len(seq)
