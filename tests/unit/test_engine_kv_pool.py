@@ -32,6 +32,19 @@ def full_forward(runner: ModelRunner, tokens: list[int]) -> tuple[torch.Tensor, 
     return logits.float(), runner._routes(1, len(tokens))[0]
 
 
+def _decode_as_full_forward(runner, pool, owners, seqs, rng, steps: int = 3) -> None:  # type: ignore[no-untyped-def]
+    """``steps`` decode steps of every owner's slot at once, each row's logits and routes
+    those of one full forward of its sequence (``seqs``, extended in place)."""
+    for _ in range(steps):
+        new = [int(t) for t in rng.integers(3, 100, len(owners))]
+        logits_BV, routes_BLK = runner.decode(pool, [o.slot for o in owners], new)
+        for b, seq in enumerate(seqs):
+            seq.append(new[b])
+            want_logits, want_routes = full_forward(runner, seq)
+            torch.testing.assert_close(logits_BV[b], want_logits[-1], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(routes_BLK[b], want_routes[-1])
+
+
 def test_batched_prefill_and_decode_equal_the_full_forward(runner):
     rng = np.random.default_rng(0)
     pool = runner.new_pool(8)
@@ -187,14 +200,7 @@ def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
     torch.testing.assert_close(keys[4, :, :5], prefixes[1].keys(0))
     everyone = [*owners, own]
     seqs.append(own_seq)
-    for _ in range(3):
-        new = [int(t) for t in rng.integers(3, 100, len(everyone))]
-        logits_BV, routes_BLK = runner.decode(pool, [o.slot for o in everyone], new)  # type: ignore[misc]
-        for b, seq in enumerate(seqs):
-            seq.append(new[b])
-            want_logits, want_routes = full_forward(runner, seq)
-            torch.testing.assert_close(logits_BV[b], want_logits[-1], rtol=1e-4, atol=1e-4)
-            np.testing.assert_array_equal(routes_BLK[b], want_routes[-1])
+    _decode_as_full_forward(runner, pool, everyone, seqs, rng)
     # a prefixed slot extends by three tokens at once (attention over prefix + own)
     more = rng.integers(3, 100, 3).tolist()
     logits, _ = runner.extend(pool, [owners[4].slot], [more], logits_from=[0])  # type: ignore[list-item]
@@ -253,11 +259,4 @@ def test_slots_reading_held_prefixes_equal_the_full_forward(runner):
     pool.load_from(wave, [(rows[0].slot, owners[0].slot, 12), (rows[0].slot, owners[1].slot, 12)])  # type: ignore[list-item]
     pool.attach(owners[2].slot, wave.share(rows[1].slot, 6))  # type: ignore[arg-type]
     assert pool.prefix(owners[0].slot) is held and pool.tokens == 8 + 2 * 4 + 6  # type: ignore[arg-type]
-    for _ in range(3):
-        new = [int(t) for t in rng.integers(3, 100, 3)]
-        logits_BV, routes_BLK = runner.decode(pool, [o.slot for o in owners], new)  # type: ignore[misc]
-        for b, seq in enumerate(seqs):
-            seq.append(new[b])
-            want_logits, want_routes = full_forward(runner, seq)
-            torch.testing.assert_close(logits_BV[b], want_logits[-1], rtol=1e-4, atol=1e-4)
-            np.testing.assert_array_equal(routes_BLK[b], want_routes[-1])
+    _decode_as_full_forward(runner, pool, owners, seqs, rng)
