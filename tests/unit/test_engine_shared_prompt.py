@@ -190,3 +190,28 @@ def test_a_group_reading_a_cached_prompt_holds_it_once(tiny_checkpoints, tmp_pat
     assert attached == {256: 8, None: 0}
     assert peaks[256] <= 1.3 * (512 + 8 * new), peaks
     assert peaks[None] >= 8 * 512, peaks
+
+
+def test_the_prompts_a_group_reads_are_copies_as_long_as_they_are(runner):
+    """A long and a short prompt prefilled together share a prefill pool padded to the long
+    one; each group then reads a copy of its own prompt exactly as long as it (the cache
+    keeps that copy too), so nothing keeps the padded pool once the prefill ended."""
+    rng = np.random.default_rng(6)
+    long, short = rng.integers(3, 100, 60).tolist(), rng.integers(3, 100, 6).tolist()
+    sched = _scheduler(runner, 1)
+    seen: list[list[tuple[int, int, bool]]] = []
+
+    def on_token(req: Request) -> None:
+        if len(req.output_ids) == 1 and not seen:  # the first decode step's
+            seen.append(
+                [
+                    (p.length, p.held[0][0].shape[1], p.pool is None)
+                    for p in sched.pool.prefixes
+                    if p and p.held
+                ]
+            )
+
+    _run(sched, [[(long, 3)] * 4 + [(short, 3)] * 4], on_token=on_token)
+    assert sorted(seen[0]) == [(6, 6, True)] * 4 + [(60, 60, True)] * 4
+    cache = sched.prefix_cache
+    assert cache is not None and cache.match(None, short, 6) is not None

@@ -137,13 +137,17 @@ class Plan:
         # the prefixes read, by the pool row holding them: (prefix pool, its rows, the
         # batch rows they go to, the longest of them); and those held as tensors, by row
         self.prefix_reads: list[tuple[KVPool, torch.Tensor, torch.Tensor, int]] = []
-        self.prefix_held: list[tuple[int, Prefix]] = []
+        self.prefix_held: list[tuple[torch.Tensor, Prefix]] = []  # (batch rows, prefix)
         groups: dict[int, list[tuple[int, Prefix]]] = {}
+        held: dict[tuple[int, int], list[tuple[int, Prefix]]] = {}
         for b, prefix in enumerate(prefixes):
             if prefix is not None and prefix.pool is not None:
                 groups.setdefault(id(prefix.pool), []).append((b, prefix))
             elif prefix is not None:
-                self.prefix_held.append((b, prefix))
+                held.setdefault(prefix.identity, []).append((b, prefix))
+        for members in held.values():  # the samples reading one copy: one write per layer
+            rows_B = torch.tensor([b for b, _ in members], device=dev)
+            self.prefix_held.append((rows_B, members[0][1]))
         # the key columns before the own tokens that no prefix read fills, zeroed: (batch
         # rows, first column); masked, but they must be finite (0 x NaN is NaN)
         self.prefix_gaps: list[tuple[torch.Tensor, int]] = []
@@ -157,9 +161,9 @@ class Plan:
             )
             if longest < self.prefix_width:
                 self.prefix_gaps.append((rows_B, longest))
-        for b, prefix in self.prefix_held:
+        for rows_B, prefix in self.prefix_held:
             if prefix.length < self.prefix_width:
-                self.prefix_gaps.append((torch.tensor([b], device=dev), prefix.length))
+                self.prefix_gaps.append((rows_B, prefix.length))
         bare = [b for b, p in enumerate(prefixes) if p is None]
         if bare and self.prefix_width:
             self.prefix_gaps.append((torch.tensor(bare, device=dev), 0))
@@ -380,9 +384,9 @@ class KVPool:
                 held = getattr(pool, which)[layer]
                 # a row's columns past its own prefix: its prefix pool row's (finite) ones
                 both[batch, :, :longest] = held[:, :, :longest].index_select(0, rows)
-            for b, prefix in plan.prefix_held:
+            for batch, prefix in plan.prefix_held:
                 kept = prefix.keys(layer) if which == "keys" else prefix.values(layer)
-                both[b, :, : prefix.length] = kept
+                both[batch, :, : prefix.length] = kept  # [H, P, D], to every row reading it
             for batch, first in plan.prefix_gaps:
                 both[batch, :, first : plan.prefix_width] = 0
             out.append(both)

@@ -729,15 +729,15 @@ class Scheduler:
 
     def _place(self, wave: KVPool, places: list[tuple[Request, _Row]]) -> None:
         """Give each request a slot of the running pool: one reading its row's prompt in
-        ``wave`` (a shared row: a group's n samples read one copy), or holding a copy of
-        it (all copied in one indexed copy per pool tensor)."""
+        ``wave`` once copied out of it (a shared row: a group's n samples read one copy),
+        or holding a copy of it (all copied in one indexed copy per pool tensor)."""
         copies: list[tuple[int, int, int]] = []
         copied: list[Request] = []
         for req, row in places:
             try:
                 slot = self.pool.alloc(req)
                 if row.shared:
-                    self.pool.attach(slot, wave.share(row.at, len(row.tokens)))
+                    self.pool.attach(slot, self._shared(wave, row))
                 else:
                     copies.append((row.at, slot, len(row.tokens)))
                     copied.append(req)
@@ -966,10 +966,18 @@ class Scheduler:
         )
         cache.insert(req.lora, seq, req.cache_epoch)
 
+    def _shared(self, wave: KVPool, row: _Row) -> Prefix:
+        """The copy of a shared row's prompt (its row of ``wave``) that its group reads and
+        the prefix cache keeps: one copy, exactly as long as the prompt, made once, so the
+        prefill's pool (its rows padded to the longest prompt) goes when the prefill ends."""
+        if row.prefix is None:
+            n = len(row.tokens)
+            row.prefix = Prefix.of(*wave.export(row.at, n), n)
+        return row.prefix
+
     def _keep_prompt(self, wave: KVPool, row: _Row) -> None:
-        """Hand a just-prefilled prompt (its row of ``wave``) to the prefix cache: views of
-        the row when its group shares it (the pool stays as long as something reads it),
-        else copies (the pool goes when the prefill ends)."""
+        """Hand a just-prefilled prompt (its row of ``wave``) to the prefix cache: the copy
+        its group reads when it shares it, else a copy of its own."""
         cache, req = self.prefix_cache, row.req
         if cache is None or req.cache_epoch is None:
             return
@@ -979,9 +987,9 @@ class Scheduler:
             log.warning("request %s: KV and routes disagree; not cached", req.rid)
             return
         if row.shared:
-            prefix = wave.share(row.at, n)
-            keys = [prefix.keys(layer) for layer in range(len(wave.keys))]
-            values = [prefix.values(layer) for layer in range(len(wave.values))]
+            held = self._shared(wave, row).held
+            assert held is not None
+            keys, values = held
         else:
             keys, values = wave.export(row.at, n)
         seq = Sequence(np.asarray(row.tokens, dtype=np.int64), keys, values, routes_TLK)
@@ -1186,7 +1194,8 @@ class _Row:
         return self.slot
 
     followers: int = 0  # requests admitted with it that have the same input
-    shared: bool = False  # its requests read its prompt's KV where it ran (not copies)
+    shared: bool = False  # its requests read one copy of its prompt's KV (``prefix``)
+    prefix: Prefix | None = None  # that copy, once made
 
 
 def _relative(first: int | None, done: int) -> int | None:
