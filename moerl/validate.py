@@ -25,6 +25,7 @@ from moerl.common.checks import (
     non_negative_int,
     one_of,
     positive_int,
+    positive_int_or_off,
     positive_seconds,
 )
 from moerl.config.engine import ENGINE_DTYPES, ENGINE_KINDS, EngineConfig
@@ -298,24 +299,17 @@ def _check_engine_numbers(e: EngineConfig) -> None:
         "prefix_cache_max_tokens",
     ):
         positive_int(f"engine.{key}", getattr(e, key))
-    chunk = e.chunked_prefill_size
-    if chunk != -1 and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(
-            f"engine.chunked_prefill_size={chunk!r} must be a positive integer, or -1 for no "
-            "chunking"
-        )
+    positive_int_or_off("engine.chunked_prefill_size", e.chunked_prefill_size, "for no chunking")
     if e.cuda_graph_max_bs is not None:
         positive_int("engine.cuda_graph_max_bs", e.cuda_graph_max_bs)
     if not isinstance(e.cuda_graph, bool):
         raise ValueError(f"engine.cuda_graph={e.cuda_graph!r} must be true or false")
     non_negative_int("engine.max_restarts", e.max_restarts)
-    share = e.shared_prompt_min_tokens
-    if share != -1 and (isinstance(share, bool) or not isinstance(share, int) or share < 1):
-        raise ValueError(
-            f"engine.shared_prompt_min_tokens={share!r} must be a positive integer (prompts "
-            "at least this long are read by a group's samples from one copy), or -1 to copy "
-            "every prompt"
-        )
+    positive_int_or_off(
+        "engine.shared_prompt_min_tokens",
+        e.shared_prompt_min_tokens,
+        "to copy every prompt to each sample (a group reads one copy of a prompt this long)",
+    )
     finite("engine.decode_share", e.decode_share)
     if not 0 <= e.decode_share < 1:
         raise ValueError(

@@ -43,6 +43,12 @@ def positive_int(key: str, value: object) -> None:
         raise ValueError(f"{key}={value!r} must be a positive integer")
 
 
+def positive_int_or_off(key: str, value: object, off: str) -> None:
+    """An int >= 1 (not a bool), or -1, whose meaning ``off`` completes "or -1 ..."."""
+    if value != -1 and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{key}={value!r} must be a positive integer, or -1 {off}")
+
+
 def non_negative_int(key: str, value: object) -> None:
     """An int >= 0 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -160,7 +160,7 @@ def test_load_from_gives_each_target_its_sources_prompt(runner):
 
 
 def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
-    """Slots that read their prompts from other pools (two prefill pools, prompts of
+    """Slots that read copies of their prompts (made in two prefill pools, prompts of
     different lengths, four samples on one prompt) decode beside a slot holding all its
     tokens, every logit and route as one full forward of each whole sequence; a slot
     with a prefix also extends by several tokens, moves when another is freed, exports
@@ -175,7 +175,10 @@ def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
             wave.alloc(o)
         runner.extend(wave, [o.slot for o in rows], [prompts[i] for i in group])
         waves.append(wave)
-        prefixes += [wave.share(o.slot, len(prompts[i])) for o, i in zip(rows, group)]  # type: ignore[arg-type]
+        prefixes += [
+            Prefix(*wave.export(o.slot, len(prompts[i])), len(prompts[i]))  # type: ignore[arg-type]
+            for o, i in zip(rows, group)
+        ]
     pool = runner.new_pool(8)
     own = Owner()  # a request holding its whole sequence, in the same batch
     pool.alloc(own)
@@ -231,10 +234,10 @@ def test_slots_reading_shared_prefixes_equal_the_full_forward(runner):
 
 
 def test_slots_reading_held_prefixes_equal_the_full_forward(runner):
-    """A prefix held as tensors (a prefix-cache entry's, ``Prefix.of``) is read like a pool
-    row's: a prefill slot reading it extends, then running slots get its own tokens
-    copied and read the prefix too (``load_from``), beside a slot reading a pool row's
-    prompt, and decode as the full forward."""
+    """A prefix that is the first tokens of a longer cached sequence (a prefix-cache
+    entry's) is read by a prefill slot, which extends after it; then running slots get
+    that slot's own tokens copied and read the prefix too (``load_from``), beside a slot
+    reading a prompt's copy, and decode as the full forward."""
     rng = np.random.default_rng(5)
     cached = rng.integers(3, 100, 10).tolist()
     source = runner.new_pool(1, slots=1, tokens=10)
@@ -242,7 +245,7 @@ def test_slots_reading_held_prefixes_equal_the_full_forward(runner):
     source.alloc(holder)
     runner.extend(source, [holder.slot], [cached])
     keys, values = source.export(holder.slot, 10)  # type: ignore[arg-type]
-    held = Prefix.of(keys, values, 8)  # the first 8 of the 10 cached tokens
+    held = Prefix(keys, values, 8)  # the first 8 of the 10 cached tokens
     wave = runner.new_pool(2, slots=2, tokens=12)
     rows = [Owner(), Owner()]
     for o in rows:
@@ -257,6 +260,6 @@ def test_slots_reading_held_prefixes_equal_the_full_forward(runner):
     for o in owners:
         pool.alloc(o)
     pool.load_from(wave, [(rows[0].slot, owners[0].slot, 12), (rows[0].slot, owners[1].slot, 12)])  # type: ignore[list-item]
-    pool.attach(owners[2].slot, wave.share(rows[1].slot, 6))  # type: ignore[arg-type]
+    pool.attach(owners[2].slot, Prefix(*wave.export(rows[1].slot, 6), 6))  # type: ignore[arg-type]
     assert pool.prefix(owners[0].slot) is held and pool.tokens == 8 + 2 * 4 + 6  # type: ignore[arg-type]
     _decode_as_full_forward(runner, pool, owners, seqs, rng)

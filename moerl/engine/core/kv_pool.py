@@ -9,7 +9,7 @@ keys are ``keys[l][:B, :, :T]``, with no per-step copy. Freeing a slot moves the
 slot into it (one copy of one request's KV), which keeps the used slots contiguous.
 
 A slot may also read a **prefix** it does not hold: a prompt's keys/values kept elsewhere
-(``Prefix``: a row of the KV pool its prefill ran in), shared by the n samples of a group,
+(``Prefix``: a copy of the prompt, or a prefix-cache entry), shared by the n samples of a group,
 so a group's memory grows with n × response, not n × (prompt + response), as SGLang's
 shared pages give. Such a slot holds only the tokens after its prefix (its ``base``): a
 token at position p sits at p - base. A forward whose rows have prefixes reads, per layer,
@@ -50,49 +50,25 @@ class SlotOwner(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class Prefix:
-    """The first ``length`` tokens' keys/values of a sequence, read by slots as their
-    first tokens: positions 0..length-1 of slot ``slot`` of ``pool`` (the pool must not
-    write that row again while it is shared), or of ``held`` per-layer tensors [H, >=
-    length, D] (a prefix-cache entry's)."""
+    """The first ``length`` tokens' keys/values of a sequence, read by slots as their first
+    tokens: per-layer tensors [H, >= length, D], kept, not copied (a prompt's copy that a
+    group's samples share, or a prefix-cache entry's). Nothing writes them again."""
 
+    held_keys: list[torch.Tensor]
+    held_values: list[torch.Tensor]
     length: int
-    pool: KVPool | None = None
-    slot: int = 0
-    held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-
-    @classmethod
-    def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> Prefix:
-        """The first ``length`` positions of per-layer tensors (kept, not copied)."""
-        return cls(length, held=(keys, values))
-
-    @property
-    def identity(self) -> tuple[int, int]:
-        """Equal for prefixes that read the same memory."""
-        if self.pool is not None:
-            return id(self.pool), self.slot
-        assert self.held is not None
-        return id(self.held[0]), -1
 
     def keys(self, layer: int) -> torch.Tensor:
         """[H, length, Dk], a view."""
-        if self.pool is not None:
-            return self.pool.keys[layer][self.slot, :, : self.length]
-        assert self.held is not None
-        return self.held[0][layer][:, : self.length]
+        return self.held_keys[layer][:, : self.length]
 
     def values(self, layer: int) -> torch.Tensor:
         """[H, length, Dv], a view."""
-        if self.pool is not None:
-            return self.pool.values[layer][self.slot, :, : self.length]
-        assert self.held is not None
-        return self.held[1][layer][:, : self.length]
+        return self.held_values[layer][:, : self.length]
 
     def nbytes(self) -> int:
-        """Bytes it keeps alive: its pool's tensors, or its held tensors."""
-        if self.pool is not None:
-            return sum(t.nbytes for t in self.pool.keys + self.pool.values)
-        assert self.held is not None
-        return sum(t.nbytes for t in self.held[0] + self.held[1])
+        """Bytes it keeps alive."""
+        return sum(t.nbytes for t in self.held_keys + self.held_values)
 
 
 @dataclass
@@ -134,34 +110,19 @@ class Plan:
         self.slot_idx = torch.tensor(slot_idx, device=dev)  # where each goes in the pool
         self.pos_idx = torch.tensor(pos_idx, device=dev)
         self.index = torch.tensor(self.slots, device=dev)
-        # the prefixes read, by the pool row holding them: (prefix pool, its rows, the
-        # batch rows they go to, the longest of them); and those held as tensors, by row
-        self.prefix_reads: list[tuple[KVPool, torch.Tensor, torch.Tensor, int]] = []
-        self.prefix_held: list[tuple[torch.Tensor, Prefix]] = []  # (batch rows, prefix)
-        groups: dict[int, list[tuple[int, Prefix]]] = {}
-        held: dict[tuple[int, int], list[tuple[int, Prefix]]] = {}
+        # the prefixes read, each with the batch rows reading it (the samples reading one
+        # copy: one write per layer)
+        self.prefix_reads: list[tuple[torch.Tensor, Prefix]] = []
+        readers: dict[int, tuple[Prefix, list[int]]] = {}
         for b, prefix in enumerate(prefixes):
-            if prefix is not None and prefix.pool is not None:
-                groups.setdefault(id(prefix.pool), []).append((b, prefix))
-            elif prefix is not None:
-                held.setdefault(prefix.identity, []).append((b, prefix))
-        for members in held.values():  # the samples reading one copy: one write per layer
-            rows_B = torch.tensor([b for b, _ in members], device=dev)
-            self.prefix_held.append((rows_B, members[0][1]))
-        # the key columns before the own tokens that no prefix read fills, zeroed: (batch
-        # rows, first column); masked, but they must be finite (0 x NaN is NaN)
+            if prefix is not None:
+                readers.setdefault(id(prefix), (prefix, []))[1].append(b)
+        for prefix, batch in readers.values():
+            self.prefix_reads.append((torch.tensor(batch, device=dev), prefix))
+        # the key columns before the own tokens that no prefix fills, zeroed: (batch rows,
+        # first column); masked, but they must be finite (0 x NaN is NaN)
         self.prefix_gaps: list[tuple[torch.Tensor, int]] = []
-        for members in groups.values():
-            longest = max(p.length for _, p in members)
-            rows_B = torch.tensor([b for b, _ in members], device=dev)
-            held_by = members[0][1].pool
-            assert held_by is not None
-            self.prefix_reads.append(
-                (held_by, torch.tensor([p.slot for _, p in members], device=dev), rows_B, longest)
-            )
-            if longest < self.prefix_width:
-                self.prefix_gaps.append((rows_B, longest))
-        for rows_B, prefix in self.prefix_held:
+        for rows_B, prefix in self.prefix_reads:
             if prefix.length < self.prefix_width:
                 self.prefix_gaps.append((rows_B, prefix.length))
         bare = [b for b, p in enumerate(prefixes) if p is None]
@@ -233,7 +194,10 @@ class KVPool:
     @property
     def tokens(self) -> int:
         """Tokens whose KV the used slots read, a shared prefix counted once."""
-        shared = {p.identity: p.length for p in self.prefixes if p is not None}
+        shared: dict[int, int] = {}  # by the memory read: prefixes of one cache entry once
+        for p in self.prefixes:
+            if p is not None:
+                shared[id(p.held_keys)] = max(p.length, shared.get(id(p.held_keys), 0))
         return sum(self.lengths) - sum(self.bases()) + sum(shared.values())
 
     @property
@@ -245,11 +209,12 @@ class KVPool:
         return [0 if p is None else p.length for p in self.prefixes]
 
     def nbytes(self) -> int:
-        """Bytes of KV this pool holds and reads: its own tensors and the prefix pools
-        its slots read (each counted once, whole: a prefix keeps its pool alive)."""
-        read = {p.identity[0]: p for p in self.prefixes if p is not None}  # pool or tensors
-        own = sum(t.nbytes for t in self.keys + self.values)
-        return own + sum(p.nbytes() for key, p in read.items() if key != id(self))
+        """Bytes of KV this pool holds and reads: its own tensors and the prefixes its
+        slots read (each counted once, whole)."""
+        read = {id(p.held_keys): p for p in self.prefixes if p is not None}
+        return sum(t.nbytes for t in self.keys + self.values) + sum(
+            p.nbytes() for p in read.values()
+        )
 
     # -- slots ---------------------------------------------------------------------------
     def alloc(self, owner: SlotOwner) -> int:
@@ -313,12 +278,6 @@ class KVPool:
         self.attached += 1
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
 
-    def share(self, slot: int, n: int) -> Prefix:
-        """Positions 0..n-1 of ``slot`` (which holds them itself) as a ``Prefix``."""
-        if self.prefixes[slot] is not None or self.lengths[slot] < n:
-            raise ValueError(f"slot {slot} does not hold its first {n} tokens")
-        return Prefix(n, pool=self, slot=slot)
-
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
 
@@ -380,11 +339,7 @@ class KVPool:
             b, h, _, d = own.shape
             both = own.new_empty(b, h, plan.prefix_width + t, d)
             both[:, :, plan.prefix_width :] = own
-            for pool, rows, batch, longest in plan.prefix_reads:
-                held = getattr(pool, which)[layer]
-                # a row's columns past its own prefix: its prefix pool row's (finite) ones
-                both[batch, :, :longest] = held[:, :, :longest].index_select(0, rows)
-            for batch, prefix in plan.prefix_held:
+            for batch, prefix in plan.prefix_reads:
                 kept = prefix.keys(layer) if which == "keys" else prefix.values(layer)
                 both[batch, :, : prefix.length] = kept  # [H, P, D], to every row reading it
             for batch, first in plan.prefix_gaps:

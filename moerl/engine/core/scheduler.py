@@ -688,8 +688,8 @@ class Scheduler:
                     start = row.logits_from
                     row.reused = self._reuse(wave, row, start)
                     row.logits_from = None if start is None else start - row.reused
-                    # a group reads the prompt where it is prefilled, unless it reads a
-                    # cached prefix of it already (then each sample copies only the rest)
+                    # a group reads one copy of its prompt, unless it reads a cached
+                    # prefix of it already (then each sample copies only the rest)
                     row.shared = (
                         self.share_min_tokens is not None
                         and row.followers > 0
@@ -936,7 +936,7 @@ class Scheduler:
             return 0
         seq, n = hit.sequence, hit.length
         if self.share_min_tokens is not None and n >= self.share_min_tokens:
-            wave.attach(row.at, Prefix.of(seq.keys, seq.values, n))
+            wave.attach(row.at, Prefix(seq.keys, seq.values, n))
         else:
             wave.load(row.at, [k[:, :n] for k in seq.keys], [v[:, :n] for v in seq.values])
         self._record(req, seq.routes_TLK[:n])
@@ -972,7 +972,7 @@ class Scheduler:
         prefill's pool (its rows padded to the longest prompt) goes when the prefill ends."""
         if row.prefix is None:
             n = len(row.tokens)
-            row.prefix = Prefix.of(*wave.export(row.at, n), n)
+            row.prefix = Prefix(*wave.export(row.at, n), n)
         return row.prefix
 
     def _keep_prompt(self, wave: KVPool, row: _Row) -> None:
@@ -987,9 +987,8 @@ class Scheduler:
             log.warning("request %s: KV and routes disagree; not cached", req.rid)
             return
         if row.shared:
-            held = self._shared(wave, row).held
-            assert held is not None
-            keys, values = held
+            prefix = self._shared(wave, row)
+            keys, values = prefix.held_keys, prefix.held_values
         else:
             keys, values = wave.export(row.at, n)
         seq = Sequence(np.asarray(row.tokens, dtype=np.int64), keys, values, routes_TLK)
@@ -1186,16 +1185,15 @@ class _Row:
     logits: torch.Tensor | None = None  # [V], or [S', V] from logits_from
     last: torch.Tensor | None = None  # the logits the first token is sampled from
     slot: int | None = None  # its slot in the prefill's own KV pool
+    followers: int = 0  # requests admitted with it that have the same input
+    shared: bool = False  # its requests read one copy of its prompt's KV (``prefix``)
+    prefix: Prefix | None = None  # that copy, once made
 
     @property
     def at(self) -> int:
         """Its slot in the prefill's KV pool (allocated)."""
         assert self.slot is not None
         return self.slot
-
-    followers: int = 0  # requests admitted with it that have the same input
-    shared: bool = False  # its requests read one copy of its prompt's KV (``prefix``)
-    prefix: Prefix | None = None  # that copy, once made
 
 
 def _relative(first: int | None, done: int) -> int | None:

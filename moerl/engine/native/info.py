@@ -97,7 +97,7 @@ def server_info(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "running_requests": len(sched.running),
         # tokens of KV cache held by running requests (a retracted one holds none)
         "kv_cache_tokens": sched.pool.tokens,
-        # bytes allocated for them: the running pool and the prompt pools its slots read
+        # bytes allocated for them: the running pool and the prompt copies its slots read
         "kv_cache_bytes": sched.pool.nbytes(),
         "kv_cache_peak_bytes": sched.pool.peak_nbytes,  # the most since the pool was made
         "kv_cache_token_bytes": sched.pool.token_nbytes(),  # one token, every layer
