@@ -198,6 +198,8 @@ def policy_engine_flags(cfg: Any) -> list[str]:
     """The policy engines' flags beyond the model path: routes, dtype, batching, LoRA."""
     flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
     flags += engine_flags(cfg.engine)
+    if cfg.engine.deterministic_inference:
+        flags.append("--enable-deterministic-inference")
     if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)
         from moerl.lora import resolve_targets
 

@@ -302,8 +302,9 @@ def _check_engine_numbers(e: EngineConfig) -> None:
     positive_int_or_off("engine.chunked_prefill_size", e.chunked_prefill_size, "for no chunking")
     if e.cuda_graph_max_bs is not None:
         positive_int("engine.cuda_graph_max_bs", e.cuda_graph_max_bs)
-    if not isinstance(e.cuda_graph, bool):
-        raise ValueError(f"engine.cuda_graph={e.cuda_graph!r} must be true or false")
+    for key in ("cuda_graph", "deterministic_inference"):
+        if not isinstance(getattr(e, key), bool):
+            raise ValueError(f"engine.{key}={getattr(e, key)!r} must be true or false")
     non_negative_int("engine.max_restarts", e.max_restarts)
     positive_int_or_off(
         "engine.shared_prompt_min_tokens",
@@ -424,6 +425,11 @@ def _check_rollout(cfg: MoerlConfig) -> None:
             raise ValueError(
                 "rollout.partial_rollout=abort_resume with lora.enabled: a continued request "
                 "would mix adapters; use in_place (each request keeps its adapter) or drain"
+            )
+        if cfg.engine.deterministic_inference and cfg.engine.kind == "embedded":
+            raise ValueError(
+                "engine.deterministic_inference=true with lora.enabled: the embedded engine's "
+                "batch-invariant mode has no LoRA path yet; set one of them to false"
             )
     from moerl.envs import check_env_config
     from moerl.tasks import check_task_config

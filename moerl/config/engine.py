@@ -79,6 +79,12 @@ class EngineConfig:
     with n × response rather than n × (prompt + response), as SGLang's shared pages give;
     shorter prompts are copied to each sample, whose decode reads its own slot in place
     (a little faster: tools/bench/engine.py's shared_prompt case). -1: always copy."""
+    deterministic_inference: bool = False
+    """Batch-invariant engines (SGLang's --enable-deterministic-inference): a request's
+    logprobs and routes are the same whatever it is batched with, prefill or decode,
+    chunked or not, its prompt cached, shared or not (moerl/engine/core/invariant.py).
+    Costs engine speed (tools/bench/true_on_policy.py); not with LoRA yet. Embedded
+    engines get the flag; give it to SGLang servers yourself."""
     startup_timeout_s: float = 300.0
     """How long an engine may take to become healthy before the run fails."""
 

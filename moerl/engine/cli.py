@@ -170,10 +170,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(moerl/config/threads.py); 0: glibc's default; skipped where the environment sets "
         "MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ or MALLOC_TOP_PAD_ (moerl's own)",
     )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant forward and sampling (SGLang's flag): a request's logprobs "
+        "and routes do not depend on the requests batched with it, on chunked prefill or on "
+        "prefix reuse (moerl/engine/core/invariant.py); slower; not with --enable-lora",
+    )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     if args.admission_wait_ms < 0 or args.admission_quiet_ms < 0:
         p.error("--admission-wait-ms and --admission-quiet-ms must be >= 0")
+    if args.enable_deterministic_inference and args.enable_lora:
+        p.error(
+            "--enable-deterministic-inference with --enable-lora: the batch-invariant mode "
+            "has no LoRA path yet; drop one of them"
+        )
     if args.malloc_keep_mb < 0:
         p.error(f"--malloc-keep-mb {args.malloc_keep_mb}: must be >= 0 (0: glibc's default)")
     if args.shared_prompt_min_tokens == 0 or args.shared_prompt_min_tokens < -1:

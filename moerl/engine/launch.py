@@ -26,7 +26,11 @@ def build_state(args: argparse.Namespace) -> Any:
     from moerl.engine.core.state import EngineState
 
     runner = ModelRunner(
-        args.model_path, dtype=args.dtype, seed=args.random_seed, device=args.device
+        args.model_path,
+        dtype=args.dtype,
+        seed=args.random_seed,
+        device=args.device,
+        deterministic=args.enable_deterministic_inference,
     )
     if args.enable_lora:
         from moerl.engine.lora.adapters import LoraManager
@@ -38,7 +42,7 @@ def build_state(args: argparse.Namespace) -> Any:
             max_loras=args.max_loras_per_batch,
         )
     graphs = args.enable_cuda_graph and not args.disable_cuda_graph
-    if graphs and runner.device.type == "cuda" and runner.lora is None:
+    if graphs and runner.device.type == "cuda" and runner.lora is None and not runner.deterministic:
         runner.graphs = decode_graphs(runner, args)
     tokenizer = None
     try:

@@ -163,6 +163,11 @@ def testpackage_header() -> None:
         (["engine.decode_share=1.0"], 1, ["engine.decode_share=1.0", "[0, 1)"]),
         (["engine.shared_prompt_min_tokens=0"], 1, ["engine.shared_prompt_min_tokens=0", "-1"]),
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
+        (
+            ["model=deepseek_moe_tiny", "lora=all", "engine.deterministic_inference=true"],
+            1,
+            ["engine.deterministic_inference=true with lora.enabled", "no LoRA path"],
+        ),
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["launcher.omp_spincount=-1"], 1, ["launcher.omp_spincount=-1", ">= 0"]),
         (["launcher.malloc_keep_mb=-1"], 1, ["launcher.malloc_keep_mb=-1", ">= 0"]),
@@ -205,6 +210,15 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     assert (args.admission_wait_ms, args.admission_quiet_ms) == (2.5, 0.5)
     assert args.decode_share == 0.25
     assert args.shared_prompt_min_tokens == -1
+
+
+def test_deterministic_inference_reaches_the_policy_engines() -> None:
+    from moerl.engine.cli import parse_args
+    from moerl.launch import policy_engine_flags
+
+    assert "--enable-deterministic-inference" not in policy_engine_flags(_compose())
+    flags = policy_engine_flags(_compose("engine.deterministic_inference=true"))
+    assert parse_args(["--model-path", "m", *flags]).enable_deterministic_inference
 
 
 @pytest.mark.parametrize(

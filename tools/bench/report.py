@@ -41,6 +41,7 @@ BENCHES = (
     "episodes",
     "scaling",
     "vs_trl",
+    "true_on_policy",
 )
 PLOTS = {
     "timeline": "timeline_async.png",
@@ -413,6 +414,29 @@ def _vs_trl(r: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
 
 
+def _true_on_policy(r: dict[str, Any]) -> list[Row]:
+    good, total, off = (
+        r.get("engine_invariant"),
+        r.get("engine_scenarios"),
+        r.get("engine_invariant_off"),
+    )
+    tiny, mid = r.get("engine_overhead"), r.get("engine_overhead_mid")
+    target = _num(r.get("target_overhead")) or 1.35
+    trainer = r.get("layouts_exact")
+    return [
+        Row("true_on_policy", "engine batch invariance: scenarios with the alone run's bits, "
+            "--enable-deterministic-inference on (off)", f"{good}/{total} ({off}/{total})",
+            "all", _status(good, good == total)),
+        Row("true_on_policy", "engine time with the mode on / off: tiny; mid",
+            f"{_x(tiny)}; {_x(mid)}", f"≤ {target:g}×",
+            _status(mid, _num(mid) is not None and _num(tiny) is not None
+                    and max(tiny, mid) <= target)),
+        Row("true_on_policy", "trainer = engine bit for bit: layouts exact; abs_diff_max",
+            "not built" if trainer == "not_built" else f"{trainer}; {r.get('abs_diff_max')}",
+            "7/7; 0", "not built" if trainer == "not_built" else "—"),
+    ]  # fmt: skip
+
+
 HEADLINES = {
     "engine": _engine,
     "async_vs_sync": _async,
@@ -425,6 +449,7 @@ HEADLINES = {
     "episodes": _episodes,
     "scaling": _scaling,
     "vs_trl": _vs_trl,
+    "true_on_policy": _true_on_policy,
 }
 
 

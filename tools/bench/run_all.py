@@ -5,7 +5,7 @@
 
 Benches (each ``tools/bench/<name>.py``, called as ``main([...])``): engine,
 async_vs_sync, weight_sync, replay_overhead, mismatch, lora_sync, kernels, offpolicy, episodes, rewards,
-scaling, vs_trl (TRL from the `bench` extra; skipped without it). Each runs in
+scaling, vs_trl (TRL from the `bench` extra; skipped without it), true_on_policy. Each runs in
 a fresh child process (several make their own process a one-rank gloo world, which must
 not leak into the next), in its own session so a timeout (``--timeout-s``, else a
 per-bench default) kills it with everything it started. A bench that fails or times out
@@ -102,6 +102,11 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
                       "quick": ["--steps", "8"],
                       "smoke": ["--quick"]},
                {"full": 3600, "quick": 600, "smoke": 300}),
+    # issue 30: the engine's batch-invariant mode, scenarios with the alone run's bits and
+    # its overhead on the tiny and mid shapes (~1 min quick)
+    "true_on_policy": (True, {"full": [], "quick": ["--quick"],
+                              "smoke": ["--quick", "--reps", "1", "--new-tokens", "6"]},
+                       {"full": 1200, "quick": 300, "smoke": 180}),
 }  # fmt: skip
 NOISE = ("UserWarning", "warnings.warn(", "Writing model shards")
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from moerl.device import resolve
+from moerl.engine.core import invariant
 from moerl.engine.core.kv_pool import KVPool, Plan, SlotCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +59,7 @@ class ModelRunner:
         dtype: str = "float32",
         seed: int = 0,
         device: str | torch.device = "cpu",
+        deterministic: bool = False,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,11 +81,19 @@ class ModelRunner:
         self.num_layers = self.config.num_hidden_layers
         self.vocab_size = self.config.vocab_size
         self.context_len = self.config.max_position_embeddings
-        self.sdpa = getattr(self.config, "_attn_implementation", "sdpa") == "sdpa"
         # transformers 5.x renames past_key_values to cache
         forward = inspect.signature(self.model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self.routers = _router_modules(self.model)
+        # --enable-deterministic-inference: batch-invariant forward and sampling
+        self.deterministic = deterministic
+        if deterministic:
+            invariant.enable(self.model, self.routers)
+        # boolean masks for sdpa and the batch-invariant attention, additive for eager
+        self.sdpa = getattr(self.model.config, "_attn_implementation", "sdpa") in (
+            "sdpa",
+            invariant.NAME,
+        )
         self.topk = int(getattr(self.config, "num_experts_per_tok", 0) or 0) if self.routers else 0
         self._captured: dict[int, torch.Tensor] = {}
         for layer, module in self.routers.items():
@@ -201,6 +211,12 @@ class ModelRunner:
             **{self.cache_kwarg: SlotCache(pool, plan)},
         )
         return out.logits
+
+    def numerics(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a sampling step runs: batch-invariant with ``deterministic``
+        (``moerl.engine.core.invariant``; the model's forward is made so once, by
+        ``invariant.enable``), else as it is."""
+        return invariant.numerics(self.deterministic)
 
     @torch.no_grad()
     def extend(

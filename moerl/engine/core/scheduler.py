@@ -997,7 +997,8 @@ class Scheduler:
     def _input_logprobs(self, req: Request, tokens: list[int], logits_SV: torch.Tensor) -> None:
         """SGLang's input-token logprobs of prompt positions logprob_start_len.. : None for
         the first (nothing before it is scored), then each token given those before it."""
-        logprobs = prompt_logprobs(logits_SV[:-1], req.params)
+        with self.runner.numerics():
+            logprobs = prompt_logprobs(logits_SV[:-1], req.params)
         targets = torch.tensor(
             tokens[req.logprob_start_len + 1 :], dtype=torch.long, device=logprobs.device
         )
@@ -1068,12 +1069,13 @@ class Scheduler:
                 groups.setdefault(key, []).append(i)
         for rows in groups.values():
             try:
-                got = sample_batch(
-                    logits_BV[rows],
-                    batch[rows[0]].params,
-                    self.runner.generator,
-                    [batch[i].return_sampling_mask for i in rows],
-                )
+                with self.runner.numerics():
+                    got = sample_batch(
+                        logits_BV[rows],
+                        batch[rows[0]].params,
+                        self.runner.generator,
+                        [batch[i].return_sampling_mask for i in rows],
+                    )
             except Exception:  # each alone then, where a failure is the request's own
                 log.exception("batched sampling failed; sampling one by one")
                 continue
@@ -1101,7 +1103,8 @@ class Scheduler:
             )
             return
         try:
-            s = req.sampler.sample(logits, req.top_logprobs_num, req.token_ids_logprob)
+            with self.runner.numerics():
+                s = req.sampler.sample(logits, req.top_logprobs_num, req.token_ids_logprob)
         except ValueError as err:  # nothing possible: the request's own constraints
             self.fail(req, f"output token {len(req.output_ids)}: {err}", 400)
             return

@@ -56,6 +56,8 @@ def server_args(state: EngineState, model_info: dict[str, Any]) -> dict[str, Any
         "prefix_cache_max_tokens": None if cache is None else cache.max_tokens,
         # a group's samples read one copy of a prompt this long (None: each holds one)
         "shared_prompt_min_tokens": sched.share_min_tokens,
+        # batch-invariant forward and sampling (moerl/engine/core/invariant.py)
+        "enable_deterministic_inference": runner.deterministic,
         # decode steps as CUDA graphs (on CUDA, without LoRA; off on the CPU)
         **(
             runner.graphs.info()

@@ -1,0 +1,372 @@
+"""Batch-invariant ops: a row's result depends on that row's inputs alone, never on the
+rows beside it, their number, the padding or where the row sits in the batch.
+
+torch's own CPU ops are not: one [M, K] × [K, N] product gives other bits for M=1 (a
+GEMV) than for M>1 (blocked GEMMs whose blocking follows M); a reduction kernel splits a
+long axis across threads when there are few outputs; and ``sigmoid`` / ``silu`` (fp32),
+``rsqrt`` (bf16) take a vector path or a scalar one by the element's position in the
+buffer. The ops here follow three rules instead, each checked by
+``tests/unit/test_batch_invariant.py``:
+
+- A reduction over an axis of fixed length (hidden size, head dim, vocabulary, experts)
+  is a pairwise tree of elementwise adds over that axis padded to a power of two
+  (``tree_sum``): no reduction kernel runs, so nothing splits with size or threads.
+- A reduction over keys, whose number and placement change with the batch (left
+  padding, a shared prompt read beside a row's own tokens) is a left fold in key order
+  (``fold_sum``: cumsum's last element). A masked or padding key adds an exact zero,
+  which changes nothing wherever it sits.
+- A matrix product runs as a batch of [ROWS, K] × [K, N] products of one fixed shape
+  (``linear``): every row meets the same kernel in every position.
+
+Elementwise ops that are exact (add, mul, div) or position-independent here (exp, log,
+sqrt, cos, sin; fp32 rsqrt) are used as they are; sigmoid and silu are built from exp.
+``BatchInvariant`` is a ``TorchFunctionMode`` that reroutes the model code's calls
+(``F.linear``, softmax, mean, sdpa, ...) to these ops inside its ``with`` block, and
+refuses a matrix product it has no rule for rather than let it through.
+
+On CUDA the same definitions hold, but nothing here is tuned for it: batch-invariant
+Triton kernels are the GPU path's work.
+"""
+
+# B batch, h heads, Q query tokens, T key tokens, D head dim, E experts, K top-k
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ROWS = 16
+"""Rows of each fixed-shape product in ``linear``."""
+
+ATTENTION_CHUNK_ELEMENTS = 1 << 24
+"""Elements of one [B, h, Q, T, D] product block in ``attention`` (queries are chunked)."""
+
+_HALF = (torch.float16, torch.bfloat16)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _plain(fn: _F) -> _F:
+    """``fn``'s own torch calls run as they are, also inside ``BatchInvariant`` (the
+    ops here are the definitions, not calls to reroute)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 → fp32 (sums accumulate in fp32, as torch's reductions do)."""
+    return x.float() if x.dtype in _HALF else x
+
+
+@_plain
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sum over ``dim`` by a pairwise tree of elementwise adds (zero-padded to a power of
+    two); fp16/bf16 sum in fp32 and return fp32."""
+    x = _wide(x).movedim(dim, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    if n == 0:
+        x = x.new_zeros(*x.shape[:-1], 1)
+    out = x.movedim(-1, dim) if keepdim else x.squeeze(-1)
+    return out
+
+
+@_plain
+def fold_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` as a left fold in index order (a cumulative sum's last element):
+    exact zeros anywhere along ``dim`` leave the result's bits unchanged."""
+    x = _wide(x)
+    return x.cumsum(dim).select(dim, -1)
+
+
+@_plain
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as a batch of fixed-shape [ROWS, K] × [K, N] products."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    pad = (-m) % ROWS
+    if pad or m == 0:
+        rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
+    out = _tiles(rows, weight)[:m].view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+@_plain
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` where every row of ``a`` meets the same kernel: a 2-D ``b`` is a
+    ``linear``; a product over one element (an outer product) is exact as it is."""
+    if a.shape[-1] == 1 and b.dim() >= 2 and b.shape[-2] == 1:
+        return torch.matmul(a, b)
+    if b.dim() == 2 and a.dim() >= 2:
+        return linear(a, b.t())
+    raise NotImplementedError(
+        f"batch-invariant mode: no rule for a matrix product of {tuple(a.shape)} and "
+        f"{tuple(b.shape)}; add one in kernels/batch_invariant.py"
+    )
+
+
+def _dim(dim: Any, ndim: int) -> int | None:
+    """One reduction axis, or None for 'all of them' (a list of several is refused)."""
+    if dim is None:
+        return None
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            raise NotImplementedError(f"batch-invariant mode: a sum over dims {dim}")
+        dim = dim[0]
+    return int(dim) % max(ndim, 1)
+
+
+@_plain
+def sum_(
+    x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
+) -> torch.Tensor:
+    """``torch.sum`` of a floating tensor by ``tree_sum``."""
+    axis = _dim(dim, x.dim())
+    out = tree_sum(x.reshape(-1)) if axis is None else tree_sum(x, axis, keepdim)
+    return out.to(dtype or x.dtype)
+
+
+@_plain
+def mean(
+    x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
+) -> torch.Tensor:
+    """``torch.mean`` by ``tree_sum`` divided by the count."""
+    axis = _dim(dim, x.dim())
+    count = x.numel() if axis is None else x.shape[axis]
+    out = tree_sum(x.reshape(-1)) if axis is None else tree_sum(x, axis, keepdim)
+    return (out / count).to(dtype or x.dtype)
+
+
+def _shifted(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x − max over ``dim`` (a max is exact); a row of all −inf is shifted by 0."""
+    top = x.amax(dim, keepdim=True)
+    return x - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+
+@_plain
+def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    x = x.to(dtype) if dtype is not None else x
+    e = torch.exp(_shifted(_wide(x), dim))
+    return (e / tree_sum(e, dim, keepdim=True)).to(x.dtype)
+
+
+@_plain
+def log_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    x = x.to(dtype) if dtype is not None else x
+    s = _shifted(_wide(x), dim)
+    return (s - torch.log(tree_sum(torch.exp(s), dim, keepdim=True))).to(x.dtype)
+
+
+@_plain
+def logsumexp(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    w = _wide(x)
+    top = w.amax(dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    out = top + torch.log(tree_sum(torch.exp(w - top), dim, keepdim=True))
+    return (out if keepdim else out.squeeze(dim)).to(x.dtype)
+
+
+@_plain
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(−x)), computed in fp32 for fp16/bf16."""
+    return (1.0 / (1.0 + torch.exp(-_wide(x)))).to(x.dtype)
+
+
+@_plain
+def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    return (_wide(x) * sigmoid(_wide(x))).to(x.dtype)
+
+
+@_plain
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``rsqrt`` (position-independent), also for fp16/bf16 inputs."""
+    return torch.rsqrt(_wide(x)).to(x.dtype)
+
+
+@_plain
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` [B, h, Q, D] where a query's result depends on
+    its keys alone: scores by ``tree_sum`` over D, the softmax's sum and the values'
+    weighted sum by ``fold_sum`` over keys (masked keys add exact zeros)."""
+    if dropout_p:
+        raise NotImplementedError("batch-invariant mode: attention dropout")
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if heads != kv_heads:
+        key = key.repeat_interleave(heads // kv_heads, dim=-3)
+        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    keep = None
+    if is_causal:
+        keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = attn_mask if keep is None else keep & attn_mask
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    q, k, v = _wide(query), _wide(key), _wide(value)
+    per_query = max(1, math.prod(k.shape[:-2]) * k_len * max(k.shape[-1], v.shape[-1]))
+    step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query)
+    outs = []
+    for first in range(0, q_len, step):
+        rows = slice(first, min(first + step, q_len))
+        scores = tree_sum(q[..., rows, None, :] * k[..., None, :, :], -1) * factor  # [B,h,q,T]
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            scores = scores + _wide(attn_mask[..., rows, :])
+        if keep is not None:
+            scores = scores.masked_fill(~keep[..., rows, :], -math.inf)
+        p = torch.exp(_shifted(scores, -1))
+        total = fold_sum(p, -1)[..., None]
+        weighted = fold_sum(p[..., None] * v[..., None, :, :], -2)  # [B,h,q,Dv]
+        outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
+    return torch.cat(outs, dim=-2).to(query.dtype)
+
+
+@_plain
+def experts(
+    hidden_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Routed experts (gate and up concatenated, transformers' fused layout). Each
+    expert's tokens, padded to whole [ROWS, H] tiles, go through ``_tiles`` (one product
+    per expert and projection); a token's outputs, scaled by its weights, are summed in
+    ascending expert id (a fixed order, not the order tokens reach an expert). An id of
+    E (transformers' mark for a dropped slot) adds nothing."""
+    tokens, topk = ids_TK.shape
+    num = gate_up_E2IH.shape[0]
+    ids_TK, by_id = ids_TK.sort(dim=-1, stable=True)
+    weights_S1 = weights_TK.gather(1, by_id).reshape(-1, 1)
+    flat = ids_TK.reshape(-1)  # slot s = token * topk + rank by expert id
+    counts = torch.bincount(flat, minlength=num + 1)[:num]
+    kept = int(counts.sum())
+    order = flat.argsort(stable=True)[:kept]  # slots by expert, then token
+    expert = flat[order]
+    padded = (counts + ROWS - 1) // ROWS * ROWS
+    starts = counts.cumsum(0) - counts
+    pstarts = padded.cumsum(0) - padded
+    dest = pstarts[expert] + torch.arange(kept, device=flat.device) - starts[expert]
+    x = hidden_TH.new_zeros(int(padded.sum()), hidden_TH.shape[-1])
+    x[dest] = hidden_TH[order // topk]
+    sizes = padded.tolist()
+    gate_up = torch.cat([
+        _tiles(part, gate_up_E2IH[e]) for e, part in enumerate(x.split(sizes)) if sizes[e]
+    ]) if kept else x.new_zeros(0, gate_up_E2IH.shape[1])  # fmt: skip
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = act(gate) * up
+    y = torch.cat([
+        _tiles(part, down_EHI[e]) for e, part in enumerate(h.split(sizes)) if sizes[e]
+    ]) if kept else x  # fmt: skip
+    out = hidden_TH.new_zeros(tokens * topk, hidden_TH.shape[-1])
+    out[order] = (y[dest] * weights_S1[order]).to(out.dtype)
+    slots = out.view(tokens, topk, -1)
+    total = slots[:, 0]
+    for k in range(1, topk):
+        total = total + slots[:, k]
+    return total
+
+
+def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [n·ROWS, K] × weight [N, K]ᵀ as n products of one [ROWS, K] × [K, N] shape."""
+    tiles = rows.view(-1, ROWS, rows.shape[-1])
+    w_KN = weight.t()
+    return torch.bmm(tiles, w_KN.expand(tiles.shape[0], *w_KN.shape)).view(-1, weight.shape[0])
+
+
+_ROUTES: dict[Any, Callable[..., Any]] = {}
+
+
+def _route(*funcs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for f in funcs:
+            _ROUTES[f] = fn
+        return fn
+
+    return register
+
+
+_route(F.linear)(lambda x, weight, bias=None: linear(x, weight, bias))
+_route(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm)(matmul)
+_route(torch.sum, torch.Tensor.sum)(sum_)
+_route(torch.mean, torch.Tensor.mean)(mean)
+_route(torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)(sigmoid)
+_route(F.silu)(silu)
+_route(torch.rsqrt, torch.Tensor.rsqrt)(rsqrt)
+_route(F.scaled_dot_product_attention)(attention)
+_route(torch.logsumexp, torch.Tensor.logsumexp)(
+    lambda x, dim, keepdim=False: logsumexp(x, _required_dim(dim, {}), keepdim)
+)
+
+
+@_route(torch.softmax, torch.Tensor.softmax, F.softmax)
+def _softmax_route(x: torch.Tensor, dim: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return softmax(x, int(_required_dim(dim, kwargs)), _dtype(args, kwargs))
+
+
+@_route(torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)
+def _log_softmax_route(x: torch.Tensor, dim: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return log_softmax(x, int(_required_dim(dim, kwargs)), _dtype(args, kwargs))
+
+
+def _required_dim(dim: Any, kwargs: dict[str, Any]) -> int:
+    dim = kwargs.get("dim", dim)
+    if dim is None or isinstance(dim, (list, tuple)):
+        raise NotImplementedError(f"batch-invariant mode: a softmax over dim={dim}")
+    return int(dim)
+
+
+def _dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The ``dtype`` of a softmax call: a keyword, or the positional one of torch's and
+    the Tensor method's signatures (F.softmax's positional ``_stacklevel`` is not it)."""
+    if "dtype" in kwargs:
+        return kwargs["dtype"]  # type: ignore[no-any-return]
+    found = [a for a in args if isinstance(a, torch.dtype)]
+    return found[0] if found else None
+
+
+class BatchInvariant(TorchFunctionMode):
+    """Inside ``with BatchInvariant():`` the calls above run their batch-invariant
+    versions; every other torch call runs as it is."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        route = _ROUTES.get(func)
+        if route is None:
+            return func(*args, **kwargs)
+        if func in (torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean) and args:
+            first = args[0]
+            if isinstance(first, torch.Tensor) and not first.is_floating_point():
+                return func(*args, **kwargs)
+        return route(*args, **kwargs)

@@ -1,0 +1,194 @@
+"""The engine's batch-invariant mode (``--enable-deterministic-inference``, SGLang's flag).
+
+With it, a request's logits, logprobs and routes do not depend on the requests batched
+with it, on prefill vs decode, on a chunked prefill or on a prompt read from the prefix
+cache or shared by a group: a row's result is a function of its own tokens. The ops are
+``kernels.batch_invariant``'s (its docstring says how each is made so); ``enable`` puts
+them into transformers' model where its own are not invariant:
+
+- every ``nn.Linear`` (projections, MLPs, the output layer), RMSNorm and SiLU module runs
+  the batch-invariant op;
+- attention runs as the attention function registered here (transformers'
+  ``AttentionInterface``), the routed experts as the experts function registered here
+  (``ExpertsInterface``: each expert's tokens through fixed-shape products, a token's
+  experts summed in ascending expert id);
+- each MoE router's forward runs inside the ``BatchInvariant`` mode, which reroutes its
+  linear, softmax/sigmoid and sums;
+- everything else the forward does is exact as torch runs it (embedding lookups,
+  residual adds, the rotary tables' products, views) and runs as it is.
+
+The sampler's softmaxes run inside the mode too (``numerics``). Patching modules rather
+than running the whole forward inside the mode keeps torch's per-op Python dispatch off
+the hundreds of other ops a forward makes (on the tiny model that dispatch alone cost
+40% of a decode step).
+
+Which token a sampled (not greedy) request draws depends on the engine's random
+generator unless the request sets ``sampling_seed`` (then it draws from its own, as
+without the mode); the probabilities it draws from and the logprob it reports do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from moerl.kernels import batch_invariant as bi
+
+NAME = "moerl_batch_invariant"
+"""The attention and experts functions' name in transformers' interfaces."""
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _act(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The batch-invariant twin of an experts module's activation (SiLU only)."""
+    act = getattr(module, "act_fn", None)
+    if _is_silu(act):
+        return bi.silu
+    raise NotImplementedError(
+        f"--enable-deterministic-inference: the experts' activation {type(act).__name__} "
+        "has no batch-invariant version (SiLU has)"
+    )
+
+
+def experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' experts interface: (hidden [T, H], ids [T, K], weights [T, K])."""
+    return bi.experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        cast(torch.Tensor, self.gate_up_proj),
+        cast(torch.Tensor, self.down_proj),
+        _act(self),
+    )
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: q/k/v [B, heads, S, D] → ([B, S, heads, Dv], None)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = bi.attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        is_causal=bool(causal) and attention_mask is None and query.shape[2] > 1,
+        scale=scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
+        and m.gate_up_proj.dim() == 3
+    ]
+
+
+def _check_experts(model: torch.nn.Module) -> None:
+    for name, module in _experts_modules(model):
+        layout = {
+            "transposed": getattr(module, "is_transposed", False),
+            "bias": getattr(module, "has_bias", False),
+            "not concatenated": not getattr(module, "is_concatenated", True),
+            "no gate": not getattr(module, "has_gate", True),
+        }
+        odd = [k for k, v in layout.items() if v]
+        if odd:
+            raise NotImplementedError(
+                f"--enable-deterministic-inference: {name} stores its experts "
+                f"({', '.join(odd)}); only transformers' default fused layout is supported"
+            )
+        _act(module)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # boolean masks, as sdpa's
+    ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+
+
+def _rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' RMSNorm (fp32 statistics, weight × normed in the input dtype) with
+    the mean as ``bi.mean``."""
+    weight = cast(torch.Tensor, module.weight)
+    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * bi.rsqrt(bi.mean(h * h, -1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    return forward
+
+
+def _in_mode(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with bi.BatchInvariant():
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
+    """Make ``model`` (transformers' causal LM, MoE or dense) batch-invariant as the
+    module docstring says; ``routers``: its MoE router modules. Raises
+    NotImplementedError for a model this mode cannot hold to its promise."""
+    _check_experts(model)
+    _register()
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear):
+            module.forward = functools.partial(_linear, module)  # type: ignore[method-assign]
+        elif kind.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor):
+            module.forward = _rms_norm(module)  # type: ignore[method-assign]
+        elif _is_silu(module):
+            module.forward = bi.silu  # type: ignore[method-assign]
+        elif "norm" in kind.lower() and "rms" not in kind.lower():
+            raise NotImplementedError(
+                f"--enable-deterministic-inference: {name} is a {kind}; only RMSNorm has a "
+                "batch-invariant version"
+            )
+    for module in routers.values():
+        module.forward = _in_mode(module.forward)  # type: ignore[method-assign]
+    config = model.config
+    if getattr(config, "_experts_implementation", None) is not None:
+        model.set_experts_implementation(NAME)  # type: ignore[operator]
+    model.set_attn_implementation(NAME)  # type: ignore[operator]
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return bi.linear(x, module.weight, module.bias)
+
+
+def numerics(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """The context a sampling step runs in: ``BatchInvariant`` when ``enabled``."""
+    return bi.BatchInvariant() if enabled else contextlib.nullcontext()

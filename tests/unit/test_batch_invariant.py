@@ -1,0 +1,206 @@
+"""kernels/batch_invariant.py: each op agrees with torch's own (to rounding), and a row's
+result has the same bits whatever surrounds it: the rows beside it and their number,
+its position, padding, masked keys, prefill vs decode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moerl.kernels import batch_invariant as bi
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(a.float(), b.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_tree_sum_and_mean_match_torch_and_ignore_the_rows_beside():
+    x = torch.randn(37, 1000, generator=_gen())
+    torch.testing.assert_close(bi.tree_sum(x, -1), x.sum(-1))
+    torch.testing.assert_close(bi.tree_sum(x, 0, keepdim=True), x.sum(0, keepdim=True))
+    torch.testing.assert_close(bi.mean(x, -1, keepdim=True), x.mean(-1, keepdim=True))
+    whole = bi.tree_sum(x, -1)
+    for i in (0, 5, 36):
+        assert torch.equal(bi.tree_sum(x[i : i + 1], -1), whole[i : i + 1])
+    # bf16 sums in fp32
+    assert bi.tree_sum(x.bfloat16(), -1).dtype == torch.float32
+    assert bi.tree_sum(torch.ones(0, 3), 0).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_fold_sum_is_unchanged_by_zeros_anywhere():
+    x = torch.randn(3, 50, generator=_gen(1))
+    ref = bi.fold_sum(x, -1)
+    torch.testing.assert_close(ref, x.sum(-1))
+    for seed in range(5):
+        total = 50 + 7 * (seed + 1)
+        where = torch.randperm(total, generator=_gen(seed))[:50].sort().values
+        spread = torch.zeros(3, total)
+        spread[:, where] = x
+        assert torch.equal(bi.fold_sum(spread, -1), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(64, 96), (300, 50), (1024, 1024)])
+def test_linear_gives_a_row_the_same_bits_in_any_batch(dtype, k, n):
+    w = torch.randn(n, k, generator=_gen(2)).to(dtype)
+    b = torch.randn(n, generator=_gen(3)).to(dtype)
+    x = torch.randn(70, k, generator=_gen(4)).to(dtype)
+    whole = bi.linear(x, w, b)
+    _close(whole, F.linear(x, w, b), dtype)
+    for start, m in [(0, 1), (0, 2), (3, 1), (5, 7), (9, 16), (1, 33), (20, 50)]:
+        assert torch.equal(bi.linear(x[start : start + m], w, b), whole[start : start + m])
+    # leading dims are kept; an empty input gives an empty output
+    assert bi.linear(x.view(7, 10, k), w).shape == (7, 10, n)
+    assert bi.linear(x[:0], w).shape == (0, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmaxes_match_torch_and_a_row_alone(dtype):
+    x = (torch.randn(6, 40000, generator=_gen(5)) * 4).to(dtype)
+    x[2, :100] = -math.inf
+    _close(bi.softmax(x, -1), torch.softmax(x.float(), -1), dtype)
+    _close(bi.log_softmax(x.float(), -1), torch.log_softmax(x.float(), -1), torch.float32)
+    _close(bi.logsumexp(x, -1), torch.logsumexp(x.float(), -1).to(dtype), dtype)
+    assert bi.softmax(x, -1, dtype=torch.float32).dtype == torch.float32
+    for op in (bi.softmax, bi.log_softmax):
+        whole = op(x, -1)
+        for i in range(6):
+            assert torch.equal(op(x[i : i + 1], -1), whole[i : i + 1])
+    masked = torch.full((1, 4), -math.inf)
+    assert torch.equal(bi.softmax(masked, -1).isnan(), torch.ones(1, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_ops_do_not_depend_on_the_position_in_the_buffer(dtype):
+    """torch's fp32 sigmoid/silu and bf16 rsqrt take a vector path or a scalar one by an
+    element's position; these do not."""
+    x = (torch.randn(4096, generator=_gen(6)) * 3).to(dtype)
+    for op, ref in (
+        (bi.sigmoid, torch.sigmoid),
+        (bi.silu, F.silu),
+        (lambda t: bi.rsqrt(t.abs() + 1), lambda t: torch.rsqrt(t.abs() + 1)),
+    ):
+        whole = op(x)
+        _close(whole, ref(x.float()).to(dtype), dtype)
+        for start in range(0, 40, 3):
+            for n in (1, 3, 9, 17, 33):
+                assert torch.equal(op(x[start : start + n]), whole[start : start + n])
+
+
+def _attention_inputs(dtype, heads=4, kv_heads=2, t=13, d=24, dv=16):
+    g = _gen(7)
+    q = torch.randn(1, heads, t, d, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, t, d, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, t, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_matches_sdpa(dtype):
+    q, k, v = _attention_inputs(dtype)
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
+    )
+    _close(bi.attention(q, k, v, is_causal=True, enable_gqa=True), ref.to(dtype), dtype)
+    keep = torch.rand(1, 1, 13, 13, generator=_gen(8)) > 0.3
+    keep[..., 0] = True
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    ref = F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=keep)
+    _close(bi.attention(q, kr, vr, attn_mask=keep), ref.to(dtype), dtype)
+    additive = torch.zeros(1, 1, 13, 13).masked_fill(~keep, -1e30)
+    _close(bi.attention(q, kr, vr, attn_mask=additive, scale=0.3),
+           F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=additive,
+                                          scale=0.3).to(dtype), dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix(dtype):
+    """The last query of a causal prefill; the same query decoded alone over the keys;
+    its keys left-padded as a batched forward pads them; its keys split into a prompt
+    prefix and its own tokens with masked zero columns between (the engine's shared
+    prompt read); and batched beside another sequence."""
+    q, k, v = _attention_inputs(dtype, kv_heads=4)
+    prefill = bi.attention(q, k, v, is_causal=True)
+    last = q[:, :, -1:]
+    assert torch.equal(bi.attention(last, k, v), prefill[:, :, -1:])
+    pad = 5
+    kp = torch.cat([torch.zeros(1, 4, pad, 24, dtype=dtype), k], dim=2)
+    vp = torch.cat([torch.zeros(1, 4, pad, 16, dtype=dtype), v], dim=2)
+    keep = torch.ones(1, 1, 1, 13 + pad, dtype=torch.bool)
+    keep[..., :pad] = False
+    assert torch.equal(bi.attention(last, kp, vp, attn_mask=keep), prefill[:, :, -1:])
+    gap = 3
+    kg = torch.cat([k[:, :, :8], torch.zeros(1, 4, gap, 24, dtype=dtype), k[:, :, 8:]], dim=2)
+    vg = torch.cat([v[:, :, :8], torch.zeros(1, 4, gap, 16, dtype=dtype), v[:, :, 8:]], dim=2)
+    keep = torch.ones(1, 1, 1, 13 + gap, dtype=torch.bool)
+    keep[..., 8 : 8 + gap] = False
+    assert torch.equal(bi.attention(last, kg, vg, attn_mask=keep), prefill[:, :, -1:])
+    other_q, other_k, other_v = (t.roll(1, dims=2) * 0.5 for t in (q, k, v))
+    both = bi.attention(
+        torch.cat([other_q, q]), torch.cat([other_k, k]), torch.cat([other_v, v]),
+        is_causal=True,
+    )  # fmt: skip
+    assert torch.equal(both[1:], prefill)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_match_a_loop_and_a_token_alone(dtype):
+    g = _gen(9)
+    tokens, hidden, inter, experts, topk = 21, 32, 16, 6, 3
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    weights = torch.rand(tokens, topk, generator=g)
+    out = bi.experts(x, ids, weights, gate_up, down, bi.silu)
+    ref = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(topk):
+            e = int(ids[t, j])
+            gate, up = (x[t].float() @ gate_up[e].float().T).chunk(2)
+            ref[t] += weights[t, j] * ((F.silu(gate) * up) @ down[e].float().T)
+    _close(out, ref.to(dtype), dtype)
+    for t in (0, 7, 20):
+        alone = bi.experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down, bi.silu)
+        assert torch.equal(alone, out[t : t + 1])
+        # the order of a token's top-k does not matter
+        flipped = bi.experts(
+            x[t : t + 1], ids[t : t + 1].flip(-1), weights[t : t + 1].flip(-1), gate_up, down,
+            bi.silu,
+        )  # fmt: skip
+        assert torch.equal(flipped, out[t : t + 1])
+    # transformers marks a dropped slot with the expert count: it adds nothing
+    dropped = ids.clone()
+    dropped[:, -1] = experts
+    got = bi.experts(x, dropped, weights, gate_up, down, bi.silu)
+    partial = bi.experts(x, ids[:, :-1], weights[:, :-1], gate_up, down, bi.silu)
+    assert torch.equal(got, partial)
+
+
+def test_the_mode_reroutes_model_code_and_refuses_what_it_cannot_hold():
+    x = torch.randn(5, 64, generator=_gen(10))
+    w = torch.randn(32, 64, generator=_gen(11))
+    with bi.BatchInvariant():
+        y = F.linear(x, w)
+        s = torch.softmax(x, dim=-1, dtype=torch.float32)
+        m = x.pow(2).mean(-1, keepdim=True)
+        n = torch.tensor([[1, 2], [3, 4]]).sum(dim=(-1, -2))  # integers: as torch does
+        act = F.silu(x)
+        a = x @ w.T
+        with pytest.raises(NotImplementedError, match="no rule for a matrix product"):
+            torch.bmm(x[None], x[None].transpose(1, 2))
+    assert torch.equal(y, bi.linear(x, w)) and torch.equal(a, y)
+    assert torch.equal(s, bi.softmax(x, -1))
+    assert torch.equal(m, bi.mean(x.pow(2), -1, keepdim=True))
+    assert int(n) == 10
+    assert torch.equal(act, bi.silu(x))

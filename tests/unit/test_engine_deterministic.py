@@ -1,0 +1,116 @@
+"""The engine's batch-invariant mode (``--enable-deterministic-inference``,
+moerl/engine/core/invariant.py): a request's tokens, logprobs and routes have the same
+bits alone and batched with 3 or 15 other requests, with its prompt from the prefix
+cache, with its prefill chunked, and as one sample of a group reading a shared prompt;
+for both families in fp32 and bf16, greedy and seeded sampling."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+
+from moerl.engine.core.model_runner import ModelRunner
+from moerl.engine.core.prefix_cache import PrefixCache
+from moerl.engine.core.sampling import SamplingParams
+from moerl.engine.core.scheduler import Request, Scheduler
+from tests.unit.test_engine_shared_prompt import _run
+
+rng = np.random.default_rng(0)
+TARGET = rng.integers(3, 100, 11).tolist()
+OTHERS = [rng.integers(3, 100, int(n)).tolist() for n in rng.integers(2, 30, 15)]
+
+
+def _scenarios(runner: ModelRunner, new: int = 8) -> dict[str, Request]:
+    """The target request's result in each scenario (the first is it alone)."""
+
+    def run(batch, pick: int, **kw) -> Request:  # type: ignore[no-untyped-def]
+        sched = Scheduler(
+            runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True, **kw
+        )
+        return _run(sched, batch)[pick]
+
+    target = (TARGET, new)
+    return {
+        "alone": run([[target]], 0),
+        "beside 3": run([[target] + [(o, 6) for o in OTHERS[:3]]], 0),
+        "beside 15": run(
+            [[(o, 5) for o in OTHERS[:7]] + [target] + [(o, 9) for o in OTHERS[7:]]], 7
+        ),
+        "prompt cached": run([[(TARGET, 3)], [target]], 1),
+        "chunked prefill": run([[target, (OTHERS[0], 4)]], 0, chunked_prefill_size=4),
+        "shared prompt": run([[target] * 4], 2, shared_prompt_min_tokens=1),
+    }
+
+
+def _assert_same_bits(results: dict[str, Request]) -> None:
+    alone = results["alone"]
+    assert len(alone.output_ids) == 8
+    for name, got in results.items():
+        assert got.output_ids == alone.output_ids, name
+        assert got.logprobs == alone.logprobs, name  # exact: the bits, not a tolerance
+        np.testing.assert_array_equal(np.concatenate(got.routes), np.concatenate(alone.routes))
+    assert results["prompt cached"].cached_tokens > 0
+    assert results["shared prompt"].cached_tokens == len(TARGET)  # it read the leader's
+
+
+@pytest.mark.parametrize("family", ["deepseek_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_request_has_the_same_bits_in_every_batch(tiny_checkpoints, family, dtype):
+    runner = ModelRunner(tiny_checkpoints[family], dtype=dtype, deterministic=True)
+    assert runner.model.config._experts_implementation == "moerl_batch_invariant"
+    assert runner.model.config._attn_implementation == "moerl_batch_invariant"
+    _assert_same_bits(_scenarios(runner))
+
+
+def test_seeded_sampling_draws_the_same_tokens_in_every_batch(tiny_checkpoints, monkeypatch):
+    """A sampled request with its own ``sampling_seed`` draws the same tokens and reports
+    the same logprobs whatever it is batched with (the others sample unseeded)."""
+    import tests.unit.test_engine_shared_prompt as shared
+
+    real = SamplingParams
+
+    def seeded(**kw):  # type: ignore[no-untyped-def]
+        kw.update(temperature=1.0, top_p=0.9, sampling_seed=1234)
+        return real(**kw)
+
+    monkeypatch.setattr(shared, "SamplingParams", seeded)
+    runner = ModelRunner(tiny_checkpoints["qwen3_moe"], deterministic=True)
+    _assert_same_bits(_scenarios(runner))
+
+
+def test_the_served_engine_reports_the_mode_and_batches_invariantly(tiny_checkpoints):
+    """Through the HTTP API: /server_info says so, and one prompt's output logprobs are the
+    same sent alone and inside a batch of 8 prompts (SGLang's native /generate)."""
+    from moerl.engine.inprocess import InProcessEngine, engine_mounts
+
+    sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def talk(engine: InProcessEngine) -> tuple[dict, dict, list[dict]]:
+        async with httpx.AsyncClient(mounts=engine_mounts([engine]), timeout=60) as client:
+            info = (await client.get(f"{engine.url}/server_info")).json()
+            body = {"input_ids": TARGET, "sampling_params": sampling, "return_logprob": True}
+            alone = (await client.post(f"{engine.url}/generate", json=body)).json()
+            batch = {**body, "input_ids": [*OTHERS[:4], TARGET, *OTHERS[4:7]]}
+            many = (await client.post(f"{engine.url}/generate", json=batch)).json()
+            return info, alone, many
+
+    engine = InProcessEngine(tiny_checkpoints["deepseek_moe"], "--enable-deterministic-inference")
+    try:
+        info, alone, many = asyncio.run(talk(engine))
+    finally:
+        engine.close()
+    assert info["enable_deterministic_inference"] is True
+    key = "output_token_logprobs"
+    assert many[4]["output_ids"] == alone["output_ids"]
+    assert many[4]["meta_info"][key] == alone["meta_info"][key]
+
+
+def test_the_mode_is_refused_with_lora_before_anything_loads():
+    from moerl.engine.cli import parse_args
+
+    assert parse_args(["--model-path", "m"]).enable_deterministic_inference is False
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--enable-deterministic-inference", "--enable-lora"])

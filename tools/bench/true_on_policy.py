@@ -1,0 +1,208 @@
+"""True on-policy for MoE (issue 30): what the engine's batch-invariant mode
+(``--enable-deterministic-inference``, moerl/engine/core/invariant.py) buys and costs.
+
+    python tools/bench/true_on_policy.py [--quick] [--reps 5] [--new-tokens 16] [--out DIR]
+
+Per family (deepseek_moe, qwen3_moe) and engine dtype (fp32, bf16), on tiny random
+checkpoints, two engines in this process (the mode off and on; schedulers driven
+directly, no HTTP):
+
+- invariance: one greedy request run alone, beside 3 and beside 15 others, with its
+  prompt from the prefix cache, with its prefill chunked, and as one sample of a group
+  reading a shared prompt; a scenario counts when its tokens, logprobs and routes have
+  the alone run's bits. Printed per setting as ``invariant_off=a/6 invariant_on=b/6``.
+- engine overhead: a step's batch (4 prompts × 8 samples, ``--new-tokens`` each), the
+  two engines alternating ``--reps`` times; the median wall time with the mode on over
+  off, on the tiny shape and on tools/bench/engine.py's mid shape (fp32).
+
+Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
+layouts_exact=… abs_diff_max=… trainer_overhead=…``. The trainer's matching mode (the
+engine's logprobs equal to megatron-core's, bit for bit, in every layout) is not built
+yet, so its three fields read ``not_built`` rather than a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TARGET_OVERHEAD = 1.35  # SGLang's deterministic mode: 34% (dense models, GPU)
+
+
+def _mid_shape() -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("moerl_bench_engine_shape", HERE / "engine.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return dict(module.MID_SHAPE)
+
+
+def _generate(sched: Any, batch: list[tuple[list[int], int]], timeout_s: float = 300) -> list[Any]:
+    """Submit (prompt, max_new_tokens) pairs at once, greedy, with output logprobs and
+    routes; wait for every answer."""
+    from moerl.engine.core.sampling import SamplingParams
+    from moerl.engine.core.scheduler import Request
+
+    left, done, lock = [len(batch)], threading.Event(), threading.Lock()
+
+    def on_done(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+    reqs = [
+        Request(
+            rid=f"r{i}",
+            input_ids=list(prompt),
+            on_done=on_done,
+            return_logprob=True,
+            logprob_start_len=len(prompt) - 1,
+            params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        for i, (prompt, n) in enumerate(batch)
+    ]
+    sched.submit(*reqs)
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{left[0]} of {len(batch)} requests unanswered after {timeout_s} s")
+    return reqs
+
+
+def _session(runner: Any, batches: list[list[tuple[list[int], int]]], **kw: Any) -> list[Any]:
+    from moerl.engine.core.prefix_cache import PrefixCache
+    from moerl.engine.core.scheduler import Scheduler
+
+    sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True, **kw)
+    sched.start()
+    try:
+        return [_generate(sched, b) for b in batches]
+    finally:
+        sched.shutdown()
+
+
+def invariance(runner: Any, new: int, seed: int = 0) -> dict[str, bool]:
+    """Scenario → whether the target request got the bits it gets alone."""
+    rng = np.random.default_rng(seed)
+    target = rng.integers(3, 100, 11).tolist()
+    others = [rng.integers(3, 100, int(n)).tolist() for n in rng.integers(2, 30, 15)]
+    t = (target, new)
+    alone = _session(runner, [[t]])[0][0]
+    got = {
+        "beside_3": _session(runner, [[t] + [(o, new - 2) for o in others[:3]]])[0][0],
+        "beside_15": _session(
+            runner, [[(o, new - 3) for o in others[:7]] + [t] + [(o, new + 1) for o in others[7:]]]
+        )[0][7],
+        "prompt_cached": _session(runner, [[(target, 3)], [t]])[1][0],
+        "chunked_prefill": _session(runner, [[t, (others[0], 4)]], chunked_prefill_size=4)[0][0],
+        "shared_prompt": _session(runner, [[t] * 4], shared_prompt_min_tokens=1)[0][2],
+    }
+
+    def same(r: Any) -> bool:
+        return (
+            r.output_ids == alone.output_ids
+            and r.logprobs == alone.logprobs
+            and np.array_equal(np.concatenate(r.routes), np.concatenate(alone.routes))
+        )
+
+    return {"alone": True, **{k: same(r) for k, r in got.items()}}
+
+
+def overhead(
+    runners: dict[bool, Any], new: int, reps: int, vocab: int, seed: int = 1
+) -> dict[str, float]:
+    """Median wall time of a step's batch with the mode off and on, alternating."""
+    rng = np.random.default_rng(seed)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(reps + 1):
+        prompts = [rng.integers(3, vocab, 24).tolist() for _ in range(4)]
+        for mode, runner in runners.items():
+            start = time.perf_counter()
+            _session(runner, [[(p, new) for p in prompts for _ in range(8)]])
+            if rep:  # the first round warms both up
+                times[mode].append(time.perf_counter() - start)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"off_s": off, "on_s": on, "overhead": on / off}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one family, fp32, 3 reps")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: quiet)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    import torch
+
+    from moerl.engine.core.model_runner import ModelRunner
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    torch.set_num_threads(args.threads)
+    families = ["deepseek_moe"] if args.quick else ["deepseek_moe", "qwen3_moe"]
+    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
+    reps = min(args.reps, 3) if args.quick else args.reps
+    result: dict[str, Any] = {"settings": {}, "target_overhead": TARGET_OVERHEAD}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            cfg = tiny_config(family)
+            path = save_tiny_checkpoint(cfg, Path(tmp) / family, seed=0)
+            for dtype in dtypes:
+                runners = {
+                    m: ModelRunner(path, dtype=dtype, deterministic=m) for m in (False, True)
+                }
+                setting: dict[str, Any] = {
+                    "invariant_off": invariance(runners[False], args.new_tokens),
+                    "invariant_on": invariance(runners[True], args.new_tokens),
+                }
+                if dtype == "float32":
+                    setting["tiny"] = overhead(runners, args.new_tokens, reps, cfg.vocab_size)
+                name = f"{family}/{dtype}"
+                result["settings"][name] = setting
+                off, on = (sum(setting[k].values()) for k in ("invariant_off", "invariant_on"))
+                n = len(setting["invariant_on"])
+                line = f"{name} invariant_off={off}/{n} invariant_on={on}/{n}"
+                if "tiny" in setting:
+                    line += f" overhead_tiny={setting['tiny']['overhead']:.2f}"
+                print(line, flush=True)
+        mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
+        mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
+        runners = {m: ModelRunner(mid, deterministic=m) for m in (False, True)}
+        result["mid"] = overhead(runners, args.new_tokens, reps, mid_cfg.vocab_size)
+        print(f"deepseek_moe mid/float32 overhead={result['mid']['overhead']:.2f}", flush=True)
+    settings = result["settings"].values()
+    result["engine_invariant"] = sum(sum(s["invariant_on"].values()) for s in settings)
+    result["engine_scenarios"] = sum(len(s["invariant_on"]) for s in settings)
+    result["engine_invariant_off"] = sum(sum(s["invariant_off"].values()) for s in settings)
+    tiny = [s["tiny"]["overhead"] for s in settings if "tiny" in s]
+    result["engine_overhead"] = statistics.median(tiny)
+    result["engine_overhead_mid"] = result["mid"]["overhead"]
+    for key in ("layouts_exact", "abs_diff_max", "trainer_overhead"):
+        result[key] = "not_built"
+    print(
+        f"true_on_policy engine_invariant={result['engine_invariant']}/{result['engine_scenarios']}"
+        f" (off: {result['engine_invariant_off']}) engine_overhead={result['engine_overhead']:.2f}"
+        f" engine_overhead_mid={result['engine_overhead_mid']:.2f} layouts_exact=not_built"
+        " abs_diff_max=not_built trainer_overhead=not_built",
+        flush=True,
+    )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parents[1]))
+    main()
