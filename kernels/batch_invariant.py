@@ -201,6 +201,17 @@ def rsqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 @_plain
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
+    """RMSNorm over the last axis as transformers' models write it: statistics in fp32
+    (``mean`` of squares), the normed value cast back, then times ``weight``."""
+    h = x.float()
+    h = (h * torch.rsqrt(mean(h * h, -1, keepdim=True) + eps)).to(x.dtype)
+    return h if weight is None else weight * h
+
+
+@_plain
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -319,6 +330,17 @@ _route(torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)(sigmoid)
 _route(F.silu)(silu)
 _route(torch.rsqrt, torch.Tensor.rsqrt)(rsqrt)
 _route(F.scaled_dot_product_attention)(attention)
+
+
+@_route(F.rms_norm, torch.rms_norm)
+def _rms_norm_route(
+    x: torch.Tensor, shape: Any, weight: torch.Tensor | None = None, eps: float | None = None
+) -> torch.Tensor:
+    if len(tuple(shape)) != 1:
+        raise NotImplementedError(f"batch-invariant mode: an RMSNorm over {tuple(shape)}")
+    return rms_norm(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
+
+
 _route(torch.logsumexp, torch.Tensor.logsumexp)(
     lambda x, dim, keepdim=False: logsumexp(x, _required_dim(dim, {}), keepdim)
 )

@@ -204,3 +204,18 @@ def test_the_mode_reroutes_model_code_and_refuses_what_it_cannot_hold():
     assert torch.equal(m, bi.mean(x.pow(2), -1, keepdim=True))
     assert int(n) == 10
     assert torch.equal(act, bi.silu(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_is_transformers_formula_and_rerouted_from_torch(dtype):
+    x = torch.randn(9, 3, 64, generator=_gen(12)).to(dtype)
+    w = torch.rand(64, generator=_gen(13)).to(dtype)
+    norm = torch.nn.RMSNorm(64, eps=1e-6, dtype=dtype)
+    norm.weight.data.copy_(w)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = bi.rms_norm(x, w, 1e-6)
+    _close(got, want, dtype)
+    with torch.no_grad(), bi.BatchInvariant():
+        assert torch.equal(norm(x), got)
+    assert torch.equal(bi.rms_norm(x[4:5, 1:2], w, 1e-6), got[4:5, 1:2])

@@ -11,12 +11,12 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
+from test_engine_shared_prompt import _run
 
 from moerl.engine.core.model_runner import ModelRunner
 from moerl.engine.core.prefix_cache import PrefixCache
 from moerl.engine.core.sampling import SamplingParams
 from moerl.engine.core.scheduler import Request, Scheduler
-from tests.unit.test_engine_shared_prompt import _run
 
 rng = np.random.default_rng(0)
 TARGET = rng.integers(3, 100, 11).tolist()
@@ -68,7 +68,7 @@ def test_a_request_has_the_same_bits_in_every_batch(tiny_checkpoints, family, dt
 def test_seeded_sampling_draws_the_same_tokens_in_every_batch(tiny_checkpoints, monkeypatch):
     """A sampled request with its own ``sampling_seed`` draws the same tokens and reports
     the same logprobs whatever it is batched with (the others sample unseeded)."""
-    import tests.unit.test_engine_shared_prompt as shared
+    import test_engine_shared_prompt as shared
 
     real = SamplingParams
 
