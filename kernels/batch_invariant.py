@@ -169,17 +169,23 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
 
 @_plain
 def log_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x − (max + log Σ exp(x − max)): the trainer's logprob formula
+    (kernels/logprob_torch.py), so the engine's and the trainer's logprobs can agree."""
     x = x.to(dtype) if dtype is not None else x
-    s = _shifted(_wide(x), dim)
-    return (s - torch.log(tree_sum(torch.exp(s), dim, keepdim=True))).to(x.dtype)
+    w = _wide(x)
+    return (w - _log_z(w, dim)).to(x.dtype)
+
+
+def _log_z(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """max + log Σ exp(w − max) over ``dim`` (kept); a row of all −inf is shifted by 0."""
+    top = w.amax(dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return top + torch.log(tree_sum(torch.exp(w - top), dim, keepdim=True))
 
 
 @_plain
 def logsumexp(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
-    w = _wide(x)
-    top = w.amax(dim, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    out = top + torch.log(tree_sum(torch.exp(w - top), dim, keepdim=True))
+    out = _log_z(_wide(x), dim)
     return (out if keepdim else out.squeeze(dim)).to(x.dtype)
 
 
@@ -370,6 +376,12 @@ def _dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
         return kwargs["dtype"]  # type: ignore[no-any-return]
     found = [a for a in args if isinstance(a, torch.dtype)]
     return found[0] if found else None
+
+
+def in_mode() -> bool:
+    """Whether the calling code runs inside a ``BatchInvariant`` block."""
+    stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[attr-defined]
+    return any(isinstance(mode, BatchInvariant) for mode in stack)
 
 
 class BatchInvariant(TorchFunctionMode):

@@ -178,6 +178,24 @@ def _check_mla_tensor_parallel(tp: int) -> None:
         )
 
 
+def _check_numerics(t: TrainerConfig, p: ParallelConfig) -> None:
+    from moerl.trainer.numerics import check
+
+    check(t.numerics, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dtype=t.dtype)
+    if t.numerics != "batch_invariant":
+        return
+    for key, value, fine in (
+        ("kernels", t.kernels, ("auto", "torch")),
+        ("logprobs_from", t.logprobs_from, ("auto", "logits")),
+    ):
+        if value not in fine:
+            raise ValueError(
+                f"trainer.{key}={value!r} with trainer.numerics=batch_invariant: the matching "
+                f"numerics compute logprobs from the logits with the torch path; use "
+                f"trainer.{key}=auto"
+            )
+
+
 def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None:
     one_of("trainer.dtype", t.dtype, DTYPES)
     from moerl.algo.replay import check_replay_spec
@@ -187,6 +205,7 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     one_of("trainer.expert_gemm", t.expert_gemm, EXPERT_GEMMS)
     one_of("trainer.cpu_adam", t.cpu_adam, CPU_ADAMS)
     one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
+    _check_numerics(t, p)
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
     positive_int("trainer.train_iters", t.train_iters)
@@ -425,6 +444,11 @@ def _check_rollout(cfg: MoerlConfig) -> None:
             raise ValueError(
                 "rollout.partial_rollout=abort_resume with lora.enabled: a continued request "
                 "would mix adapters; use in_place (each request keeps its adapter) or drain"
+            )
+        if cfg.trainer.numerics == "batch_invariant":
+            raise ValueError(
+                "trainer.numerics=batch_invariant with lora.enabled: the matching numerics "
+                "have no LoRA path yet; set trainer.numerics=default"
             )
         if cfg.engine.deterministic_inference and cfg.engine.kind == "embedded":
             raise ValueError(

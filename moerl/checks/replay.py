@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,10 @@ def collect_rollouts(
     dtype: str = "float32",
     seed: int = 0,
     sampling: dict | None = None,
+    flags: tuple[str, ...] = (),
 ) -> list[Trajectory]:
-    """Generate trajectories with routes and masks from a fresh embedded engine."""
+    """Generate trajectories with routes and masks from a fresh embedded engine
+    (``flags``: more engine flags)."""
     from moerl.engine.process import EngineProcess
     from moerl.rollout import EngineClient
 
@@ -85,8 +88,9 @@ def collect_rollouts(
             )  # fmt: skip
 
     with EngineProcess(
-        hf_dir, "--enable-return-routed-experts", "--dtype", dtype, "--random-seed", str(seed)
-    ) as engine:
+        hf_dir, "--enable-return-routed-experts", "--dtype", dtype, "--random-seed", str(seed),
+        *flags,
+    ) as engine:  # fmt: skip
         trajs = asyncio.run(go(engine.url))
     save_jsonl(out, trajs)
     return trajs
@@ -182,7 +186,13 @@ def checkpoint_model(hf_dir: str | Path) -> ModelConfig:
 
 
 def _worker(
-    layout: str, hf_dir: str, rollouts: str, out: str, dtype: str, settings: list | None = None
+    layout: str,
+    hf_dir: str,
+    rollouts: str,
+    out: str,
+    dtype: str,
+    settings: list | None = None,
+    numerics: str = "default",
 ) -> None:
     import torch.distributed as dist
 
@@ -194,12 +204,21 @@ def _worker(
     model = checkpoint_model(hf_dir)
     pcfg, _ = parse_layout(layout)
     initialize_for_model(pcfg, model)
-    chunks = build_model(model, pcfg, dtype, routing_replay=True)
+    matching = numerics == "batch_invariant"
+    chunks = build_model(
+        model, pcfg, dtype, routing_replay=True, use_te=False if matching else None
+    )
     load_hf(chunks, hf_dir, model)
+    if matching:
+        from moerl.trainer import numerics as trainer_numerics
+
+        trainer_numerics.enable(chunks)
     trajs = load_jsonl(rollouts)
     moe_layers = [i for i in range(model.num_layers) if i >= model.first_k_dense_replace]
     results = []
     scored: dict[tuple[str, str], np.ndarray] = {}
+    payload_logprobs: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
     for setting in settings or SETTINGS:
         replay, mask = setting[0], setting[1]
         extra = setting[2] if len(setting) > 2 else {}
@@ -209,11 +228,13 @@ def _worker(
         )
         if not isinstance(replay, str):
             replay = str(replay.get("_target_") or replay.get("name"))
+        start = time.perf_counter()
         res = trainer_logprobs(
             chunks, trajs, replay=policy, use_mask=mask == "on",
             num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
             **extra,
         )  # fmt: skip
+        seconds[f"{replay}/{mask}"] = time.perf_counter() - start
         if dist.get_rank() != 0:
             continue
         # an episode's spliced observation tokens are not sampled: only trained ones count
@@ -223,6 +244,7 @@ def _worker(
             (t.sampling_logprobs if mask == "on" else t.response_logprobs) for t in trajs
         ])[trained]  # fmt: skip
         scored[(replay, mask)] = trainer
+        payload_logprobs[f"{replay}/{mask}"] = trainer.tolist()
         k3, mad, mx = mismatch(trainer, ref)
         rates = res.flip_rate()
         results.append(
@@ -237,7 +259,11 @@ def _worker(
             )  # fmt: skip
         )
     if dist.get_rank() == 0:
-        payload: dict = {"settings": [asdict(r) for r in results]}
+        payload: dict = {
+            "settings": [asdict(r) for r in results],
+            "logprobs": payload_logprobs,
+            "seconds": seconds,
+        }
         if all(k in scored for k in SETTINGS):
             from moerl.telemetry.mismatch import decompose
 
@@ -265,12 +291,16 @@ def score(
     out: str | Path,
     dtype: str = "fp32",
     settings: list | None = None,
+    numerics: str = "default",
 ) -> list[SettingResult]:
     """Score rollouts under ``settings``: (replay, mask[, trainer_logprobs kwargs]) with
     replay 'on' | 'off' | 'recent' or a replay-policy mapping (``{"_target_": ...}``,
-    reported under its target); default: replay and mask each on and off."""
+    reported under its target); default: replay and mask each on and off. ``numerics``:
+    the trainer's (``trainer.numerics``). ``out`` also keeps each setting's trainer
+    logprobs of the trained tokens (``logprobs`` → "replay/mask") and the seconds each
+    setting's forward took (``seconds``)."""
     _, world = parse_layout(layout)
-    spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype, settings)
+    spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype, settings, numerics)
     return [SettingResult(**r) for r in json.loads(Path(out).read_text())["settings"]]
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moerl.common.checks import one_of
+from moerl.trainer import numerics
 from moerl.trainer.batch import MicroBatch
 from moerl.trainer.logprobs import token_logprobs
 
@@ -144,7 +145,9 @@ def logprobs_of(
     if fused:
         assert v == 1, f"the fused head returns [B, S, 1], got {tuple(output_BSx.shape)}"
         return output_BSx[..., 0]
-    return token_logprobs(
+    # trainer.numerics=batch_invariant: the engine's formulas (moerl/trainer/numerics.py)
+    compute = numerics.token_logprobs if numerics.matched(output_BSx) else token_logprobs
+    return compute(
         output_BSx.reshape(b * s, v), mb.labels.reshape(-1), mb.temperature,
         mask_pos_N=mb.mask_pos if use_mask else None, mask_ids_N=mb.mask_ids if use_mask else None,
     ).reshape(b, s)  # fmt: skip

@@ -63,6 +63,9 @@ class Trainer:
         # local spec does not build): with LoRA the model takes the local spec even where
         # transformer-engine is installed; None = TE when installed
         self.use_te = False if lora is not None and lora.enabled else None
+        matching = trainer.numerics == "batch_invariant"
+        if matching:  # its ops replace the local layers' (moerl/trainer/numerics.py)
+            self.use_te = False
         chunks = build_model(
             model,
             parallel,
@@ -81,8 +84,12 @@ class Trainer:
             load_hf(chunks, hf_dir, model)
         self.kl = algo.kl
         self.reference = self._reference(chunks, model, parallel) if algo.kl.coef > 0 else None
-        set_kernel_backend(trainer.kernels)
-        self.logprobs_from = resolve_source(trainer.logprobs_from)
+        if matching:
+            from moerl.trainer import numerics
+
+            numerics.enable(chunks)
+        set_kernel_backend("torch" if matching else trainer.kernels)
+        self.logprobs_from = "logits" if matching else resolve_source(trainer.logprobs_from)
         self.lora = lora if lora is not None and lora.enabled else None
         if self.lora is not None:  # freeze the base; only adapters train (and sync)
             from moerl.lora import apply_lora

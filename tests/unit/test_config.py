@@ -163,6 +163,23 @@ def testpackage_header() -> None:
         (["engine.decode_share=1.0"], 1, ["engine.decode_share=1.0", "[0, 1)"]),
         (["engine.shared_prompt_min_tokens=0"], 1, ["engine.shared_prompt_min_tokens=0", "-1"]),
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
+        (["trainer.numerics=exact"], 1, ["trainer.numerics='exact'", "batch_invariant"]),
+        (
+            ["trainer.numerics=batch_invariant", "parallel=ep2"],
+            2,
+            ["parallel.ep=2", "parallel=single"],
+        ),
+        (["trainer.numerics=batch_invariant", "trainer.dtype=bf16"], 1, ["trainer.dtype='bf16'"]),
+        (
+            ["trainer.numerics=batch_invariant", "trainer.kernels=triton"],
+            1,
+            ["trainer.kernels='triton' with trainer.numerics=batch_invariant"],
+        ),
+        (
+            ["model=deepseek_moe_tiny", "lora=all", "trainer.numerics=batch_invariant"],
+            1,
+            ["trainer.numerics=batch_invariant with lora.enabled"],
+        ),
         (
             ["model=deepseek_moe_tiny", "lora=all", "engine.deterministic_inference=true"],
             1,

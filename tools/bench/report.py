@@ -422,7 +422,13 @@ def _true_on_policy(r: dict[str, Any]) -> list[Row]:
     )
     tiny, mid = r.get("engine_overhead"), r.get("engine_overhead_mid")
     target = _num(r.get("target_overhead")) or 1.35
-    trainer = r.get("layouts_exact")
+    exact, layouts = r.get("layouts_exact"), r.get("layouts_total")
+    diff, diff_off, t_over = (
+        r.get("abs_diff_max"),
+        r.get("abs_diff_max_off"),
+        r.get("trainer_overhead"),
+    )
+    built = isinstance(exact, int) and isinstance(layouts, int)
     return [
         Row("true_on_policy", "engine batch invariance: scenarios with the alone run's bits, "
             "--enable-deterministic-inference on (off)", f"{good}/{total} ({off}/{total})",
@@ -431,9 +437,14 @@ def _true_on_policy(r: dict[str, Any]) -> list[Row]:
             f"{_x(tiny)}; {_x(mid)}", f"≤ {target:g}×",
             _status(mid, _num(mid) is not None and _num(tiny) is not None
                     and max(tiny, mid) <= target)),
-        Row("true_on_policy", "trainer = engine bit for bit: layouts exact; abs_diff_max",
-            "not built" if trainer == "not_built" else f"{trainer}; {r.get('abs_diff_max')}",
-            "7/7; 0", "not built" if trainer == "not_built" else "—"),
+        Row("true_on_policy", "trainer = engine bit for bit: layouts × families exact; "
+            "abs_diff_max (both modes off)",
+            f"{exact}/{layouts}; {diff:.3g} ({diff_off:.3g})" if built else "not built",
+            f"{layouts}/{layouts}; 0" if built else "all; 0",
+            _status(diff, built and exact == layouts and diff == 0) if built else "not built"),
+        Row("true_on_policy", "trainer forward time, trainer.numerics=batch_invariant / default",
+            _x(t_over), f"≤ {target:g}×",
+            _status(t_over, _num(t_over) is not None and t_over <= target)),
     ]  # fmt: skip
 
 

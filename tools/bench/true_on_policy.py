@@ -15,10 +15,18 @@ directly, no HTTP):
   two engines alternating ``--reps`` times; the median wall time with the mode on over
   off, on the tiny shape and on tools/bench/engine.py's mid shape (fp32).
 
+- engine = trainer: per family, fp32 rollouts (6 prompts × 10 tokens, temperature 0.7,
+  top-p 0.9, routes and kept sets recorded) scored by megatron-core with Keep Routing and
+  the sampling mask (``moerl.checks.replay.score``), once with both modes on
+  (``--enable-deterministic-inference``, ``trainer.numerics=batch_invariant``) and once
+  with both off: max |log π_trainer − log μ| over the trained tokens, and the trainer
+  forward's time on over off (``trainer_overhead``).
+
 Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
-layouts_exact=… abs_diff_max=… trainer_overhead=…``. The trainer's matching mode (the
-engine's logprobs equal to megatron-core's, bit for bit, in every layout) is not built
-yet, so its three fields read ``not_built`` rather than a number.
+layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=…``. ``layouts_exact``
+counts the issue's 7 layouts × 2 families whose trained tokens matched exactly; the
+matching numerics hold on one model-parallel rank so far, so only ``single`` is run
+(the other layouts are refused by the preflight and counted as not exact).
 """
 
 from __future__ import annotations
@@ -39,6 +47,41 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 TARGET_OVERHEAD = 1.35  # SGLang's deterministic mode: 34% (dense models, GPU)
+LAYOUTS = ("single", "tp2", "ep2", "etp2ep2", "tp2ep2", "pp2", "dp2ep2")
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
+
+
+def trainer_match(family: str, tmp: Path, prompts: int, new: int) -> dict[str, Any]:
+    """Engine vs trainer logprobs (kept-set, Keep Routing), both modes on and both off."""
+    from moerl.checks.replay import collect_rollouts, score
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    hf = save_tiny_checkpoint(tiny_config(family), tmp / f"{family}-hf", seed=0)
+    out: dict[str, Any] = {}
+    for mode, flags, numerics in (
+        ("on", ("--enable-deterministic-inference",), "batch_invariant"),
+        ("off", (), "default"),
+    ):
+        rollouts, scored = tmp / f"{family}-{mode}.jsonl", tmp / f"{family}-{mode}.json"
+        trajs = collect_rollouts(
+            hf, rollouts, num_prompts=prompts, max_new_tokens=new, dtype="float32",
+            sampling=SAMPLING, flags=flags,
+        )  # fmt: skip
+        score("single", hf, rollouts, scored, settings=[("on", "on")], numerics=numerics)
+        payload = json.loads(scored.read_text())
+        trained = np.concatenate([t.trained for t in trajs])
+        ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
+        diff = np.abs(np.asarray(payload["logprobs"]["on/on"]) - ref)
+        out[mode] = {
+            "abs_diff_max": float(diff.max()),
+            "exact_tokens": int((diff == 0).sum()),
+            "tokens": len(diff),
+            "forward_s": payload["seconds"]["on/on"],
+        }
+    out["exact"] = out["on"]["abs_diff_max"] == 0.0
+    out["trainer_overhead"] = out["on"]["forward_s"] / out["off"]["forward_s"]
+    return out
 
 
 def _mid_shape() -> dict[str, Any]:
@@ -176,6 +219,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if "tiny" in setting:
                     line += f" overhead_tiny={setting['tiny']['overhead']:.2f}"
                 print(line, flush=True)
+        result["trainer"] = {}
+        for family in families:
+            match = trainer_match(family, Path(tmp), 4 if args.quick else 6, args.new_tokens)
+            result["trainer"][family] = match
+            print(
+                f"{family} single abs_diff_max={match['on']['abs_diff_max']:.3g} "
+                f"(off: {match['off']['abs_diff_max']:.3g}) exact_tokens="
+                f"{match['on']['exact_tokens']}/{match['on']['tokens']} "
+                f"trainer_overhead={match['trainer_overhead']:.2f}",
+                flush=True,
+            )
         mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
         mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
         runners = {m: ModelRunner(mid, deterministic=m) for m in (False, True)}
@@ -188,13 +242,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tiny = [s["tiny"]["overhead"] for s in settings if "tiny" in s]
     result["engine_overhead"] = statistics.median(tiny)
     result["engine_overhead_mid"] = result["mid"]["overhead"]
-    for key in ("layouts_exact", "abs_diff_max", "trainer_overhead"):
-        result[key] = "not_built"
+    trainer = result["trainer"].values()
+    result["layouts_exact"] = sum(m["exact"] for m in trainer)
+    result["layouts_total"] = len(LAYOUTS) * len(result["trainer"])
+    result["abs_diff_max"] = max(m["on"]["abs_diff_max"] for m in trainer)
+    result["abs_diff_max_off"] = max(m["off"]["abs_diff_max"] for m in trainer)
+    result["trainer_overhead"] = statistics.median(m["trainer_overhead"] for m in trainer)
     print(
         f"true_on_policy engine_invariant={result['engine_invariant']}/{result['engine_scenarios']}"
         f" (off: {result['engine_invariant_off']}) engine_overhead={result['engine_overhead']:.2f}"
-        f" engine_overhead_mid={result['engine_overhead_mid']:.2f} layouts_exact=not_built"
-        " abs_diff_max=not_built trainer_overhead=not_built",
+        f" engine_overhead_mid={result['engine_overhead_mid']:.2f}"
+        f" layouts_exact={result['layouts_exact']}/{result['layouts_total']}"
+        f" abs_diff_max={result['abs_diff_max']:.3g} abs_diff_max_off={result['abs_diff_max_off']:.3g}"
+        f" trainer_overhead={result['trainer_overhead']:.2f}",
         flush=True,
     )
     if args.out:

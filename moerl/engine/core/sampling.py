@@ -398,7 +398,10 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
     keep = kept_set(logits_V, params)
     kept_ids = torch.nonzero(keep).flatten()
     kept_ids = kept_ids[torch.argsort(logprobs_V[kept_ids], descending=True, stable=True)]
-    kept_logprobs = torch.log_softmax(logprobs_V[kept_ids], dim=-1)
+    # renormalised over the full vocabulary with the dropped ids at -inf, as sample_batch
+    # does, so both paths (and a matching trainer) give the same bits
+    kept_V = torch.log_softmax(logprobs_V.masked_fill(~keep, -math.inf), dim=-1)
+    kept_logprobs = kept_V[kept_ids]
     if kept_ids.numel() == 1:
         choice = 0
     else:

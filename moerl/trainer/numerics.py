@@ -1,0 +1,200 @@
+"""The trainer's matching numerics (``trainer.numerics=batch_invariant``, issue 30).
+
+With it, megatron-core's forward computes the bits the embedded engine computes with
+``--enable-deterministic-inference`` (``moerl/engine/core/invariant.py``): the same
+``kernels/batch_invariant.py`` ops, applied in transformers' op order where
+megatron-core's differs. Together with Keep Routing (the trainer's top-k sets, and their
+order, are the engine's) and a synchronous step, the trainer's logprob of every
+response token is the engine's, exactly, so the importance ratio is 1 and the
+decomposition's numerics term 0.
+
+What ``enable`` does to the model chunks:
+
+- each chunk's forward runs inside ``BatchInvariant``, which reroutes the linears
+  (megatron-core's ``torch.matmul`` with the transposed weight), ``F.rms_norm``, sdpa
+  (``LocalCoreAttention``), softmaxes, sums and SiLU to the batch-invariant ops; the
+  embedding, rotary tables and residual adds are exact as they are;
+- a softmax router that renormalises its top-k (Qwen3-MoE's ``norm_topk_prob``) takes
+  transformers' order: softmax over all experts, top-k, divide by their sum (megatron-core
+  takes the softmax of the top-k logits: equal in exact arithmetic, not in bits);
+  sigmoid routers (DeepSeek-V3) already follow transformers' formula;
+- routed experts apply the routing weight after the down projection, as transformers
+  does (megatron-core scales the activations before it), one expert after another;
+- the token logprobs (``moerl.trainer.logprobs``) run inside the mode, so their sum over
+  the vocabulary is the tree the engine's sampler takes.
+
+The backward pass is not affected (it runs outside the mode). Supported here: one
+tensor-, pipeline- and expert-parallel rank (data parallelism is free), fp32, the torch
+logprob path; the preflight refuses the rest (``check``) until their reductions are
+made independent of the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moerl.kernels import batch_invariant as bi
+
+NUMERICS = ("default", "batch_invariant")
+
+MARK = "_moerl_batch_invariant"
+"""Set on a chunk's output by its matching forward (``matched`` reads it)."""
+
+
+def matched(output: torch.Tensor) -> bool:
+    """Whether a matching chunk produced this output (its logprobs take ``token_logprobs``)."""
+    return bool(getattr(output, MARK, False))
+
+
+def token_logprobs(
+    logits_TV: torch.Tensor,
+    labels_T: torch.Tensor,
+    temperature_T: torch.Tensor | float = 1.0,
+    *,
+    mask_pos_N: torch.Tensor | None = None,
+    mask_ids_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log p(label) [T] as the engine's sampler computes it (moerl/engine/core/sampling.py),
+    in batch-invariant ops: log_softmax(logits / T) over the vocabulary; a token with a
+    kept set (``mask_pos_N``/``mask_ids_N`` pairs) renormalised as
+    log_softmax(that, with the dropped ids at -inf). Differentiable; one TP rank."""
+    from moerl.kernels.logprob_torch import temperatures
+
+    tokens = logits_TV.shape[0]
+    temp_T = temperatures(temperature_T, tokens, logits_TV.device)
+    lp_TV = bi.log_softmax(logits_TV.float() / temp_T[:, None], -1)
+    labels_T1 = labels_T.long()[:, None]
+    out_T = lp_TV.gather(1, labels_T1)[:, 0]
+    if mask_pos_N is None or mask_ids_N is None or not mask_pos_N.numel():
+        return out_T
+    keep_TV = torch.zeros_like(lp_TV, dtype=torch.bool)
+    keep_TV[mask_pos_N.long(), mask_ids_N.long()] = True
+    masked_T = keep_TV.any(dim=-1)
+    keep_TV |= ~masked_T[:, None]  # rows without a kept set: finite, and not read
+    kept_TV = bi.log_softmax(lp_TV.masked_fill(~keep_TV, -math.inf), -1)
+    return torch.where(masked_T, kept_TV.gather(1, labels_T1)[:, 0], out_T)
+
+
+def check(numerics: str, *, tp: int, pp: int, ep: int, etp: int, dtype: str, cp: int = 1) -> None:
+    """Raise ValueError (naming the key and the fix) for a setting the mode cannot hold."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"trainer.numerics={numerics!r}: choose one of {list(NUMERICS)}")
+    if numerics == "default":
+        return
+    split = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "cp": cp}
+    bad = {k: v for k, v in split.items() if v != 1}
+    if bad:
+        shown = ", ".join(f"parallel.{k}={v}" for k, v in bad.items())
+        raise ValueError(
+            f"trainer.numerics=batch_invariant with {shown}: the matching numerics hold on "
+            "one model-parallel rank so far (data parallelism is fine); use parallel=single "
+            "or trainer.numerics=default"
+        )
+    if dtype != "fp32":
+        raise ValueError(
+            f"trainer.numerics=batch_invariant with trainer.dtype={dtype!r}: only fp32 is "
+            "matched to the engine so far; use trainer.dtype=fp32 (and engine.dtype=float32)"
+        )
+
+
+def enable(chunks: list[Any]) -> None:
+    """Put the matching numerics into these (unwrapped or DDP-wrapped) model chunks and
+    this process's megatron-core router (see the module docstring)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    _patch_router()
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        for module in model.modules():
+            if isinstance(module, SequentialMLP):
+                module.forward = functools.partial(_experts_forward, module)  # type: ignore[method-assign]
+        model.forward = _in_mode(model.forward)  # type: ignore[method-assign]
+
+
+def _in_mode(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with bi.BatchInvariant():
+            out = forward(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            setattr(out, MARK, True)
+        return out
+
+    return run
+
+
+def _experts_forward(
+    self: Any,
+    hidden_SH: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    probs_S: torch.Tensor,
+) -> tuple[torch.Tensor, None]:
+    """``SequentialMLP.forward`` in transformers' order: down(act(gate) · up), then × the
+    routing weight, each local expert's tokens in turn (a gated linear unit, no bias)."""
+    cfg = self.config
+    if not cfg.gated_linear_unit or cfg.add_bias_linear:
+        raise NotImplementedError(
+            "trainer.numerics=batch_invariant: experts without a gated linear unit or with "
+            "biases are not matched"
+        )
+    counts = [int(n) for n in torch.as_tensor(tokens_per_expert).tolist()]
+    outs = []
+    for expert, rows, probs in zip(
+        self.local_experts, hidden_SH.split(counts), probs_S.split(counts), strict=True
+    ):
+        gate, up = F.linear(rows, expert.linear_fc1.weight).chunk(2, dim=-1)
+        y = F.linear(cfg.activation_func(gate) * up, expert.linear_fc2.weight)
+        outs.append((y * probs.unsqueeze(-1)).to(y.dtype))
+    return torch.cat(outs), None
+
+
+def _patch_router() -> None:
+    """megatron-core's router takes ``_routing`` (once per process)."""
+    import megatron.core.transformer.moe.router as router
+
+    if getattr(router.topk_routing_with_score_function, "_moerl_numerics", False):
+        return
+    routing = functools.partial(_routing, router.topk_routing_with_score_function)
+    routing._moerl_numerics = True  # type: ignore[attr-defined]
+    router.topk_routing_with_score_function = routing
+
+
+def _routing(
+    original: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    logits_TE: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    score_function: str = "softmax",
+    expert_bias: torch.Tensor | None = None,
+    fused: bool = False,
+    router_replay: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's ``topk_routing_with_score_function``; inside a matching forward, a
+    softmax router that renormalises its top-k computes transformers' way (module
+    docstring)."""
+    plain = score_function != "softmax" or use_pre_softmax or num_groups or fused
+    if plain or not bi.in_mode():
+        return original(
+            logits_TE, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+            score_function, expert_bias, fused, router_replay,
+        )  # fmt: skip
+    scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    if router_replay is None:
+        probs_TK, top_TK = torch.topk(scores_TE, k=topk, dim=1)
+    else:
+        probs_TK, top_TK = router_replay.get_replay_topk(scores_TE, topk, None, None, None)
+    probs_TK = (probs_TK / probs_TK.sum(dim=-1, keepdim=True)).type_as(logits_TE)
+    if scaling_factor:
+        probs_TK = probs_TK * scaling_factor
+    routing_probs = torch.zeros_like(logits_TE).scatter(1, top_TK, probs_TK)
+    routing_map = torch.zeros_like(logits_TE, dtype=torch.int32).scatter(1, top_TK, 1).bool()
+    return routing_probs, routing_map

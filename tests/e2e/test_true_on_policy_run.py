@@ -1,0 +1,23 @@
+"""Issue 30: the main job with the engine's batch-invariant mode and the trainer's
+matching numerics, synchronous: the IS ratio is exactly 1 and the train/inference
+mismatch exactly 0 on every step, the steps after a weight push too."""
+
+from __future__ import annotations
+
+import pytest
+from test_run import _launch
+
+from moerl.telemetry.metrics import read_metrics
+
+
+@pytest.mark.slow  # the main job, 3 steps (~40 s)
+def test_main_job_is_exactly_on_policy(tmp_path):
+    run = tmp_path / "exact"
+    _launch(run, "trainer.train_iters=3", "staleness=sync", "engine.deterministic_inference=true",
+            "trainer.numerics=batch_invariant", "eval.every=0")  # fmt: skip
+    m = read_metrics(run)
+    assert [r["step"] for r in m] == [0, 1, 2]
+    for r in m:  # every step, the ones after a weight push too
+        assert r["mismatch/log_ratio_abs_max"] == 0.0, r["step"]
+        assert r["loss/ratio_max"] == 1.0 and r["loss/ratio_mean"] == 1.0
+    assert m[0]["mismatch/numerics"] == 0.0  # the decomposition's numerics term

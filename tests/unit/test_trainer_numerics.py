@@ -1,0 +1,52 @@
+"""moerl/trainer/numerics.py: what the matching numerics refuse, and its token logprobs
+against the engine's sampler (moerl/engine/core/sampling.py) run in the engine's
+batch-invariant mode: the same bits for the full-vocabulary logprob and the kept-set
+one, on both of the sampler's paths (one row at a time and batched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerl.engine.core.sampling import SamplingParams, sample, sample_batch
+from moerl.kernels import batch_invariant as bi
+from moerl.trainer import numerics
+
+
+def test_check_names_the_key_and_the_fix():
+    numerics.check("default", tp=2, pp=2, ep=2, etp=2, dtype="bf16")  # anything goes
+    numerics.check("batch_invariant", tp=1, pp=1, ep=1, etp=1, dtype="fp32")
+    with pytest.raises(ValueError, match=r"parallel\.tp=2, parallel\.ep=2.*parallel=single"):
+        numerics.check("batch_invariant", tp=2, pp=1, ep=2, etp=1, dtype="fp32")
+    with pytest.raises(ValueError, match=r"trainer\.dtype='bf16'.*trainer\.dtype=fp32"):
+        numerics.check("batch_invariant", tp=1, pp=1, ep=1, etp=1, dtype="bf16")
+    with pytest.raises(ValueError, match=r"trainer\.numerics='exact'.*'batch_invariant'"):
+        numerics.check("exact", tp=1, pp=1, ep=1, etp=1, dtype="fp32")
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_token_logprobs_are_the_engine_samplers(batched):
+    g = torch.Generator().manual_seed(0)
+    logits_BV = torch.randn(6, 300, generator=g) * 3
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=1)
+    with bi.BatchInvariant():  # as the engine's scheduler runs its sampler
+        if batched:
+            drawn = sample_batch(logits_BV, params, torch.Generator().manual_seed(1), [True] * 6)
+        else:
+            drawn = [sample(row, params, torch.Generator().manual_seed(1)) for row in logits_BV]
+    tokens = torch.tensor([d.token for d in drawn])
+    pos = torch.cat([torch.full((len(d.mask),), b) for b, d in enumerate(drawn)])
+    ids = torch.cat([torch.tensor(d.mask) for d in drawn])
+    assert len(ids) < 6 * 300  # top-p dropped ids
+    logits = logits_BV.clone().requires_grad_()
+    full = numerics.token_logprobs(logits, tokens, 0.7)
+    kept = numerics.token_logprobs(logits, tokens, 0.7, mask_pos_N=pos, mask_ids_N=ids)
+    assert full.tolist() == [d.logprob for d in drawn]
+    assert kept.tolist() == [d.sampling_logprob for d in drawn]
+    kept.sum().backward()  # differentiable, and finite where rows have no kept set
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    # a token without a kept set reads its full-vocabulary logprob
+    some = numerics.token_logprobs(logits, tokens, 0.7, mask_pos_N=pos[pos != 2],
+                                   mask_ids_N=ids[pos != 2])  # fmt: skip
+    assert some[2].item() == full[2].item() and some[0].item() == kept[0].item()
+    assert full.tolist() != kept.tolist()
