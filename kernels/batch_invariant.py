@@ -44,6 +44,13 @@ from torch.overrides import TorchFunctionMode
 ROWS = 16
 """Rows of each fixed-shape product in ``linear``."""
 
+K_SPLITS = 2
+"""Chunks of the inner dimension that a row-parallel weight's product sums (attention's
+output projection, the MLPs' and experts' down projections: the weights tensor
+parallelism splits along that dimension), added pairwise in order. A layout splitting
+it over up to K_SPLITS tensor-parallel ranks computes the same chunks and adds the
+ranks' sums the same way (two ranks: a + b, in either order)."""
+
 ATTENTION_CHUNK_ELEMENTS = 1 << 24
 """Elements of one [B, h, Q, T, D] product block in ``attention`` (queries are chunked)."""
 
@@ -96,16 +103,40 @@ def fold_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @_plain
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` as a batch of fixed-shape [ROWS, K] × [K, N] products."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, splits: int = 1
+) -> torch.Tensor:
+    """``F.linear`` as a batch of fixed-shape [ROWS, K] × [K, N] products; with ``splits``
+    (``K_SPLITS`` for a row-parallel weight), the sum of that many K-chunks' products,
+    added pairwise in order."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     pad = (-m) % ROWS
     if pad or m == 0:
         rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
-    out = _tiles(rows, weight)[:m].view(*x.shape[:-1], weight.shape[0])
+    out = _split_tiles(rows, weight, splits)[:m].view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
+
+
+def _split_tiles(rows: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    if splits == 1:
+        return _tiles(rows, weight)
+    k = rows.shape[-1]
+    if k % splits:
+        raise ValueError(f"batch-invariant linear: K={k} does not split into {splits} chunks")
+    step = k // splits
+    parts = [_tiles(rows[:, i : i + step], weight[:, i : i + step]) for i in range(0, k, step)]
+    return pairwise(parts)
+
+
+def pairwise(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Σ parts as a balanced pairwise tree in order (zero-padded to a power of two)."""
+    while len(parts) > 1:
+        if len(parts) % 2:
+            parts = [*parts, torch.zeros_like(parts[0])]
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
 @_plain
@@ -298,7 +329,8 @@ def experts(
     gate, up = gate_up.chunk(2, dim=-1)
     h = act(gate) * up
     y = torch.cat([
-        _tiles(part, down_EHI[e]) for e, part in enumerate(h.split(sizes)) if sizes[e]
+        _split_tiles(part, down_EHI[e], K_SPLITS) for e, part in enumerate(h.split(sizes))
+        if sizes[e]
     ]) if kept else x  # fmt: skip
     out = hidden_TH.new_zeros(tokens * topk, hidden_TH.shape[-1])
     out[order] = (y[dest] * weights_S1[order]).to(out.dtype)
@@ -311,7 +343,7 @@ def experts(
 
 def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [n·ROWS, K] × weight [N, K]ᵀ as n products of one [ROWS, K] × [K, N] shape."""
-    tiles = rows.view(-1, ROWS, rows.shape[-1])
+    tiles = rows.reshape(-1, ROWS, rows.shape[-1])
     w_KN = weight.t()
     return torch.bmm(tiles, w_KN.expand(tiles.shape[0], *w_KN.shape)).view(-1, weight.shape[0])
 

@@ -181,7 +181,7 @@ def _check_mla_tensor_parallel(tp: int) -> None:
 def _check_numerics(t: TrainerConfig, p: ParallelConfig) -> None:
     from moerl.trainer.numerics import check
 
-    check(t.numerics, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dtype=t.dtype)
+    check(t.numerics, tp=p.tp, etp=p.etp or 1, dtype=t.dtype)
     if t.numerics != "batch_invariant":
         return
     for key, value, fine in (

@@ -20,13 +20,18 @@ What ``enable`` does to the model chunks:
   sigmoid routers (DeepSeek-V3) already follow transformers' formula;
 - routed experts apply the routing weight after the down projection, as transformers
   does (megatron-core scales the activations before it), one expert after another;
-- the token logprobs (``moerl.trainer.logprobs``) run inside the mode, so their sum over
-  the vocabulary is the tree the engine's sampler takes.
+- the token logprobs (``token_logprobs``, for outputs a matching chunk produced) use the
+  engine sampler's formulas in the batch-invariant ops;
+- a row-parallel linear sums ``bi.K_SPLITS`` chunks of its input as the engine's does:
+  with TP=2 each rank computes one, and the all-reduce adds the two (a + b); an expert's
+  down projection under expert TP is added across the group before the routing weight
+  scales it (``_experts_forward``); vocabulary-parallel logits are gathered whole.
 
-The backward pass is not affected (it runs outside the mode). Supported here: one
-tensor-, pipeline- and expert-parallel rank (data parallelism is free), fp32, the torch
-logprob path; the preflight refuses the rest (``check``) until their reductions are
-made independent of the layout.
+The backward pass is not affected (it runs outside the mode). Pipeline stages pass
+activations unchanged, expert parallelism moves a token's rows to their experts and
+back through the same fixed-shape products, data parallelism splits sequences: every
+layout with tensor sizes dividing ``K_SPLITS`` gives the single layout's bits. fp32 and
+the torch logprob path only; the preflight refuses the rest (``check``).
 """
 
 from __future__ import annotations
@@ -63,9 +68,16 @@ def token_logprobs(
     """log p(label) [T] as the engine's sampler computes it (moerl/engine/core/sampling.py),
     in batch-invariant ops: log_softmax(logits / T) over the vocabulary; a token with a
     kept set (``mask_pos_N``/``mask_ids_N`` pairs) renormalised as
-    log_softmax(that, with the dropped ids at -inf). Differentiable; one TP rank."""
+    log_softmax(that, with the dropped ids at -inf). Differentiable; vocabulary-parallel
+    logits are gathered whole first."""
     from moerl.kernels.logprob_torch import temperatures
+    from moerl.trainer.logprobs import _tp
 
+    group, _, size = _tp()
+    if size > 1:  # the whole vocabulary on every rank: the sums run as the engine's
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits_TV = gather_from_tensor_model_parallel_region(logits_TV, group=group)
     tokens = logits_TV.shape[0]
     temp_T = temperatures(temperature_T, tokens, logits_TV.device)
     lp_TV = bi.log_softmax(logits_TV.float() / temp_T[:, None], -1)
@@ -81,20 +93,26 @@ def token_logprobs(
     return torch.where(masked_T, kept_TV.gather(1, labels_T1)[:, 0], out_T)
 
 
-def check(numerics: str, *, tp: int, pp: int, ep: int, etp: int, dtype: str, cp: int = 1) -> None:
+def check(numerics: str, *, tp: int, etp: int, dtype: str, cp: int = 1) -> None:
     """Raise ValueError (naming the key and the fix) for a setting the mode cannot hold."""
     if numerics not in NUMERICS:
         raise ValueError(f"trainer.numerics={numerics!r}: choose one of {list(NUMERICS)}")
     if numerics == "default":
         return
-    split = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "cp": cp}
-    bad = {k: v for k, v in split.items() if v != 1}
+    if cp != 1:
+        raise ValueError(
+            f"trainer.numerics=batch_invariant with parallel.cp={cp}: context parallelism "
+            "splits attention's sums; use parallel.cp=1 or trainer.numerics=default"
+        )
+    split = {"tp": tp, "etp": etp}
+    bad = {k: v for k, v in split.items() if bi.K_SPLITS % v}
     if bad:
         shown = ", ".join(f"parallel.{k}={v}" for k, v in bad.items())
         raise ValueError(
-            f"trainer.numerics=batch_invariant with {shown}: the matching numerics hold on "
-            "one model-parallel rank so far (data parallelism is fine); use parallel=single "
-            "or trainer.numerics=default"
+            f"trainer.numerics=batch_invariant with {shown}: a row-parallel product sums "
+            f"{bi.K_SPLITS} chunks of its input (kernels/batch_invariant.py K_SPLITS), so "
+            f"tensor-parallel sizes must divide {bi.K_SPLITS}; use parallel.tp / "
+            "parallel.etp of 1 or 2, or trainer.numerics=default"
         )
     if dtype != "fp32":
         raise ValueError(
@@ -106,6 +124,7 @@ def check(numerics: str, *, tp: int, pp: int, ep: int, etp: int, dtype: str, cp:
 def enable(chunks: list[Any]) -> None:
     """Put the matching numerics into these (unwrapped or DDP-wrapped) model chunks and
     this process's megatron-core router (see the module docstring)."""
+    from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     _patch_router()
@@ -114,7 +133,57 @@ def enable(chunks: list[Any]) -> None:
         for module in model.modules():
             if isinstance(module, SequentialMLP):
                 module.forward = functools.partial(_experts_forward, module)  # type: ignore[method-assign]
+            elif isinstance(module, RowParallelLinear):
+                splits = bi.K_SPLITS // _size(module.tp_group)
+                module._forward_impl = functools.partial(_split_impl, module._forward_impl, splits)
         model.forward = _in_mode(model.forward)  # type: ignore[method-assign]
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else int(group.size())
+
+
+def _split_impl(
+    impl: Callable[..., torch.Tensor],
+    splits: int,
+    *,
+    input: torch.Tensor,  # noqa: A002 (megatron-core's keyword)
+    weight: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A row-parallel linear's local product as the sum of its ``splits`` K-chunks (the
+    chunks of ``bi.K_SPLITS`` this rank holds), added pairwise: the ranks' sums then add
+    as the engine's ``bi.linear(..., splits=K_SPLITS)`` adds its chunks."""
+    if splits == 1:
+        return impl(input=input, weight=weight, **kwargs)
+    step = input.shape[-1] // splits
+    parts = [
+        impl(input=input[..., i : i + step], weight=weight[:, i : i + step], **kwargs)
+        for i in range(0, input.shape[-1], step)
+    ]
+    return bi.pairwise(parts)
+
+
+class _SumBothWays(torch.autograd.Function):
+    """All-reduce sum forward and backward over a group (``_experts_forward``'s expert-TP
+    sum: every rank's partial feeds the one rank that keeps the result)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _in_mode(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,22 +205,34 @@ def _experts_forward(
     probs_S: torch.Tensor,
 ) -> tuple[torch.Tensor, None]:
     """``SequentialMLP.forward`` in transformers' order: down(act(gate) · up), then × the
-    routing weight, each local expert's tokens in turn (a gated linear unit, no bias)."""
+    routing weight, each local expert's tokens in turn (a gated linear unit, no bias).
+    The down projection sums ``bi.K_SPLITS`` chunks of its input; with expert tensor
+    parallelism each rank computes its chunks, the ranks' sums are added before the
+    routing weight scales them (as without it), and rank 0 of the expert-TP group returns
+    the result, the others zeros, so the dispatcher's sum over that group is exact."""
     cfg = self.config
     if not cfg.gated_linear_unit or cfg.add_bias_linear:
         raise NotImplementedError(
             "trainer.numerics=batch_invariant: experts without a gated linear unit or with "
             "biases are not matched"
         )
+    group = self.tp_group
+    etp = _size(group)
     counts = [int(n) for n in torch.as_tensor(tokens_per_expert).tolist()]
     outs = []
     for expert, rows, probs in zip(
         self.local_experts, hidden_SH.split(counts), probs_S.split(counts), strict=True
     ):
         gate, up = F.linear(rows, expert.linear_fc1.weight).chunk(2, dim=-1)
-        y = F.linear(cfg.activation_func(gate) * up, expert.linear_fc2.weight)
+        h = cfg.activation_func(gate) * up
+        y = bi.linear(h, expert.linear_fc2.weight, splits=bi.K_SPLITS // etp)
+        if etp > 1:
+            y = _SumBothWays.apply(y, group)
         outs.append((y * probs.unsqueeze(-1)).to(y.dtype))
-    return torch.cat(outs), None
+    out = torch.cat(outs)
+    if etp > 1 and group.rank() != 0:
+        out = out * 0.0  # still in the graph: its backward's collective runs on every rank
+    return out, None
 
 
 def _patch_router() -> None:

@@ -1,13 +1,15 @@
-"""Issue 30's true on-policy, single layout, fp32: rollouts from the embedded engine with
+"""Issue 30's true on-policy, fp32: rollouts from the embedded engine with
 ``--enable-deterministic-inference``, scored by megatron-core with
 ``trainer.numerics=batch_invariant`` (Keep Routing on), give the engine's logprob of
 every trained token exactly: the full-vocabulary logprob, and the sampling-mask
-(kept-set) logprob at temperature 0.7 and top-p 0.9 (the main job with both modes:
-tests/e2e/test_true_on_policy_run.py)."""
+(kept-set) logprob at temperature 0.7 and top-p 0.9; in the single layout and with
+tensor, expert-tensor, pipeline, expert and data parallelism (the main job with both
+modes: tests/e2e/test_true_on_policy_run.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,22 +19,51 @@ from moerl.models.hf_tiny import save_tiny_checkpoint
 from moerl.models.tiny import tiny_config
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
+slow = pytest.mark.slow  # multi-rank scoring: out of the default run (20-minute budget)
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory) -> dict:
+    """family → (checkpoint, rollout file, trajectories): 8 prompts, so a data-parallel
+    size of 4 splits them."""
+    made: dict = {}
+
+    def get(family: str) -> tuple[Path, Path, list]:
+        if family not in made:
+            tmp = tmp_path_factory.mktemp(family)
+            hf = save_tiny_checkpoint(tiny_config(family), tmp / "hf", seed=0)
+            trajs = collect_rollouts(
+                hf, tmp / "r.jsonl", num_prompts=8, max_new_tokens=8, dtype="float32",
+                sampling=SAMPLING, flags=("--enable-deterministic-inference",),
+            )  # fmt: skip
+            made[family] = (hf, tmp / "r.jsonl", trajs)
+        return made[family]  # type: ignore[no-any-return]
+
+    return get  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", pytest.param("deepseek_moe", marks=pytest.mark.slow)]
+    "family, layout",
+    [
+        ("qwen3_moe", "single"),
+        pytest.param("deepseek_moe", "single", marks=slow),
+        pytest.param("qwen3_moe", "pp2", marks=slow),
+        pytest.param("deepseek_moe", "pp2", marks=slow),
+        pytest.param("qwen3_moe", "ep2", marks=slow),
+        pytest.param("deepseek_moe", "dp2ep2", marks=slow),
+        pytest.param("qwen3_moe", "tp2", marks=slow),
+        pytest.param("qwen3_moe", "tp2ep2", marks=slow),
+        pytest.param("deepseek_moe", "etp2ep2", marks=slow),
+        pytest.param("deepseek_moe", "tp2", marks=slow),
+    ],
 )
-def test_trainer_logprobs_are_the_engines_bit_for_bit(tmp_path, family):
-    hf = save_tiny_checkpoint(tiny_config(family), tmp_path / "hf", seed=0)
-    trajs = collect_rollouts(
-        hf, tmp_path / "r.jsonl", num_prompts=6, max_new_tokens=10, dtype="float32",
-        sampling=SAMPLING, flags=("--enable-deterministic-inference",),
-    )  # fmt: skip
-    score("single", hf, tmp_path / "r.jsonl", tmp_path / "o.json",
-          settings=[("on", "off"), ("on", "on")], numerics="batch_invariant")  # fmt: skip
+def test_trainer_logprobs_are_the_engines_bit_for_bit(rollouts, tmp_path, family, layout):
+    hf, path, trajs = rollouts(family)
+    score(layout, hf, path, tmp_path / "o.json", settings=[("on", "off"), ("on", "on")],
+          numerics="batch_invariant")  # fmt: skip
     scored = json.loads((tmp_path / "o.json").read_text())["logprobs"]
     trained = np.concatenate([t.trained for t in trajs])
-    assert trained.sum() >= 30
+    assert trained.sum() >= 40
     engine = {
         "on/off": np.concatenate([t.response_logprobs for t in trajs])[trained],
         "on/on": np.concatenate([t.sampling_logprobs for t in trajs])[trained],

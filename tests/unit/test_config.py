@@ -165,9 +165,9 @@ def testpackage_header() -> None:
         (["engine.cuda_graph_max_bs=0"], 1, ["engine.cuda_graph_max_bs=0"]),
         (["trainer.numerics=exact"], 1, ["trainer.numerics='exact'", "batch_invariant"]),
         (
-            ["trainer.numerics=batch_invariant", "parallel=ep2"],
-            2,
-            ["parallel.ep=2", "parallel=single"],
+            ["trainer.numerics=batch_invariant", "parallel.tp=4"],
+            4,
+            ["parallel.tp=4", "must divide 2"],
         ),
         (["trainer.numerics=batch_invariant", "trainer.dtype=bf16"], 1, ["trainer.dtype='bf16'"]),
         (

@@ -14,14 +14,17 @@ from moerl.trainer import numerics
 
 
 def test_check_names_the_key_and_the_fix():
-    numerics.check("default", tp=2, pp=2, ep=2, etp=2, dtype="bf16")  # anything goes
-    numerics.check("batch_invariant", tp=1, pp=1, ep=1, etp=1, dtype="fp32")
-    with pytest.raises(ValueError, match=r"parallel\.tp=2, parallel\.ep=2.*parallel=single"):
-        numerics.check("batch_invariant", tp=2, pp=1, ep=2, etp=1, dtype="fp32")
+    numerics.check("default", tp=4, etp=4, dtype="bf16", cp=2)  # anything goes
+    numerics.check("batch_invariant", tp=1, etp=1, dtype="fp32")
+    numerics.check("batch_invariant", tp=2, etp=2, dtype="fp32")
+    with pytest.raises(ValueError, match=r"parallel\.tp=4, parallel\.etp=4.*must divide 2"):
+        numerics.check("batch_invariant", tp=4, etp=4, dtype="fp32")
+    with pytest.raises(ValueError, match=r"parallel\.cp=2.*parallel\.cp=1"):
+        numerics.check("batch_invariant", tp=1, etp=1, dtype="fp32", cp=2)
     with pytest.raises(ValueError, match=r"trainer\.dtype='bf16'.*trainer\.dtype=fp32"):
-        numerics.check("batch_invariant", tp=1, pp=1, ep=1, etp=1, dtype="bf16")
+        numerics.check("batch_invariant", tp=1, etp=1, dtype="bf16")
     with pytest.raises(ValueError, match=r"trainer\.numerics='exact'.*'batch_invariant'"):
-        numerics.check("exact", tp=1, pp=1, ep=1, etp=1, dtype="fp32")
+        numerics.check("exact", tp=1, etp=1, dtype="fp32")
 
 
 @pytest.mark.parametrize("batched", [True, False])

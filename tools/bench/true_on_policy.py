@@ -15,18 +15,17 @@ directly, no HTTP):
   two engines alternating ``--reps`` times; the median wall time with the mode on over
   off, on the tiny shape and on tools/bench/engine.py's mid shape (fp32).
 
-- engine = trainer: per family, fp32 rollouts (6 prompts × 10 tokens, temperature 0.7,
-  top-p 0.9, routes and kept sets recorded) scored by megatron-core with Keep Routing and
-  the sampling mask (``moerl.checks.replay.score``), once with both modes on
-  (``--enable-deterministic-inference``, ``trainer.numerics=batch_invariant``) and once
-  with both off: max |log π_trainer − log μ| over the trained tokens, and the trainer
-  forward's time on over off (``trainer_overhead``).
+- engine = trainer: per family, fp32 rollouts (8 prompts × ``--new-tokens``, temperature
+  0.7, top-p 0.9, routes and kept sets recorded) scored by megatron-core with Keep Routing
+  and the sampling mask (``moerl.checks.replay.score``), with both modes on
+  (``--enable-deterministic-inference``, ``trainer.numerics=batch_invariant``) in each of
+  the issue's 7 layouts (``--quick``: single),
+  and in the single layout with both off: max |log π_trainer − log μ| over the trained
+  tokens, and the single layout's trainer forward time on over off (``trainer_overhead``).
 
 Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
 layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=…``. ``layouts_exact``
-counts the issue's 7 layouts × 2 families whose trained tokens matched exactly; the
-matching numerics hold on one model-parallel rank so far, so only ``single`` is run
-(the other layouts are refused by the preflight and counted as not exact).
+counts the issue's 7 layouts × families whose trained tokens matched exactly.
 """
 
 from __future__ import annotations
@@ -48,38 +47,48 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 TARGET_OVERHEAD = 1.35  # SGLang's deterministic mode: 34% (dense models, GPU)
 LAYOUTS = ("single", "tp2", "ep2", "etp2ep2", "tp2ep2", "pp2", "dp2ep2")
+MATCHED = LAYOUTS  # every layout of the issue
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
 
 
-def trainer_match(family: str, tmp: Path, prompts: int, new: int) -> dict[str, Any]:
-    """Engine vs trainer logprobs (kept-set, Keep Routing), both modes on and both off."""
+def trainer_match(
+    family: str, tmp: Path, prompts: int, new: int, layouts: tuple[str, ...]
+) -> dict[str, Any]:
+    """Engine vs trainer logprobs (kept-set, Keep Routing): both modes on in each of
+    ``layouts`` (the first also both off)."""
     from moerl.checks.replay import collect_rollouts, score
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
     hf = save_tiny_checkpoint(tiny_config(family), tmp / f"{family}-hf", seed=0)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"layouts": {}}
     for mode, flags, numerics in (
         ("on", ("--enable-deterministic-inference",), "batch_invariant"),
         ("off", (), "default"),
     ):
-        rollouts, scored = tmp / f"{family}-{mode}.jsonl", tmp / f"{family}-{mode}.json"
+        rollouts = tmp / f"{family}-{mode}.jsonl"
         trajs = collect_rollouts(
             hf, rollouts, num_prompts=prompts, max_new_tokens=new, dtype="float32",
             sampling=SAMPLING, flags=flags,
         )  # fmt: skip
-        score("single", hf, rollouts, scored, settings=[("on", "on")], numerics=numerics)
-        payload = json.loads(scored.read_text())
         trained = np.concatenate([t.trained for t in trajs])
         ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
-        diff = np.abs(np.asarray(payload["logprobs"]["on/on"]) - ref)
-        out[mode] = {
-            "abs_diff_max": float(diff.max()),
-            "exact_tokens": int((diff == 0).sum()),
-            "tokens": len(diff),
-            "forward_s": payload["seconds"]["on/on"],
-        }
-    out["exact"] = out["on"]["abs_diff_max"] == 0.0
+        for layout in layouts if mode == "on" else layouts[:1]:
+            scored = tmp / f"{family}-{mode}-{layout}.json"
+            score(layout, hf, rollouts, scored, settings=[("on", "on")], numerics=numerics)
+            payload = json.loads(scored.read_text())
+            diff = np.abs(np.asarray(payload["logprobs"]["on/on"]) - ref)
+            found = {
+                "abs_diff_max": float(diff.max()),
+                "exact_tokens": int((diff == 0).sum()),
+                "tokens": len(diff),
+                "forward_s": payload["seconds"]["on/on"],
+            }
+            if mode == "on":
+                out["layouts"][layout] = found
+            if layout == layouts[0]:
+                out[mode] = found
+    out["exact"] = [k for k, v in out["layouts"].items() if v["abs_diff_max"] == 0.0]
     out["trainer_overhead"] = out["on"]["forward_s"] / out["off"]["forward_s"]
     return out
 
@@ -221,12 +230,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(line, flush=True)
         result["trainer"] = {}
         for family in families:
-            match = trainer_match(family, Path(tmp), 4 if args.quick else 6, args.new_tokens)
+            layouts = MATCHED[:1] if args.quick else MATCHED
+            match = trainer_match(family, Path(tmp), 8, args.new_tokens, layouts)
             result["trainer"][family] = match
+            for layout, found in match["layouts"].items():
+                print(
+                    f"{family} {layout} abs_diff_max={found['abs_diff_max']:.3g} exact_tokens="
+                    f"{found['exact_tokens']}/{found['tokens']}",
+                    flush=True,
+                )
             print(
-                f"{family} single abs_diff_max={match['on']['abs_diff_max']:.3g} "
-                f"(off: {match['off']['abs_diff_max']:.3g}) exact_tokens="
-                f"{match['on']['exact_tokens']}/{match['on']['tokens']} "
+                f"{family} single off abs_diff_max={match['off']['abs_diff_max']:.3g} "
                 f"trainer_overhead={match['trainer_overhead']:.2f}",
                 flush=True,
             )
@@ -243,9 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["engine_overhead"] = statistics.median(tiny)
     result["engine_overhead_mid"] = result["mid"]["overhead"]
     trainer = result["trainer"].values()
-    result["layouts_exact"] = sum(m["exact"] for m in trainer)
+    result["layouts_exact"] = sum(len(m["exact"]) for m in trainer)
     result["layouts_total"] = len(LAYOUTS) * len(result["trainer"])
-    result["abs_diff_max"] = max(m["on"]["abs_diff_max"] for m in trainer)
+    result["abs_diff_max"] = max(v["abs_diff_max"] for m in trainer for v in m["layouts"].values())
     result["abs_diff_max_off"] = max(m["off"]["abs_diff_max"] for m in trainer)
     result["trainer_overhead"] = statistics.median(m["trainer_overhead"] for m in trainer)
     print(

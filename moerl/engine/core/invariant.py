@@ -41,6 +41,11 @@ from moerl.kernels import batch_invariant as bi
 NAME = "moerl_batch_invariant"
 """The attention and experts functions' name in transformers' interfaces."""
 
+ROW_PARALLEL = (".o_proj", ".down_proj")
+"""transformers' names of the linears megatron-core splits along their input (row-parallel:
+attention's output projection, the dense and shared MLPs' down projections): their
+products sum ``bi.K_SPLITS`` chunks, as a tensor-parallel trainer's ranks do."""
+
 
 def _is_silu(act: Any) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
@@ -160,7 +165,9 @@ def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
     for name, module in model.named_modules():
         kind = type(module).__name__
         if isinstance(module, torch.nn.Linear):
-            module.forward = functools.partial(_linear, module)  # type: ignore[method-assign]
+            # the weights tensor parallelism splits along K (megatron-core's row-parallel)
+            splits = bi.K_SPLITS if name.endswith(ROW_PARALLEL) else 1
+            module.forward = functools.partial(_linear, module, splits)  # type: ignore[method-assign]
         elif kind.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor):
             module.forward = _rms_norm(module)  # type: ignore[method-assign]
         elif _is_silu(module):
@@ -178,8 +185,8 @@ def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
     model.set_attn_implementation(NAME)  # type: ignore[operator]
 
 
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return bi.linear(x, module.weight, module.bias)
+def _linear(module: torch.nn.Linear, splits: int, x: torch.Tensor) -> torch.Tensor:
+    return bi.linear(x, module.weight, module.bias, splits)
 
 
 def numerics(enabled: bool) -> contextlib.AbstractContextManager[Any]:
