@@ -305,8 +305,8 @@ def experts(
     """Routed experts (gate and up concatenated, transformers' fused layout). Each
     expert's tokens, padded to whole [ROWS, H] tiles, go through ``_tiles`` (one product
     per expert and projection); a token's outputs, scaled by its weights, are summed in
-    ascending expert id (a fixed order, not the order tokens reach an expert). An id of
-    E (transformers' mark for a dropped slot) adds nothing."""
+    ascending expert id (a fixed order, not the order tokens reach an expert), in fp32 for
+    fp16/bf16. An id of E (transformers' mark for a dropped slot) adds nothing."""
     tokens, topk = ids_TK.shape
     num = gate_up_E2IH.shape[0]
     ids_TK, by_id = ids_TK.sort(dim=-1, stable=True)
@@ -334,11 +334,13 @@ def experts(
     ]) if kept else x  # fmt: skip
     out = hidden_TH.new_zeros(tokens * topk, hidden_TH.shape[-1])
     out[order] = (y[dest] * weights_S1[order]).to(out.dtype)
+    # summed in fp32 for fp16/bf16 and rounded once, as torch's scatter_add (megatron-core's
+    # unpermute) accumulates a row's contributions
     slots = out.view(tokens, topk, -1)
-    total = slots[:, 0]
+    total = _wide(slots[:, 0])
     for k in range(1, topk):
-        total = total + slots[:, k]
-    return total
+        total = total + _wide(slots[:, k])
+    return total.to(hidden_TH.dtype)
 
 
 def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

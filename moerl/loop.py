@@ -158,7 +158,12 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 colocated=cfg.launcher.placement == "colocated",
             ),
         )  # fmt: skip
-        if start > 0 or trainer.lora is not None:  # engines start from the initial weights
+        # engines start from the initial checkpoint's weights; a resumed run, LoRA and the
+        # matching numerics in bf16 (transformers keeps some weights, e.g. DeepSeek's
+        # router, in fp32: loaded from the checkpoint they are not the trainer's bf16
+        # values) push the trainer's own first
+        matching_half = cfg.trainer.numerics == "batch_invariant" and cfg.trainer.dtype != "fp32"
+        if start > 0 or trainer.lora is not None or matching_half:
             _publish(publisher, rollout, trainer.version, initial=True)
         overlap = cfg.sync.overlap and publisher.can_stage()
         inflight = InFlight() if overlap else None

@@ -178,12 +178,22 @@ def _check_mla_tensor_parallel(tp: int) -> None:
         )
 
 
-def _check_numerics(t: TrainerConfig, p: ParallelConfig) -> None:
+def _check_numerics(cfg: MoerlConfig) -> None:
+    """trainer.numerics=batch_invariant: a layout, dtype and logprob path it matches, and an
+    engine in the same dtype."""
     from moerl.trainer.numerics import check
 
-    check(t.numerics, tp=p.tp, etp=p.etp or 1, dtype=t.dtype)
+    t, p = cfg.trainer, cfg.parallel
+    check(t.numerics, tp=p.tp, etp=p.etp or 1, dtype=t.dtype, family=cfg.model.family)
     if t.numerics != "batch_invariant":
         return
+    engine = {"fp32": "float32", "bf16": "bfloat16"}.get(t.dtype)
+    if cfg.engine.kind == "embedded" and cfg.engine.dtype != engine:
+        raise ValueError(
+            f"trainer.numerics=batch_invariant with trainer.dtype={t.dtype!r} and "
+            f"engine.dtype={cfg.engine.dtype!r}: the engine computes the trainer's bits in "
+            f"the trainer's dtype; set engine.dtype={engine}"
+        )
     for key, value, fine in (
         ("kernels", t.kernels, ("auto", "torch")),
         ("logprobs_from", t.logprobs_from, ("auto", "logits")),
@@ -205,7 +215,6 @@ def _check_trainer(t: TrainerConfig, p: ParallelConfig, world_size: int) -> None
     one_of("trainer.expert_gemm", t.expert_gemm, EXPERT_GEMMS)
     one_of("trainer.cpu_adam", t.cpu_adam, CPU_ADAMS)
     one_of("trainer.logprobs_from", t.logprobs_from, ("auto", "logits", "hidden"))
-    _check_numerics(t, p)
     if t.recent_window < 0:
         raise ValueError(f"trainer.recent_window={t.recent_window} must be >= 0")
     positive_int("trainer.train_iters", t.train_iters)
@@ -540,6 +549,7 @@ def validate_config(cfg: DictConfig | MoerlConfig, world_size: int | None = None
     _check_model(cfg.model)
     _check_layout(cfg.parallel, cfg.model, world_size)
     _check_trainer(cfg.trainer, cfg.parallel, world_size)
+    _check_numerics(cfg)
     _check_engine(cfg.engine)
     _check_engine_numbers(cfg.engine)
     _check_launcher(cfg.launcher, world_size)

@@ -212,7 +212,7 @@ def _worker(
     if matching:
         from moerl.trainer import numerics as trainer_numerics
 
-        trainer_numerics.enable(chunks)
+        trainer_numerics.enable(chunks, model.family)
     trajs = load_jsonl(rollouts)
     moe_layers = [i for i in range(model.num_layers) if i >= model.first_k_dense_replace]
     results = []

@@ -124,9 +124,9 @@ class TrainerConfig:
     computes with engine.deterministic_inference=true (issue 30's true on-policy:
     moerl/trainer/numerics.py), so with Keep Routing and staleness=sync the engine's and
     the trainer's logprobs are equal and the importance ratio is exactly 1, in every
-    layout with tensor and expert-tensor sizes of 1 or 2. fp32 only so far, with the local
-    (non-TE) layers and the torch logprob path; not with LoRA. 'default': megatron-core's
-    own numerics."""
+    layout with tensor and expert-tensor sizes of 1 or 2, in fp32 or bf16 (engine.dtype
+    the same), with the local (non-TE) layers and the torch logprob path; not with LoRA.
+    'default': megatron-core's own numerics."""
     expert_gemm: str = "auto"
     """How the routed experts of a local (non-TE) model compute: 'loop' (megatron-core's
     SequentialMLP, one expert after another), 'grouped' (two grouped GEMMs over all local

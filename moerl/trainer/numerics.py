@@ -30,8 +30,9 @@ What ``enable`` does to the model chunks:
 The backward pass is not affected (it runs outside the mode). Pipeline stages pass
 activations unchanged, expert parallelism moves a token's rows to their experts and
 back through the same fixed-shape products, data parallelism splits sequences: every
-layout with tensor sizes dividing ``K_SPLITS`` gives the single layout's bits. fp32 and
-the torch logprob path only; the preflight refuses the rest (``check``).
+layout with tensor sizes dividing ``K_SPLITS`` gives the single layout's bits. In bf16
+the routers compute in the dtype transformers uses for the family (``ROUTER_DTYPE``).
+fp32 or bf16 and the torch logprob path only; the preflight refuses the rest (``check``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,15 @@ def token_logprobs(
     return torch.where(masked_T, kept_TV.gather(1, labels_T1)[:, 0], out_T)
 
 
-def check(numerics: str, *, tp: int, etp: int, dtype: str, cp: int = 1) -> None:
+ROUTER_DTYPE = {"deepseek_moe": "fp32", "qwen3_moe": None}
+"""The dtype transformers computes each family's router logits in (megatron-core's
+``moe_router_dtype``; None: the model's): DeepSeek's gate upcasts to fp32, Qwen3-MoE's
+runs in the model dtype."""
+
+
+def check(
+    numerics: str, *, tp: int, etp: int, dtype: str, cp: int = 1, family: str | None = None
+) -> None:
     """Raise ValueError (naming the key and the fix) for a setting the mode cannot hold."""
     if numerics not in NUMERICS:
         raise ValueError(f"trainer.numerics={numerics!r}: choose one of {list(NUMERICS)}")
@@ -114,29 +123,42 @@ def check(numerics: str, *, tp: int, etp: int, dtype: str, cp: int = 1) -> None:
             f"tensor-parallel sizes must divide {bi.K_SPLITS}; use parallel.tp / "
             "parallel.etp of 1 or 2, or trainer.numerics=default"
         )
-    if dtype != "fp32":
+    if dtype not in ("fp32", "bf16"):
         raise ValueError(
-            f"trainer.numerics=batch_invariant with trainer.dtype={dtype!r}: only fp32 is "
-            "matched to the engine so far; use trainer.dtype=fp32 (and engine.dtype=float32)"
+            f"trainer.numerics=batch_invariant with trainer.dtype={dtype!r}: fp32 and bf16 "
+            "are matched to the engine; use trainer.dtype=fp32 or bf16"
+        )
+    if dtype != "fp32" and family is not None and family not in ROUTER_DTYPE:
+        raise ValueError(
+            f"trainer.numerics=batch_invariant with trainer.dtype={dtype!r} and "
+            f"model.family={family!r}: the dtype transformers computes this family's router "
+            f"in is not known to moerl/trainer/numerics.py ROUTER_DTYPE (known: "
+            f"{sorted(ROUTER_DTYPE)}); add it there, or use trainer.dtype=fp32"
         )
 
 
-def enable(chunks: list[Any]) -> None:
+def enable(chunks: list[Any], family: str | None = None) -> None:
     """Put the matching numerics into these (unwrapped or DDP-wrapped) model chunks and
-    this process's megatron-core router (see the module docstring)."""
+    this process's megatron-core router (see the module docstring); ``family``: the
+    model family, whose router dtype (``ROUTER_DTYPE``) the routers take."""
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     _patch_router()
     for chunk in chunks:
-        model = getattr(chunk, "module", chunk)
+        model = chunk
+        while hasattr(model, "module"):  # DDP around Float16Module around the model
+            model = model.module
+        if family in ROUTER_DTYPE:
+            model.config.moe_router_dtype = ROUTER_DTYPE[family]
         for module in model.modules():
             if isinstance(module, SequentialMLP):
                 module.forward = functools.partial(_experts_forward, module)  # type: ignore[method-assign]
             elif isinstance(module, RowParallelLinear):
                 splits = bi.K_SPLITS // _size(module.tp_group)
                 module._forward_impl = functools.partial(_split_impl, module._forward_impl, splits)
-        model.forward = _in_mode(model.forward)  # type: ignore[method-assign]
+        # the outermost forward: its output (Float16Module's fp32 logits) carries the mark
+        chunk.forward = _in_mode(chunk.forward)
 
 
 def _size(group: Any) -> int:

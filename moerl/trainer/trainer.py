@@ -87,7 +87,7 @@ class Trainer:
         if matching:
             from moerl.trainer import numerics
 
-            numerics.enable(chunks)
+            numerics.enable(chunks, model.family)
         set_kernel_backend("torch" if matching else trainer.kernels)
         self.logprobs_from = "logits" if matching else resolve_source(trainer.logprobs_from)
         self.lora = lora if lora is not None and lora.enabled else None

@@ -3,8 +3,12 @@
 ``trainer.numerics=batch_invariant`` (Keep Routing on), give the engine's logprob of
 every trained token exactly: the full-vocabulary logprob, and the sampling-mask
 (kept-set) logprob at temperature 0.7 and top-p 0.9; in the single layout and with
-tensor, expert-tensor, pipeline, expert and data parallelism (the main job with both
-modes: tests/e2e/test_true_on_policy_run.py)."""
+tensor, expert-tensor, pipeline, expert and data parallelism; in fp32 and bf16 (the main
+job with both modes: tests/e2e/test_true_on_policy_run.py).
+
+The bf16 checkpoints hold bf16 values: transformers keeps DeepSeek's router weight in
+fp32, so an fp32 checkpoint's router would not be the trainer's bf16 one (the main job
+pushes the trainer's weights to the engines before its first step for that reason)."""
 
 from __future__ import annotations
 
@@ -22,45 +26,59 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
 slow = pytest.mark.slow  # multi-rank scoring: out of the default run (20-minute budget)
 
 
+def _round_to_bf16(path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in tensors.items()}
+    save_file(rounded, path, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory) -> dict:
     """family → (checkpoint, rollout file, trajectories): 8 prompts, so a data-parallel
     size of 4 splits them."""
     made: dict = {}
 
-    def get(family: str) -> tuple[Path, Path, list]:
-        if family not in made:
-            tmp = tmp_path_factory.mktemp(family)
+    def get(family: str, dtype: str) -> tuple[Path, Path, list]:
+        if (family, dtype) not in made:
+            tmp = tmp_path_factory.mktemp(f"{family}-{dtype}")
             hf = save_tiny_checkpoint(tiny_config(family), tmp / "hf", seed=0)
+            if dtype == "bfloat16":
+                _round_to_bf16(hf / "model.safetensors")
             trajs = collect_rollouts(
-                hf, tmp / "r.jsonl", num_prompts=8, max_new_tokens=8, dtype="float32",
+                hf, tmp / "r.jsonl", num_prompts=8, max_new_tokens=8, dtype=dtype,
                 sampling=SAMPLING, flags=("--enable-deterministic-inference",),
             )  # fmt: skip
-            made[family] = (hf, tmp / "r.jsonl", trajs)
-        return made[family]  # type: ignore[no-any-return]
+            made[family, dtype] = (hf, tmp / "r.jsonl", trajs)
+        return made[family, dtype]  # type: ignore[no-any-return]
 
     return get  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize(
-    "family, layout",
+    "family, layout, dtype",
     [
-        ("qwen3_moe", "single"),
-        pytest.param("deepseek_moe", "single", marks=slow),
-        pytest.param("qwen3_moe", "pp2", marks=slow),
-        pytest.param("deepseek_moe", "pp2", marks=slow),
-        pytest.param("qwen3_moe", "ep2", marks=slow),
-        pytest.param("deepseek_moe", "dp2ep2", marks=slow),
-        pytest.param("qwen3_moe", "tp2", marks=slow),
-        pytest.param("qwen3_moe", "tp2ep2", marks=slow),
-        pytest.param("deepseek_moe", "etp2ep2", marks=slow),
-        pytest.param("deepseek_moe", "tp2", marks=slow),
+        ("qwen3_moe", "single", "float32"),
+        pytest.param("deepseek_moe", "single", "bfloat16", marks=slow),
+        pytest.param("qwen3_moe", "tp2", "bfloat16", marks=slow),
+        pytest.param("deepseek_moe", "dp2ep2", "bfloat16", marks=slow),
+        pytest.param("deepseek_moe", "single", "float32", marks=slow),
+        pytest.param("qwen3_moe", "pp2", "float32", marks=slow),
+        pytest.param("deepseek_moe", "pp2", "float32", marks=slow),
+        pytest.param("qwen3_moe", "ep2", "float32", marks=slow),
+        pytest.param("deepseek_moe", "dp2ep2", "float32", marks=slow),
+        pytest.param("qwen3_moe", "tp2", "float32", marks=slow),
+        pytest.param("qwen3_moe", "tp2ep2", "float32", marks=slow),
+        pytest.param("deepseek_moe", "etp2ep2", "float32", marks=slow),
+        pytest.param("deepseek_moe", "tp2", "float32", marks=slow),
     ],
 )
-def test_trainer_logprobs_are_the_engines_bit_for_bit(rollouts, tmp_path, family, layout):
-    hf, path, trajs = rollouts(family)
+def test_trainer_logprobs_are_the_engines_bit_for_bit(rollouts, tmp_path, family, layout, dtype):
+    hf, path, trajs = rollouts(family, dtype)
     score(layout, hf, path, tmp_path / "o.json", settings=[("on", "off"), ("on", "on")],
-          numerics="batch_invariant")  # fmt: skip
+          numerics="batch_invariant", dtype="bf16" if dtype == "bfloat16" else "fp32")  # fmt: skip
     scored = json.loads((tmp_path / "o.json").read_text())["logprobs"]
     trained = np.concatenate([t.trained for t in trajs])
     assert trained.sum() >= 40

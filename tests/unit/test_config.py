@@ -169,7 +169,16 @@ def testpackage_header() -> None:
             4,
             ["parallel.tp=4", "must divide 2"],
         ),
-        (["trainer.numerics=batch_invariant", "trainer.dtype=bf16"], 1, ["trainer.dtype='bf16'"]),
+        (
+            ["trainer.numerics=batch_invariant", "trainer.dtype=bf16"],
+            1,
+            ["trainer.dtype='bf16' and model.family='gpt'", "ROUTER_DTYPE"],
+        ),
+        (
+            ["model=deepseek_moe_tiny", "trainer.numerics=batch_invariant", "trainer.dtype=bf16"],
+            1,
+            ["trainer.dtype='bf16' and engine.dtype='float32'", "engine.dtype=bfloat16"],
+        ),
         (
             ["trainer.numerics=batch_invariant", "trainer.kernels=triton"],
             1,

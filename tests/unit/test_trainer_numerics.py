@@ -21,8 +21,11 @@ def test_check_names_the_key_and_the_fix():
         numerics.check("batch_invariant", tp=4, etp=4, dtype="fp32")
     with pytest.raises(ValueError, match=r"parallel\.cp=2.*parallel\.cp=1"):
         numerics.check("batch_invariant", tp=1, etp=1, dtype="fp32", cp=2)
-    with pytest.raises(ValueError, match=r"trainer\.dtype='bf16'.*trainer\.dtype=fp32"):
-        numerics.check("batch_invariant", tp=1, etp=1, dtype="bf16")
+    numerics.check("batch_invariant", tp=1, etp=1, dtype="bf16", family="qwen3_moe")
+    with pytest.raises(ValueError, match=r"trainer\.dtype='fp16'.*fp32 or bf16"):
+        numerics.check("batch_invariant", tp=1, etp=1, dtype="fp16")
+    with pytest.raises(ValueError, match=r"model\.family='mylab'.*ROUTER_DTYPE"):
+        numerics.check("batch_invariant", tp=1, etp=1, dtype="bf16", family="mylab")
     with pytest.raises(ValueError, match=r"trainer\.numerics='exact'.*'batch_invariant'"):
         numerics.check("exact", tp=1, etp=1, dtype="fp32")
 

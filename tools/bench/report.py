@@ -442,6 +442,11 @@ def _true_on_policy(r: dict[str, Any]) -> list[Row]:
             f"{exact}/{layouts}; {diff:.3g} ({diff_off:.3g})" if built else "not built",
             f"{layouts}/{layouts}; 0" if built else "all; 0",
             _status(diff, built and exact == layouts and diff == 0) if built else "not built"),
+        Row("true_on_policy", "bf16 engine and trainer, single layout: families exact",
+            f"{r.get('bf16_exact')}/{r.get('bf16_total')}" if r.get("bf16_total") else "n/a",
+            "all", _status(r.get("bf16_exact"), r.get("bf16_total") is not None
+                           and r.get("bf16_exact") == r.get("bf16_total"))
+            if r.get("bf16_total") else "—"),
         Row("true_on_policy", "trainer forward time, trainer.numerics=batch_invariant / default",
             _x(t_over), f"≤ {target:g}×",
             _status(t_over, _num(t_over) is not None and t_over <= target)),

@@ -23,9 +23,13 @@ directly, no HTTP):
   and in the single layout with both off: max |log π_trainer − log μ| over the trained
   tokens, and the single layout's trainer forward time on over off (``trainer_overhead``).
 
+Then the same in bf16 (engine and trainer; checkpoint weights rounded to bf16 values), in
+the single layout (not with ``--quick``).
+
 Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
-layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=…``. ``layouts_exact``
-counts the issue's 7 layouts × families whose trained tokens matched exactly.
+layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=… bf16_exact=…``.
+``layouts_exact`` counts the issue's 7 layouts × families whose trained tokens matched
+exactly in fp32; ``bf16_exact`` the families matched exactly in bf16.
 """
 
 from __future__ import annotations
@@ -51,31 +55,52 @@ MATCHED = LAYOUTS  # every layout of the issue
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
 
 
+def _round_to_bf16(path: Path) -> None:
+    """The checkpoint's weights made bf16 values (transformers keeps DeepSeek's router in
+    fp32: only bf16 values there are the bf16 trainer's)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in tensors.items()}
+    save_file(rounded, path, metadata={"format": "pt"})
+
+
 def trainer_match(
-    family: str, tmp: Path, prompts: int, new: int, layouts: tuple[str, ...]
+    family: str,
+    tmp: Path,
+    prompts: int,
+    new: int,
+    layouts: tuple[str, ...],
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Engine vs trainer logprobs (kept-set, Keep Routing): both modes on in each of
-    ``layouts`` (the first also both off)."""
+    """Engine vs trainer logprobs (kept-set, Keep Routing) with the engine in ``dtype``
+    and the trainer in the same: both modes on in each of ``layouts`` (the first also
+    both off)."""
     from moerl.checks.replay import collect_rollouts, score
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
-    hf = save_tiny_checkpoint(tiny_config(family), tmp / f"{family}-hf", seed=0)
+    hf = save_tiny_checkpoint(tiny_config(family), tmp / f"{family}-{dtype}-hf", seed=0)
+    if dtype == "bfloat16":
+        _round_to_bf16(hf / "model.safetensors")
+    trainer_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     out: dict[str, Any] = {"layouts": {}}
     for mode, flags, numerics in (
         ("on", ("--enable-deterministic-inference",), "batch_invariant"),
         ("off", (), "default"),
     ):
-        rollouts = tmp / f"{family}-{mode}.jsonl"
+        rollouts = tmp / f"{family}-{dtype}-{mode}.jsonl"
         trajs = collect_rollouts(
-            hf, rollouts, num_prompts=prompts, max_new_tokens=new, dtype="float32",
+            hf, rollouts, num_prompts=prompts, max_new_tokens=new, dtype=dtype,
             sampling=SAMPLING, flags=flags,
         )  # fmt: skip
         trained = np.concatenate([t.trained for t in trajs])
         ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
         for layout in layouts if mode == "on" else layouts[:1]:
-            scored = tmp / f"{family}-{mode}-{layout}.json"
-            score(layout, hf, rollouts, scored, settings=[("on", "on")], numerics=numerics)
+            scored = tmp / f"{family}-{dtype}-{mode}-{layout}.json"
+            score(layout, hf, rollouts, scored, settings=[("on", "on")], numerics=numerics,
+                  dtype=trainer_dtype)  # fmt: skip
             payload = json.loads(scored.read_text())
             diff = np.abs(np.asarray(payload["logprobs"]["on/on"]) - ref)
             found = {
@@ -244,6 +269,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"trainer_overhead={match['trainer_overhead']:.2f}",
                 flush=True,
             )
+            if not args.quick:  # bf16 engine and trainer, single layout
+                half = trainer_match(family, Path(tmp), 8, args.new_tokens, ("single",), "bfloat16")
+                result.setdefault("trainer_bf16", {})[family] = half
+                print(
+                    f"{family} bf16 single abs_diff_max={half['on']['abs_diff_max']:.3g} "
+                    f"(off: {half['off']['abs_diff_max']:.3g})",
+                    flush=True,
+                )
         mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
         mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
         runners = {m: ModelRunner(mid, deterministic=m) for m in (False, True)}
@@ -262,13 +295,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["abs_diff_max"] = max(v["abs_diff_max"] for m in trainer for v in m["layouts"].values())
     result["abs_diff_max_off"] = max(m["off"]["abs_diff_max"] for m in trainer)
     result["trainer_overhead"] = statistics.median(m["trainer_overhead"] for m in trainer)
+    halves = result.get("trainer_bf16", {}).values()
+    result["bf16_exact"] = sum(len(m["exact"]) for m in halves)
+    result["bf16_total"] = len(halves)
     print(
         f"true_on_policy engine_invariant={result['engine_invariant']}/{result['engine_scenarios']}"
         f" (off: {result['engine_invariant_off']}) engine_overhead={result['engine_overhead']:.2f}"
         f" engine_overhead_mid={result['engine_overhead_mid']:.2f}"
         f" layouts_exact={result['layouts_exact']}/{result['layouts_total']}"
         f" abs_diff_max={result['abs_diff_max']:.3g} abs_diff_max_off={result['abs_diff_max_off']:.3g}"
-        f" trainer_overhead={result['trainer_overhead']:.2f}",
+        f" trainer_overhead={result['trainer_overhead']:.2f}"
+        f" bf16_exact={result['bf16_exact']}/{result['bf16_total']}",
         flush=True,
     )
     if args.out:
