@@ -64,6 +64,10 @@ def rollouts(tmp_path_factory) -> dict:
         pytest.param("deepseek_moe", "single", "bfloat16", marks=slow),
         pytest.param("qwen3_moe", "tp2", "bfloat16", marks=slow),
         pytest.param("deepseek_moe", "dp2ep2", "bfloat16", marks=slow),
+        pytest.param("qwen3_moe", "etp2ep2", "bfloat16", marks=slow),
+        pytest.param("deepseek_moe", "tp2ep2", "bfloat16", marks=slow),
+        pytest.param("qwen3_moe", "pp2", "bfloat16", marks=slow),
+        pytest.param("deepseek_moe", "ep2", "bfloat16", marks=slow),
         pytest.param("deepseek_moe", "single", "float32", marks=slow),
         pytest.param("qwen3_moe", "pp2", "float32", marks=slow),
         pytest.param("deepseek_moe", "pp2", "float32", marks=slow),
@@ -91,3 +95,23 @@ def test_trainer_logprobs_are_the_engines_bit_for_bit(rollouts, tmp_path, family
         np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=key)
     # the kept sets were real (top-p dropped ids), so the two differ somewhere
     assert not np.array_equal(engine["on/off"], engine["on/on"])
+
+
+@slow
+def test_episodes_across_turns_are_exact(tmp_path):
+    """3-turn episodes whose later turns re-send (or reuse from the prefix cache) the
+    earlier ones, with spliced observation tokens: every trained token still matches."""
+    from moerl.checks.replay import collect_episodes
+
+    hf = save_tiny_checkpoint(tiny_config("deepseek_moe"), tmp_path / "hf", seed=0)
+    path = tmp_path / "e.jsonl"
+    trajs = collect_episodes(
+        hf, path, num_episodes=4, turns=3, flags=("--enable-deterministic-inference",)
+    )
+    score("single", hf, path, tmp_path / "o.json", settings=[("on", "on")],
+          numerics="batch_invariant")  # fmt: skip
+    got = np.asarray(json.loads((tmp_path / "o.json").read_text())["logprobs"]["on/on"])
+    trained = np.concatenate([t.trained for t in trajs])
+    assert not trained.all()  # observation tokens are not trained
+    want = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
