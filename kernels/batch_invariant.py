@@ -120,14 +120,26 @@ def linear(
 
 
 def _split_tiles(rows: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    return split_k(_tiles, rows, weight, splits)
+
+
+def split_k(
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    splits: int,
+) -> torch.Tensor:
+    """``product(x, weight)`` [.., N] as the ``pairwise`` sum of ``splits`` products over
+    equal chunks of K (x's last axis, weight [N, K]'s columns)."""
     if splits == 1:
-        return _tiles(rows, weight)
-    k = rows.shape[-1]
+        return product(x, weight)
+    k = x.shape[-1]
     if k % splits:
         raise ValueError(f"batch-invariant linear: K={k} does not split into {splits} chunks")
     step = k // splits
-    parts = [_tiles(rows[:, i : i + step], weight[:, i : i + step]) for i in range(0, k, step)]
-    return pairwise(parts)
+    return pairwise(
+        [product(x[..., i : i + step], weight[:, i : i + step]) for i in range(0, k, step)]
+    )
 
 
 def pairwise(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -164,14 +176,20 @@ def _dim(dim: Any, ndim: int) -> int | None:
     return int(dim) % max(ndim, 1)
 
 
+def _total(x: torch.Tensor, dim: Any, keepdim: bool) -> tuple[torch.Tensor, int]:
+    """(``tree_sum`` over ``dim`` or over everything, the number of terms summed)."""
+    axis = _dim(dim, x.dim())
+    if axis is None:
+        return tree_sum(x.reshape(-1)), x.numel()
+    return tree_sum(x, axis, keepdim), x.shape[axis]
+
+
 @_plain
 def sum_(
     x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
 ) -> torch.Tensor:
     """``torch.sum`` of a floating tensor by ``tree_sum``."""
-    axis = _dim(dim, x.dim())
-    out = tree_sum(x.reshape(-1)) if axis is None else tree_sum(x, axis, keepdim)
-    return out.to(dtype or x.dtype)
+    return _total(x, dim, keepdim)[0].to(dtype or x.dtype)
 
 
 @_plain
@@ -179,16 +197,19 @@ def mean(
     x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
 ) -> torch.Tensor:
     """``torch.mean`` by ``tree_sum`` divided by the count."""
-    axis = _dim(dim, x.dim())
-    count = x.numel() if axis is None else x.shape[axis]
-    out = tree_sum(x.reshape(-1)) if axis is None else tree_sum(x, axis, keepdim)
+    out, count = _total(x, dim, keepdim)
     return (out / count).to(dtype or x.dtype)
 
 
-def _shifted(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x − max over ``dim`` (a max is exact); a row of all −inf is shifted by 0."""
+def _finite_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The max over ``dim`` (kept; a max is exact), 0 for a row of all −inf."""
     top = x.amax(dim, keepdim=True)
-    return x - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+
+def _shifted(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x − max over ``dim``; a row of all −inf is shifted by 0."""
+    return x - _finite_max(x, dim)
 
 
 @_plain
@@ -209,8 +230,7 @@ def log_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> 
 
 def _log_z(w: torch.Tensor, dim: int) -> torch.Tensor:
     """max + log Σ exp(w − max) over ``dim`` (kept); a row of all −inf is shifted by 0."""
-    top = w.amax(dim, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    top = _finite_max(w, dim)
     return top + torch.log(tree_sum(torch.exp(w - top), dim, keepdim=True))
 
 
@@ -410,6 +430,17 @@ def _dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
         return kwargs["dtype"]  # type: ignore[no-any-return]
     found = [a for a in args if isinstance(a, torch.dtype)]
     return found[0] if found else None
+
+
+def invariant(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run inside ``BatchInvariant``."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with BatchInvariant():
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def in_mode() -> bool:

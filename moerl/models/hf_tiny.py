@@ -42,12 +42,21 @@ def build_hf_model(model: ModelConfig, seed: int = 0) -> Any:
     return hf_model
 
 
-def save_tiny_checkpoint(model: ModelConfig, out: str | Path, seed: int = 0) -> Path:
+def save_tiny_checkpoint(
+    model: ModelConfig, out: str | Path, seed: int = 0, bf16_values: bool = False
+) -> Path:
     """Write config.json, generation_config.json, safetensors and tokenizer files for a
-    random model; both configs carry the tokenizer's bos/eos/pad ids."""
+    random model; both configs carry the tokenizer's bos/eos/pad ids. ``bf16_values``: the
+    fp32 weights rounded to bf16 values (so a tensor transformers keeps in fp32 in a bf16
+    model, such as DeepSeek's router, holds what a bf16 trainer holds)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_model = build_hf_model(model, seed)
+    if bf16_values:
+        with torch.no_grad():
+            for tensor in hf_model.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.copy_(tensor.bfloat16())
     hf_model.save_pretrained(str(out), safe_serialization=True)
     build_tiny_tokenizer(model.vocab_size).save_pretrained(str(out))
     return out

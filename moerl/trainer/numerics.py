@@ -158,7 +158,7 @@ def enable(chunks: list[Any], family: str | None = None) -> None:
                 splits = bi.K_SPLITS // _size(module.tp_group)
                 module._forward_impl = functools.partial(_split_impl, module._forward_impl, splits)
         # the outermost forward: its output (Float16Module's fp32 logits) carries the mark
-        chunk.forward = _in_mode(chunk.forward)
+        chunk.forward = _marked(chunk.forward)
 
 
 def _size(group: Any) -> int:
@@ -176,43 +176,16 @@ def _split_impl(
     """A row-parallel linear's local product as the sum of its ``splits`` K-chunks (the
     chunks of ``bi.K_SPLITS`` this rank holds), added pairwise: the ranks' sums then add
     as the engine's ``bi.linear(..., splits=K_SPLITS)`` adds its chunks."""
-    if splits == 1:
-        return impl(input=input, weight=weight, **kwargs)
-    step = input.shape[-1] // splits
-    parts = [
-        impl(input=input[..., i : i + step], weight=weight[:, i : i + step], **kwargs)
-        for i in range(0, input.shape[-1], step)
-    ]
-    return bi.pairwise(parts)
+    return bi.split_k(lambda x, w: impl(input=x, weight=w, **kwargs), input, weight, splits)
 
 
-class _SumBothWays(torch.autograd.Function):
-    """All-reduce sum forward and backward over a group (``_experts_forward``'s expert-TP
-    sum: every rank's partial feeds the one rank that keeps the result)."""
+def _marked(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` inside ``BatchInvariant``, its tensor output carrying ``MARK``."""
+    run_invariant = bi.invariant(forward)
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        import torch.distributed as dist
-
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        import torch.distributed as dist
-
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _in_mode(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with bi.BatchInvariant():
-            out = forward(*args, **kwargs)
+        out = run_invariant(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             setattr(out, MARK, True)
         return out
@@ -232,6 +205,8 @@ def _experts_forward(
     parallelism each rank computes its chunks, the ranks' sums are added before the
     routing weight scales them (as without it), and rank 0 of the expert-TP group returns
     the result, the others zeros, so the dispatcher's sum over that group is exact."""
+    from torch.distributed.nn.functional import all_reduce
+
     cfg = self.config
     if not cfg.gated_linear_unit or cfg.add_bias_linear:
         raise NotImplementedError(
@@ -248,8 +223,8 @@ def _experts_forward(
         gate, up = F.linear(rows, expert.linear_fc1.weight).chunk(2, dim=-1)
         h = cfg.activation_func(gate) * up
         y = bi.linear(h, expert.linear_fc2.weight, splits=bi.K_SPLITS // etp)
-        if etp > 1:
-            y = _SumBothWays.apply(y, group)
+        if etp > 1:  # all-reduced forward and backward: every rank's partial feeds rank 0's
+            y = all_reduce(y, group=group)
         outs.append((y * probs.unsqueeze(-1)).to(y.dtype))
     out = torch.cat(outs)
     if etp > 1 and group.rank() != 0:

@@ -26,15 +26,6 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
 slow = pytest.mark.slow  # multi-rank scoring: out of the default run (20-minute budget)
 
 
-def _round_to_bf16(path: Path) -> None:
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(path)
-    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in tensors.items()}
-    save_file(rounded, path, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory) -> dict:
     """family → (checkpoint, rollout file, trajectories): 8 prompts, so a data-parallel
@@ -44,9 +35,9 @@ def rollouts(tmp_path_factory) -> dict:
     def get(family: str, dtype: str) -> tuple[Path, Path, list]:
         if (family, dtype) not in made:
             tmp = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            hf = save_tiny_checkpoint(tiny_config(family), tmp / "hf", seed=0)
-            if dtype == "bfloat16":
-                _round_to_bf16(hf / "model.safetensors")
+            hf = save_tiny_checkpoint(
+                tiny_config(family), tmp / "hf", seed=0, bf16_values=dtype == "bfloat16"
+            )
             trajs = collect_rollouts(
                 hf, tmp / "r.jsonl", num_prompts=8, max_new_tokens=8, dtype=dtype,
                 sampling=SAMPLING, flags=("--enable-deterministic-inference",),

@@ -55,17 +55,6 @@ MATCHED = LAYOUTS  # every layout of the issue
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
 
 
-def _round_to_bf16(path: Path) -> None:
-    """The checkpoint's weights made bf16 values (transformers keeps DeepSeek's router in
-    fp32: only bf16 values there are the bf16 trainer's)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(path)
-    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in tensors.items()}
-    save_file(rounded, path, metadata={"format": "pt"})
-
-
 def trainer_match(
     family: str,
     tmp: Path,
@@ -81,9 +70,9 @@ def trainer_match(
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
-    hf = save_tiny_checkpoint(tiny_config(family), tmp / f"{family}-{dtype}-hf", seed=0)
-    if dtype == "bfloat16":
-        _round_to_bf16(hf / "model.safetensors")
+    hf = save_tiny_checkpoint(
+        tiny_config(family), tmp / f"{family}-{dtype}-hf", seed=0, bf16_values=dtype == "bfloat16"
+    )
     trainer_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     out: dict[str, Any] = {"layouts": {}}
     for mode, flags, numerics in (

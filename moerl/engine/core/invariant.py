@@ -147,15 +147,6 @@ def _rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]
     return functools.partial(bi.rms_norm, weight=weight, eps=eps)
 
 
-def _in_mode(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with bi.BatchInvariant():
-            return forward(*args, **kwargs)
-
-    return run
-
-
 def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
     """Make ``model`` (transformers' causal LM, MoE or dense) batch-invariant as the
     module docstring says; ``routers``: its MoE router modules. Raises
@@ -178,7 +169,7 @@ def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
                 "batch-invariant version"
             )
     for module in routers.values():
-        module.forward = _in_mode(module.forward)  # type: ignore[method-assign]
+        module.forward = bi.invariant(module.forward)  # type: ignore[method-assign]
     config = model.config
     if getattr(config, "_experts_implementation", None) is not None:
         model.set_experts_implementation(NAME)  # type: ignore[operator]
