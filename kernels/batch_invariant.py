@@ -5,18 +5,22 @@ torch's own CPU ops are not: one [M, K] × [K, N] product gives other bits for M
 GEMV) than for M>1 (blocked GEMMs whose blocking follows M); a reduction kernel splits a
 long axis across threads when there are few outputs; and ``sigmoid`` / ``silu`` (fp32),
 ``rsqrt`` (bf16) take a vector path or a scalar one by the element's position in the
-buffer. The ops here follow three rules instead, each checked by
+buffer. The ops here follow these rules instead, each checked by
 ``tests/unit/test_batch_invariant.py``:
 
 - A reduction over an axis of fixed length (hidden size, head dim, vocabulary, experts)
   is a pairwise tree of elementwise adds over that axis padded to a power of two
   (``tree_sum``): no reduction kernel runs, so nothing splits with size or threads.
-- A reduction over keys, whose number and placement change with the batch (left
-  padding, a shared prompt read beside a row's own tokens) is a left fold in key order
-  (``fold_sum``: cumsum's last element). A masked or padding key adds an exact zero,
-  which changes nothing wherever it sits.
 - A matrix product runs as a batch of [ROWS, K] × [K, N] products of one fixed shape
-  (``linear``): every row meets the same kernel in every position.
+  (``linear``): every row meets the same kernel, and its result does not depend on
+  where in the tile it sits.
+- Attention drops the keys no query of a row sees (left padding, the gap between a
+  shared prompt and a row's own tokens), so a key's index is its position in the
+  sequence in a prefill, a decode step or a prefix read; scores and the values' sum are
+  then fixed-shape [ROWS, ·] × [·, ROWS] tile products, the values' partial sums folded
+  over key tiles in order. A masked or missing key adds an exact zero wherever it sits.
+  Sums over keys whose number changes with the batch (the softmax's total) are a left
+  fold in key order (``fold_sum``: cumsum's last element).
 
 Elementwise ops that are exact (add, mul, div) or position-independent here (exp, log,
 sqrt, cos, sin; fp32 rsqrt) are used as they are; sigmoid and silu are built from exp.
@@ -280,8 +284,15 @@ def attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` [B, h, Q, D] where a query's result depends on
-    its keys alone: scores by ``tree_sum`` over D, the softmax's sum and the values'
-    weighted sum by ``fold_sum`` over keys (masked keys add exact zeros)."""
+    its keys alone.
+
+    The keys no query of a batch row sees (left padding, the gap between a shared prompt
+    and a row's own tokens) are dropped first, keeping the others in order; when every
+    query then sees a prefix of the remaining keys (causal rows, decode, prefix reuse),
+    a key's index is its position in the sequence wherever the row came from, and
+    ``_tiled_attention`` computes scores and values as fixed-shape [ROWS, ·] × [·, ROWS]
+    tile products. Other masks (packed rows' block diagonals) take ``_folded_attention``:
+    elementwise products, ``tree_sum`` over D and ``fold_sum`` over keys."""
     if dropout_p:
         raise NotImplementedError("batch-invariant mode: attention dropout")
     heads, kv_heads = query.shape[-3], key.shape[-3]
@@ -292,25 +303,152 @@ def attention(
     keep = None
     if is_causal:
         keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+    additive = None
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = attn_mask if keep is None else keep & attn_mask
+    elif attn_mask is not None:
+        additive = attn_mask
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     q, k, v = _wide(query), _wide(key), _wide(value)
+    if q.dim() == 4 and (keep is None or keep.dim() <= 4):
+        packed = _compacted(q, k, v, keep, additive)
+        if packed is not None:
+            return _tiled_attention(q, *packed, factor).to(query.dtype)
+    return _folded_attention(q, k, v, keep, additive, factor).to(query.dtype)
+
+
+def _compacted(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    additive: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(keys, values, keep, additive) [B, h, ·, ·] with each row's keys that no query sees
+    dropped (the rest in order, zeros after them), or None where a query would then see
+    something other than a prefix of its row's keys."""
+    if keep is None:
+        return k, v, None, None if additive is None else additive.expand(*q.shape[:-1], -1)
+    b, h, q_len, _ = q.shape
+    k_len = k.shape[-2]
+    keep = keep.expand(b, h, q_len, k_len)
+    seen_BT = keep.any(dim=2).any(dim=1)  # [B, T]
+    counts_BQ = keep.sum(-1)  # [B, h, Q]
+    if not bool(seen_BT.all()):
+        order = (~seen_BT).to(torch.int8).argsort(dim=-1, stable=True)  # seen keys first
+        width = int(seen_BT.sum(-1).max())
+        order = order[:, :width]
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            x = x.expand(b, h, *x.shape[2:]) if x.dim() == 4 else x
+            index = order[:, None, :, None].expand(b, x.shape[1], width, x.shape[-1])
+            return x.gather(2, index)
+
+        k, v = take(k), take(v)
+        keep = keep.gather(3, order[:, None, None, :].expand(b, h, q_len, width))
+        if additive is not None:
+            additive = additive.expand(b, h, q_len, k_len).gather(
+                3, order[:, None, None, :].expand(b, h, q_len, width)
+            )
+    prefix = torch.arange(keep.shape[-1], device=q.device) < counts_BQ[..., None]
+    if not torch.equal(keep, prefix):
+        return None
+    return k, v, keep, additive
+
+
+def _tiles_of(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, h, L, D] → [B, h, L/ROWS, ROWS, D], zero-padded to ``length`` (a multiple of ROWS)."""
+    pad = length - x.shape[-2]
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+    return x.view(*x.shape[:-2], length // ROWS, ROWS, x.shape[-1])
+
+
+def _pair_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Every (a tile, b tile) product of a [B, h, I, ROWS, X] and b [B, h, J, X, N]: one
+    bmm of [ROWS, X] × [X, N] products → [B, h, I, J, ROWS, N]."""
+    lead = a.shape[:3]
+    j = b.shape[2]
+    left = a[:, :, :, None].expand(*lead, j, *a.shape[3:]).reshape(-1, *a.shape[3:])
+    right = b[:, :, None].expand(*lead, *b.shape[2:]).reshape(-1, *b.shape[3:])
+    return torch.bmm(left, right).view(*lead, j, a.shape[-2], b.shape[-1])
+
+
+def _tiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    factor: float,
+) -> torch.Tensor:
+    """Attention over keys whose index is their position (``_compacted``): the scores
+    of each [ROWS queries] × [ROWS keys] tile pair as one fixed-shape product over D, the
+    values' weighted sum as one [ROWS, ROWS] × [ROWS, Dv] product per tile pair, folded
+    over key tiles in order; the softmax's total by ``fold_sum`` over keys. A masked or
+    missing key has weight 0 and adds exact zeros wherever it sits."""
+    b, h, q_len, _ = q.shape
+    k_len = k.shape[-2]
+    k_pad = -(-max(k_len, 1) // ROWS) * ROWS
+    k_tiles = _tiles_of(k, k_pad)  # [B, h, Tt, ROWS, D]
+    v_tiles = _tiles_of(v, k_pad)  # [B, h, Tt, ROWS, Dv]
+    per_query_tile = max(1, k_pad * (k.shape[-1] + v.shape[-1]) * b * h)
+    step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query_tile) * ROWS
+    outs = []
+    for first in range(0, q_len, step):
+        rows = slice(first, min(first + step, q_len))
+        n = rows.stop - first
+        n_pad = -(-n // ROWS) * ROWS
+        q_tiles = _tiles_of(q[..., rows, :], n_pad)  # [B, h, Qt, ROWS, D]
+        scores = _pair_products(q_tiles, k_tiles.transpose(-1, -2))  # [B,h,Qt,Tt,R,R]
+        scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(b, h, n_pad, k_pad)[..., :n, :]
+        scores = scores * factor
+        if k_pad != k_len or keep is not None:
+            visible = torch.zeros(b, h, n, k_pad, dtype=torch.bool, device=q.device)
+            visible[..., :k_len] = True if keep is None else keep[..., rows, :]
+            scores = scores.masked_fill(~visible, -math.inf)
+        if additive is not None:
+            scores[..., :k_len] += _wide(additive[..., rows, :])
+        p = torch.exp(_shifted(scores, -1))  # [B, h, n, T]
+        total = fold_sum(p, -1)[..., None]
+        p_tiles = _tiles_of(p, n_pad).view(b, h, n_pad // ROWS, ROWS, -1, ROWS)
+        p_tiles = p_tiles.transpose(3, 4)  # [B, h, Qt, Tt, ROWS q, ROWS k]
+        parts = torch.bmm(
+            p_tiles.reshape(-1, ROWS, ROWS),
+            v_tiles[:, :, None].expand(b, h, p_tiles.shape[2], *v_tiles.shape[2:])
+            .reshape(-1, ROWS, v.shape[-1]),
+        ).view(*p_tiles.shape[:4], ROWS, v.shape[-1])  # fmt: skip
+        weighted = fold_sum(parts, 3).reshape(b, h, n_pad, -1)[..., :n, :]
+        outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
+    return torch.cat(outs, dim=-2)
+
+
+def _folded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    factor: float,
+) -> torch.Tensor:
+    """Scores by ``tree_sum`` over D, the softmax's sum and the values' weighted sum by
+    ``fold_sum`` over keys (masked keys add exact zeros), for any mask."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
     per_query = max(1, math.prod(k.shape[:-2]) * k_len * max(k.shape[-1], v.shape[-1]))
     step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query)
     outs = []
     for first in range(0, q_len, step):
         rows = slice(first, min(first + step, q_len))
         scores = tree_sum(q[..., rows, None, :] * k[..., None, :, :], -1) * factor  # [B,h,q,T]
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            scores = scores + _wide(attn_mask[..., rows, :])
+        if additive is not None:
+            scores = scores + _wide(additive[..., rows, :])
         if keep is not None:
             scores = scores.masked_fill(~keep[..., rows, :], -math.inf)
         p = torch.exp(_shifted(scores, -1))
         total = fold_sum(p, -1)[..., None]
         weighted = fold_sum(p[..., None] * v[..., None, :, :], -2)  # [B,h,q,Dv]
         outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
-    return torch.cat(outs, dim=-2).to(query.dtype)
+    return torch.cat(outs, dim=-2)
 
 
 @_plain
@@ -332,26 +470,14 @@ def experts(
     ids_TK, by_id = ids_TK.sort(dim=-1, stable=True)
     weights_S1 = weights_TK.gather(1, by_id).reshape(-1, 1)
     flat = ids_TK.reshape(-1)  # slot s = token * topk + rank by expert id
-    counts = torch.bincount(flat, minlength=num + 1)[:num]
-    kept = int(counts.sum())
-    order = flat.argsort(stable=True)[:kept]  # slots by expert, then token
-    expert = flat[order]
-    padded = (counts + ROWS - 1) // ROWS * ROWS
-    starts = counts.cumsum(0) - counts
-    pstarts = padded.cumsum(0) - padded
-    dest = pstarts[expert] + torch.arange(kept, device=flat.device) - starts[expert]
-    x = hidden_TH.new_zeros(int(padded.sum()), hidden_TH.shape[-1])
+    counts = torch.bincount(flat, minlength=num + 1)[:num].tolist()
+    sizes, dest = tile_groups(counts, flat.device)
+    order = flat.argsort(stable=True)[: sum(counts)]  # slots by expert, then token
+    x = hidden_TH.new_zeros(sum(sizes), hidden_TH.shape[-1])
     x[dest] = hidden_TH[order // topk]
-    sizes = padded.tolist()
-    gate_up = torch.cat([
-        _tiles(part, gate_up_E2IH[e]) for e, part in enumerate(x.split(sizes)) if sizes[e]
-    ]) if kept else x.new_zeros(0, gate_up_E2IH.shape[1])  # fmt: skip
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = grouped_tiles(x, sizes, list(gate_up_E2IH)).chunk(2, dim=-1)
     h = act(gate) * up
-    y = torch.cat([
-        _split_tiles(part, down_EHI[e], K_SPLITS) for e, part in enumerate(h.split(sizes))
-        if sizes[e]
-    ]) if kept else x  # fmt: skip
+    y = grouped_tiles(h, sizes, list(down_EHI), K_SPLITS)
     out = hidden_TH.new_zeros(tokens * topk, hidden_TH.shape[-1])
     out[order] = (y[dest] * weights_S1[order]).to(out.dtype)
     # summed in fp32 for fp16/bf16 and rounded once, as torch's scatter_add (megatron-core's
@@ -361,6 +487,30 @@ def experts(
     for k in range(1, topk):
         total = total + _wide(slots[:, k])
     return total.to(hidden_TH.dtype)
+
+
+def tile_groups(counts: list[int], device: Any = None) -> tuple[list[int], torch.Tensor]:
+    """Rows of consecutive groups (``counts`` rows each) laid out with each group padded
+    to whole ROWS tiles: (the padded sizes, each row's index in that layout)."""
+    sizes = [-(-n // ROWS) * ROWS for n in counts]
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    dest = [torch.arange(start, start + n, device=device) for start, n in zip(starts, counts)]
+    return sizes, torch.cat(dest) if dest else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def grouped_tiles(
+    rows: torch.Tensor, sizes: list[int], weights: list[torch.Tensor], splits: int = 1
+) -> torch.Tensor:
+    """Each group's rows (``sizes``: whole ROWS tiles, ``tile_groups``) × its weight
+    [N, K]ᵀ, through ``_tiles`` (K-split ``splits`` ways); empty groups are skipped."""
+    parts = [
+        _split_tiles(part, weight, splits)
+        for part, weight, size in zip(rows.split(sizes), weights, sizes, strict=True)
+        if size
+    ]
+    return torch.cat(parts) if parts else rows.new_zeros(0, weights[0].shape[0])
 
 
 def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

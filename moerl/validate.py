@@ -194,6 +194,12 @@ def _check_numerics(cfg: MoerlConfig) -> None:
             f"engine.dtype={cfg.engine.dtype!r}: the engine computes the trainer's bits in "
             f"the trainer's dtype; set engine.dtype={engine}"
         )
+    if t.packing != "padded":
+        raise ValueError(
+            f"trainer.packing={t.packing!r} with trainer.numerics=batch_invariant: packed rows' "
+            "block-diagonal masks take a slower attention whose bits are not the engine's "
+            "(kernels/batch_invariant.py attention); use trainer.packing=padded"
+        )
     for key, value, fine in (
         ("kernels", t.kernels, ("auto", "torch")),
         ("logprobs_from", t.logprobs_from, ("auto", "logits")),

@@ -10,10 +10,13 @@ decomposition's numerics term 0.
 
 What ``enable`` does to the model chunks:
 
-- each chunk's forward runs inside ``BatchInvariant``, which reroutes the linears
-  (megatron-core's ``torch.matmul`` with the transposed weight), ``F.rms_norm``, sdpa
-  (``LocalCoreAttention``), softmaxes, sums and SiLU to the batch-invariant ops; the
-  embedding, rotary tables and residual adds are exact as they are;
+- the modules whose torch ops are not batch-invariant take the batch-invariant ops, as
+  the engine's do: the column- and row-parallel linears' products (their local product
+  runs inside ``BatchInvariant``, which reroutes megatron-core's ``torch.matmul``),
+  ``torch.nn.RMSNorm``, SiLU (the MLPs' ``activation_func``), core attention
+  (``LocalCoreAttention``'s sdpa) and the routers (inside the mode); the embedding, rotary
+  tables, residual adds and the dispatcher's permutations are exact as they are and run
+  as they are (a mode around the whole forward cost a dispatch on each of its ops);
 - a softmax router that renormalises its top-k (Qwen3-MoE's ``norm_topk_prob``) takes
   transformers' order: softmax over all experts, top-k, divide by their sum (megatron-core
   takes the softmax of the top-k logits: equal in exact arithmetic, not in bits);
@@ -27,7 +30,7 @@ What ``enable`` does to the model chunks:
   down projection under expert TP is added across the group before the routing weight
   scales it (``_experts_forward``); vocabulary-parallel logits are gathered whole.
 
-The backward pass is not affected (it runs outside the mode). Pipeline stages pass
+The backward pass is autograd's through these ops. Pipeline stages pass
 activations unchanged, expert parallelism moves a token's rows to their experts and
 back through the same fixed-shape products, data parallelism splits sequences: every
 layout with tensor sizes dividing ``K_SPLITS`` gives the single layout's bits. In bf16
@@ -141,8 +144,11 @@ def enable(chunks: list[Any], family: str | None = None) -> None:
     """Put the matching numerics into these (unwrapped or DDP-wrapped) model chunks and
     this process's megatron-core router (see the module docstring); ``family``: the
     model family, whose router dtype (``ROUTER_DTYPE``) the routers take."""
-    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moerl.models.local_attention import LocalCoreAttention
 
     _patch_router()
     for chunk in chunks:
@@ -152,17 +158,38 @@ def enable(chunks: list[Any], family: str | None = None) -> None:
         if family in ROUTER_DTYPE:
             model.config.moe_router_dtype = ROUTER_DTYPE[family]
         for module in model.modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "activation_func", None) is F.silu:  # MLPs read it per call
+                config.activation_func = bi.silu  # type: ignore[union-attr]
             if isinstance(module, SequentialMLP):
                 module.forward = functools.partial(_experts_forward, module)  # type: ignore[method-assign]
             elif isinstance(module, RowParallelLinear):
                 splits = bi.K_SPLITS // _size(module.tp_group)
-                module._forward_impl = functools.partial(_split_impl, module._forward_impl, splits)
+                impl = functools.partial(_split_impl, module._forward_impl, splits)
+                module._forward_impl = bi.invariant(impl)
+            elif isinstance(module, ColumnParallelLinear):
+                module._forward_impl = bi.invariant(module._forward_impl)
+            elif isinstance(module, torch.nn.RMSNorm):
+                module.forward = functools.partial(_rms_norm, module)  # type: ignore[method-assign]
+            elif isinstance(module, (LocalCoreAttention, TopKRouter)):
+                module.forward = bi.invariant(module.forward)  # type: ignore[method-assign]
+            elif isinstance(module, torch.nn.LayerNorm):
+                raise NotImplementedError(
+                    "trainer.numerics=batch_invariant: LayerNorm models are not matched "
+                    "(RMSNorm only)"
+                )
         # the outermost forward: its output (Float16Module's fp32 logits) carries the mark
         chunk.forward = _marked(chunk.forward)
 
 
 def _size(group: Any) -> int:
     return 1 if group is None else int(group.size())
+
+
+def _rms_norm(self: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.RMSNorm.forward`` by ``bi.rms_norm`` (torch's default eps: the dtype's)."""
+    eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+    return bi.rms_norm(x, self.weight, eps)
 
 
 def _split_impl(
@@ -180,12 +207,11 @@ def _split_impl(
 
 
 def _marked(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` inside ``BatchInvariant``, its tensor output carrying ``MARK``."""
-    run_invariant = bi.invariant(forward)
+    """``forward`` with its tensor output carrying ``MARK``."""
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        out = run_invariant(*args, **kwargs)
+        out = forward(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             setattr(out, MARK, True)
         return out
@@ -200,7 +226,8 @@ def _experts_forward(
     probs_S: torch.Tensor,
 ) -> tuple[torch.Tensor, None]:
     """``SequentialMLP.forward`` in transformers' order: down(act(gate) · up), then × the
-    routing weight, each local expert's tokens in turn (a gated linear unit, no bias).
+    routing weight, each local expert's tokens through its own fixed-shape tiles
+    (``bi.grouped_tiles``; a gated linear unit, no bias).
     The down projection sums ``bi.K_SPLITS`` chunks of its input; with expert tensor
     parallelism each rank computes its chunks, the ranks' sums are added before the
     routing weight scales them (as without it), and rank 0 of the expert-TP group returns
@@ -208,25 +235,25 @@ def _experts_forward(
     from torch.distributed.nn.functional import all_reduce
 
     cfg = self.config
-    if not cfg.gated_linear_unit or cfg.add_bias_linear:
+    silu = cfg.activation_func in (F.silu, bi.silu)
+    if not silu or not cfg.gated_linear_unit or cfg.add_bias_linear:
         raise NotImplementedError(
-            "trainer.numerics=batch_invariant: experts without a gated linear unit or with "
-            "biases are not matched"
+            "trainer.numerics=batch_invariant: experts other than a SiLU gated linear unit "
+            "without biases are not matched"
         )
     group = self.tp_group
     etp = _size(group)
     counts = [int(n) for n in torch.as_tensor(tokens_per_expert).tolist()]
-    outs = []
-    for expert, rows, probs in zip(
-        self.local_experts, hidden_SH.split(counts), probs_S.split(counts), strict=True
-    ):
-        gate, up = F.linear(rows, expert.linear_fc1.weight).chunk(2, dim=-1)
-        h = cfg.activation_func(gate) * up
-        y = bi.linear(h, expert.linear_fc2.weight, splits=bi.K_SPLITS // etp)
-        if etp > 1:  # all-reduced forward and backward: every rank's partial feeds rank 0's
-            y = all_reduce(y, group=group)
-        outs.append((y * probs.unsqueeze(-1)).to(y.dtype))
-    out = torch.cat(outs)
+    sizes, dest = bi.tile_groups(counts, hidden_SH.device)
+    x = hidden_SH.new_zeros(sum(sizes), hidden_SH.shape[-1]).index_copy(0, dest, hidden_SH)
+    experts = list(self.local_experts)
+    gate, up = bi.grouped_tiles(x, sizes, [e.linear_fc1.weight for e in experts]).chunk(2, -1)
+    h = bi.silu(gate) * up
+    splits = bi.K_SPLITS // etp
+    y = bi.grouped_tiles(h, sizes, [e.linear_fc2.weight for e in experts], splits)[dest]
+    if etp > 1:  # all-reduced forward and backward: every rank's partial feeds rank 0's
+        y = all_reduce(y, group=group)
+    out = (y * probs_S.unsqueeze(-1)).to(y.dtype)
     if etp > 1 and group.rank() != 0:
         out = out * 0.0  # still in the graph: its backward's collective runs on every rank
     return out, None

@@ -123,34 +123,52 @@ def test_attention_matches_sdpa(dtype):
                                           scale=0.3).to(dtype), dtype)  # fmt: skip
 
 
+@pytest.mark.parametrize("t", [13, 40])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix(dtype):
-    """The last query of a causal prefill; the same query decoded alone over the keys;
-    its keys left-padded as a batched forward pads them; its keys split into a prompt
-    prefix and its own tokens with masked zero columns between (the engine's shared
-    prompt read); and batched beside another sequence."""
-    q, k, v = _attention_inputs(dtype, kv_heads=4)
+def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix(dtype, t):
+    """Every query of a causal prefill; the last one decoded alone over the keys; its keys
+    left-padded as a batched forward pads them; its keys split into a prompt prefix and
+    its own tokens with masked zero columns between (the engine's shared prompt read);
+    and batched beside another sequence. 40 tokens span several query and key tiles."""
+    q, k, v = _attention_inputs(dtype, kv_heads=4, t=t)
     prefill = bi.attention(q, k, v, is_causal=True)
+    for i in (0, 5, t - 1):  # a query alone over its keys: another row in another tile
+        alone = bi.attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1])
+        assert torch.equal(alone, prefill[:, :, i : i + 1])
     last = q[:, :, -1:]
     assert torch.equal(bi.attention(last, k, v), prefill[:, :, -1:])
     pad = 5
     kp = torch.cat([torch.zeros(1, 4, pad, 24, dtype=dtype), k], dim=2)
     vp = torch.cat([torch.zeros(1, 4, pad, 16, dtype=dtype), v], dim=2)
-    keep = torch.ones(1, 1, 1, 13 + pad, dtype=torch.bool)
+    keep = torch.ones(1, 1, 1, t + pad, dtype=torch.bool)
     keep[..., :pad] = False
     assert torch.equal(bi.attention(last, kp, vp, attn_mask=keep), prefill[:, :, -1:])
     gap = 3
     kg = torch.cat([k[:, :, :8], torch.zeros(1, 4, gap, 24, dtype=dtype), k[:, :, 8:]], dim=2)
     vg = torch.cat([v[:, :, :8], torch.zeros(1, 4, gap, 16, dtype=dtype), v[:, :, 8:]], dim=2)
-    keep = torch.ones(1, 1, 1, 13 + gap, dtype=torch.bool)
+    keep = torch.ones(1, 1, 1, t + gap, dtype=torch.bool)
     keep[..., 8 : 8 + gap] = False
     assert torch.equal(bi.attention(last, kg, vg, attn_mask=keep), prefill[:, :, -1:])
-    other_q, other_k, other_v = (t.roll(1, dims=2) * 0.5 for t in (q, k, v))
+    other_q, other_k, other_v = (x.roll(1, dims=2) * 0.5 for x in (q, k, v))
     both = bi.attention(
         torch.cat([other_q, q]), torch.cat([other_k, k]), torch.cat([other_v, v]),
         is_causal=True,
     )  # fmt: skip
     assert torch.equal(both[1:], prefill)
+
+
+def test_attention_takes_tiles_for_prefix_masks_and_folds_for_others():
+    """Causal, padded and gapped masks leave every query a prefix of its row's seen keys
+    (the tiled path); a block-diagonal (packed) mask does not (the folded path). Both
+    are attention: close to sdpa in fp32."""
+    q, k, v = _attention_inputs(torch.float32, kv_heads=4, t=24)
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    assert bi._compacted(q, k, v, causal, None) is not None
+    block = causal.clone()
+    block[12:, :12] = False  # two packed sequences of 12
+    assert bi._compacted(q, k, v, block, None) is None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block)
+    _close(bi.attention(q, k, v, attn_mask=block), ref, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
