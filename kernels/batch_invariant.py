@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -310,117 +311,138 @@ def attention(
         additive = attn_mask
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     q, k, v = _wide(query), _wide(key), _wide(value)
-    if q.dim() == 4 and (keep is None or keep.dim() <= 4):
-        packed = _compacted(q, k, v, keep, additive)
-        if packed is not None:
-            return _tiled_attention(q, *packed, factor).to(query.dtype)
+    if q.dim() == 4 and additive is None:
+        if is_causal and attn_mask is None:  # query i sees keys 0..i
+            counts = torch.arange(1, q_len + 1, device=q.device).clamp(max=k_len)
+            plan: tuple[torch.Tensor | None, torch.Tensor | int] | None = (None, counts)
+        else:
+            b, h = q.shape[0], q.shape[1]
+            plan = _cached_plan(attn_mask, keep, b, h, q_len, k_len)
+        if plan is not None:
+            return _tiled_attention(q, k, v, *plan, factor).to(query.dtype)
     return _folded_attention(q, k, v, keep, additive, factor).to(query.dtype)
 
 
-def _compacted(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    keep: torch.Tensor | None,
-    additive: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """(keys, values, keep, additive) [B, h, ·, ·] with each row's keys that no query sees
-    dropped (the rest in order, zeros after them), or None where a query would then see
-    something other than a prefix of its row's keys."""
+ATTENTION_ROWS = 4
+"""Queries per tile in ``_tiled_attention`` (keys per tile: ROWS). Fewer than ROWS: a
+decode step fills one of a tile's rows."""
+
+
+_PLAN: list[Any] = []
+"""The last (mask, shape, plan) ``_cached_plan`` made: a model's layers share one mask."""
+
+
+def _cached_plan(
+    mask: torch.Tensor | None, keep: torch.Tensor | None, b: int, h: int, q_len: int, k_len: int
+) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
+    """``_key_plan``, made once for the mask every layer of a forward passes."""
+    shape = (b, h, q_len, k_len, keep is mask)
+    if mask is not None and _PLAN and _PLAN[0]() is mask and _PLAN[1] == shape:
+        return _PLAN[2]  # type: ignore[no-any-return]
+    plan = _key_plan(keep, b, h, q_len, k_len)
+    if mask is not None:
+        _PLAN[:] = [weakref.ref(mask), shape, plan]
+    return plan
+
+
+def _key_plan(
+    keep: torch.Tensor | None, b: int, h: int, q_len: int, k_len: int
+) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
+    """How ``_tiled_attention`` reads the keys: (each row's seen keys in order, as indices
+    into the [B·T] keys with −1 for none, or None when every key is seen; the keys each
+    query sees [B, h, Q], the first that many of its row's); None where some query sees
+    other than a prefix of its row's seen keys (a block-diagonal mask)."""
     if keep is None:
-        return k, v, None, None if additive is None else additive.expand(*q.shape[:-1], -1)
-    b, h, q_len, _ = q.shape
-    k_len = k.shape[-2]
+        return None, k_len
     keep = keep.expand(b, h, q_len, k_len)
-    seen_BT = keep.any(dim=2).any(dim=1)  # [B, T]
-    counts_BQ = keep.sum(-1)  # [B, h, Q]
-    if not bool(seen_BT.all()):
-        order = (~seen_BT).to(torch.int8).argsort(dim=-1, stable=True)  # seen keys first
-        width = int(seen_BT.sum(-1).max())
-        order = order[:, :width]
-
-        def take(x: torch.Tensor) -> torch.Tensor:
-            x = x.expand(b, h, *x.shape[2:]) if x.dim() == 4 else x
-            index = order[:, None, :, None].expand(b, x.shape[1], width, x.shape[-1])
-            return x.gather(2, index)
-
-        k, v = take(k), take(v)
-        keep = keep.gather(3, order[:, None, None, :].expand(b, h, q_len, width))
-        if additive is not None:
-            additive = additive.expand(b, h, q_len, k_len).gather(
-                3, order[:, None, None, :].expand(b, h, q_len, width)
-            )
-    prefix = torch.arange(keep.shape[-1], device=q.device) < counts_BQ[..., None]
+    seen_BT = keep.any(dim=2).any(dim=1)
+    counts = keep.sum(-1)  # [B, h, Q]
+    rank_BT = seen_BT.cumsum(-1) - 1
+    prefix = seen_BT[:, None, None] & (rank_BT[:, None, None] < counts[..., None])
     if not torch.equal(keep, prefix):
         return None
-    return k, v, keep, additive
+    seen = seen_BT.sum(-1, keepdim=True)  # [B, 1]
+    if torch.equal(seen_BT, torch.arange(k_len, device=keep.device) < seen):
+        return None, counts  # every row's seen keys are already its first ones
+    order = (~seen_BT).to(torch.int8).argsort(dim=-1, stable=True)  # seen keys first
+    width = int(seen.max())
+    slots = torch.arange(width, device=keep.device)
+    rows = torch.arange(b, device=keep.device)[:, None] * k_len
+    return torch.where(slots < seen, order[:, :width] + rows, -1), counts
 
 
-def _tiles_of(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, h, L, D] → [B, h, L/ROWS, ROWS, D], zero-padded to ``length`` (a multiple of ROWS)."""
+def _key_tiles(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch.Tensor:
+    """Keys or values [B, h, T, D] as [B, h, length/ROWS, ROWS, D]: a row's seen keys
+    (``index``, ``_key_plan``; all when None) in order, then zeros."""
+    b, h, k_len, d = x.shape
+    if index is not None:
+        flat = x.transpose(1, 2).reshape(b * k_len, h * d)
+        flat = torch.cat([flat, flat.new_zeros(1, h * d)])  # index −1: the zero row
+        x = flat[index].view(b, -1, h, d).transpose(1, 2)
     pad = length - x.shape[-2]
     if pad:
-        x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
-    return x.view(*x.shape[:-2], length // ROWS, ROWS, x.shape[-1])
-
-
-def _pair_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Every (a tile, b tile) product of a [B, h, I, ROWS, X] and b [B, h, J, X, N]: one
-    bmm of [ROWS, X] × [X, N] products → [B, h, I, J, ROWS, N]."""
-    lead = a.shape[:3]
-    j = b.shape[2]
-    left = a[:, :, :, None].expand(*lead, j, *a.shape[3:]).reshape(-1, *a.shape[3:])
-    right = b[:, :, None].expand(*lead, *b.shape[2:]).reshape(-1, *b.shape[3:])
-    return torch.bmm(left, right).view(*lead, j, a.shape[-2], b.shape[-1])
+        x = torch.cat([x, x.new_zeros(b, h, pad, d)], dim=-2)
+    return x.reshape(b, h, length // ROWS, ROWS, d)
 
 
 def _tiled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    keep: torch.Tensor | None,
-    additive: torch.Tensor | None,
+    index: torch.Tensor | None,
+    counts: torch.Tensor | int,
     factor: float,
 ) -> torch.Tensor:
-    """Attention over keys whose index is their position (``_compacted``): the scores
-    of each [ROWS queries] × [ROWS keys] tile pair as one fixed-shape product over D, the
-    values' weighted sum as one [ROWS, ROWS] × [ROWS, Dv] product per tile pair, folded
-    over key tiles in order; the softmax's total by ``fold_sum`` over keys. A masked or
-    missing key has weight 0 and adds exact zeros wherever it sits."""
+    """Attention over a row's seen keys, in order (``_key_plan``): a key's index is its
+    position in the sequence. Scores of each [ATTENTION_ROWS queries] × [ROWS keys] tile
+    pair as one fixed-shape product over D; the values' weighted sum as one
+    [ATTENTION_ROWS, ROWS] × [ROWS, Dv] product per tile pair, folded over key tiles in
+    order; the softmax's total by ``fold_sum`` over keys. A key a query does not see, and
+    the padding, weigh exact zeros wherever they sit."""
     b, h, q_len, _ = q.shape
-    k_len = k.shape[-2]
-    k_pad = -(-max(k_len, 1) // ROWS) * ROWS
-    k_tiles = _tiles_of(k, k_pad)  # [B, h, Tt, ROWS, D]
-    v_tiles = _tiles_of(v, k_pad)  # [B, h, Tt, ROWS, Dv]
-    per_query_tile = max(1, k_pad * (k.shape[-1] + v.shape[-1]) * b * h)
-    step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query_tile) * ROWS
+    width = k.shape[-2] if index is None else index.shape[-1]
+    k_pad = -(-max(width, 1) // ROWS) * ROWS
+    k_tiles = _key_tiles(k, index, k_pad).transpose(-1, -2)  # [B, h, Tt, D, ROWS]
+    v_tiles = _key_tiles(v, index, k_pad)  # [B, h, Tt, ROWS, Dv]
+    tiles = k_pad // ROWS
+    rows = ATTENTION_ROWS
+    per_query = max(1, k_pad * (k.shape[-1] + v.shape[-1]) * b * h)
+    step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query // rows) * rows
+    key_ids = torch.arange(k_pad, device=q.device)
     outs = []
     for first in range(0, q_len, step):
-        rows = slice(first, min(first + step, q_len))
-        n = rows.stop - first
-        n_pad = -(-n // ROWS) * ROWS
-        q_tiles = _tiles_of(q[..., rows, :], n_pad)  # [B, h, Qt, ROWS, D]
-        scores = _pair_products(q_tiles, k_tiles.transpose(-1, -2))  # [B,h,Qt,Tt,R,R]
-        scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(b, h, n_pad, k_pad)[..., :n, :]
-        scores = scores * factor
-        if k_pad != k_len or keep is not None:
-            visible = torch.zeros(b, h, n, k_pad, dtype=torch.bool, device=q.device)
-            visible[..., :k_len] = True if keep is None else keep[..., rows, :]
-            scores = scores.masked_fill(~visible, -math.inf)
-        if additive is not None:
-            scores[..., :k_len] += _wide(additive[..., rows, :])
+        n = min(first + step, q_len) - first
+        n_pad = -(-n // rows) * rows
+        q_part = q[..., first : first + n, :]
+        if n_pad != n:
+            q_part = torch.cat([q_part, q_part.new_zeros(b, h, n_pad - n, q.shape[-1])], dim=-2)
+        q_tiles = q_part.view(b, h, n_pad // rows, rows, -1)  # [B, h, Qt, rows, D]
+        scores = _pair_products(q_tiles, k_tiles)  # [B, h, Qt, Tt, rows, ROWS]
+        scores = scores.transpose(3, 4).reshape(b, h, n_pad, k_pad)[..., :n, :] * factor
+        seen = counts if isinstance(counts, int) else counts[..., first : first + n, None]
+        scores = scores.masked_fill(key_ids >= seen, -math.inf)
         p = torch.exp(_shifted(scores, -1))  # [B, h, n, T]
         total = fold_sum(p, -1)[..., None]
-        p_tiles = _tiles_of(p, n_pad).view(b, h, n_pad // ROWS, ROWS, -1, ROWS)
-        p_tiles = p_tiles.transpose(3, 4)  # [B, h, Qt, Tt, ROWS q, ROWS k]
-        parts = torch.bmm(
-            p_tiles.reshape(-1, ROWS, ROWS),
-            v_tiles[:, :, None].expand(b, h, p_tiles.shape[2], *v_tiles.shape[2:])
-            .reshape(-1, ROWS, v.shape[-1]),
-        ).view(*p_tiles.shape[:4], ROWS, v.shape[-1])  # fmt: skip
+        if n_pad != n:
+            p = torch.cat([p, p.new_zeros(b, h, n_pad - n, k_pad)], dim=-2)
+        p_tiles = p.view(b, h, n_pad // rows, rows, tiles, ROWS).transpose(3, 4)
+        parts = _pair_products(p_tiles, v_tiles, diagonal=True)  # [B, h, Qt, Tt, rows, Dv]
         weighted = fold_sum(parts, 3).reshape(b, h, n_pad, -1)[..., :n, :]
         outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
     return torch.cat(outs, dim=-2)
+
+
+def _pair_products(a: torch.Tensor, b: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
+    """One bmm of fixed-shape tile products. a [B, h, I, R, X]; b [B, h, J, X, N]:
+    every (a tile, b tile) pair → [B, h, I, J, R, N]; with ``diagonal``, a is already
+    [B, h, I, J, R, X] and each a[i, j] meets b[j]."""
+    lead = a.shape[:3]
+    j = b.shape[2]
+    if not diagonal:
+        a = a[:, :, :, None].expand(*lead, j, *a.shape[3:])
+    left = a.reshape(-1, *a.shape[4:])
+    right = b[:, :, None].expand(*lead, *b.shape[2:]).reshape(-1, *b.shape[3:])
+    return torch.bmm(left, right).view(*lead, j, a.shape[-2], b.shape[-1])
 
 
 def _folded_attention(

@@ -48,6 +48,8 @@ class LocalCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.k_channels = k_channels
         self.v_channels = v_channels
+        # the attention function (trainer.numerics=batch_invariant swaps in its own)
+        self.sdpa = F.scaled_dot_product_attention
 
     def forward(
         self,
@@ -71,7 +73,7 @@ class LocalCoreAttention(MegatronModule):
         if attention_mask is not None:
             # megatron-core masks are True where attention is *not* allowed.
             mask = ~attention_mask.bool()
-        out_bnsd = F.scaled_dot_product_attention(
+        out_bnsd = self.sdpa(
             q_bnsd, k_bnsd, v_bnsd, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=k_bnsd.shape[1] != q_bnsd.shape[1],
         )  # fmt: skip

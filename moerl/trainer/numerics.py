@@ -11,10 +11,11 @@ decomposition's numerics term 0.
 What ``enable`` does to the model chunks:
 
 - the modules whose torch ops are not batch-invariant take the batch-invariant ops, as
-  the engine's do: the column- and row-parallel linears' products (their local product
-  runs inside ``BatchInvariant``, which reroutes megatron-core's ``torch.matmul``),
+  the engine's do: the column- and row-parallel linears' products (``bi.linear``; inside
+  ``BatchInvariant``, which reroutes megatron-core's ``torch.matmul``, where its own
+  function also all-reduces gradients or gathers a sequence-parallel input),
   ``torch.nn.RMSNorm``, SiLU (the MLPs' ``activation_func``), core attention
-  (``LocalCoreAttention``'s sdpa) and the routers (inside the mode); the embedding, rotary
+  (``LocalCoreAttention.sdpa``) and the routers (inside the mode); the embedding, rotary
   tables, residual adds and the dispatcher's permutations are exact as they are and run
   as they are (a mode around the whole forward cost a dispatch on each of its ops);
 - a softmax router that renormalises its top-k (Qwen3-MoE's ``norm_topk_prob``) takes
@@ -166,12 +167,14 @@ def enable(chunks: list[Any], family: str | None = None) -> None:
             elif isinstance(module, RowParallelLinear):
                 splits = bi.K_SPLITS // _size(module.tp_group)
                 impl = functools.partial(_split_impl, module._forward_impl, splits)
-                module._forward_impl = bi.invariant(impl)
+                module._forward_impl = functools.partial(_linear_impl, impl, splits)
             elif isinstance(module, ColumnParallelLinear):
-                module._forward_impl = bi.invariant(module._forward_impl)
+                module._forward_impl = functools.partial(_linear_impl, module._forward_impl, 1)
             elif isinstance(module, torch.nn.RMSNorm):
                 module.forward = functools.partial(_rms_norm, module)  # type: ignore[method-assign]
-            elif isinstance(module, (LocalCoreAttention, TopKRouter)):
+            elif isinstance(module, LocalCoreAttention):
+                module.sdpa = bi.attention
+            elif isinstance(module, TopKRouter):
                 module.forward = bi.invariant(module.forward)  # type: ignore[method-assign]
             elif isinstance(module, torch.nn.LayerNorm):
                 raise NotImplementedError(
@@ -190,6 +193,27 @@ def _rms_norm(self: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``torch.nn.RMSNorm.forward`` by ``bi.rms_norm`` (torch's default eps: the dtype's)."""
     eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
     return bi.rms_norm(x, self.weight, eps)
+
+
+def _linear_impl(
+    impl: Callable[..., torch.Tensor],
+    splits: int,
+    *,
+    input: torch.Tensor,  # noqa: A002 (megatron-core's keyword)
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A local linear's product by ``bi.linear`` (K-split ``splits`` ways); where
+    megatron-core's own function does more than the product (tensor-parallel gradient
+    all-reduce, sequence parallelism, fused weight-gradient accumulation) that function
+    runs, its product rerouted by ``BatchInvariant``."""
+    plain = not any(kwargs.get(k) for k in ("allreduce_dgrad", "sequence_parallel"))
+    plain = plain and not kwargs.get("gradient_accumulation_fusion")
+    if plain and kwargs.get("grad_output_buffer") is None:
+        return bi.linear(input, weight, bias, splits)
+    with bi.BatchInvariant():
+        return impl(input=input, weight=weight, bias=bias, **kwargs)
 
 
 def _split_impl(

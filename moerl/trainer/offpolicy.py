@@ -65,6 +65,8 @@ def mismatch_metrics(
     return {
         "mismatch/k3": (torch.expm1(d_T) - d_T).mean(),
         "mismatch/log_ratio_abs_max": d_T.abs().max(),
+        # the same maximum under the name true on-policy runs read it by: max |log π − log μ|
+        "mismatch/abs_diff_max": d_T.abs().max(),
         "mismatch/mean_abs_dlogp": d_T.abs().mean(),
         "mismatch/onpolicy_log_ratio_abs_max": (
             onpolicy_d_T.max() if onpolicy_d_T.numel() else torch.tensor(-float("inf"))

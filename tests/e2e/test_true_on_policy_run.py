@@ -24,5 +24,6 @@ def test_main_job_is_exactly_on_policy(tmp_path, dtype):
     assert [r["step"] for r in m] == [0, 1, 2]
     for r in m:  # every step, the ones after a weight push too
         assert r["mismatch/log_ratio_abs_max"] == 0.0, r["step"]
+        assert r["mismatch/abs_diff_max"] == 0.0, r["step"]
         assert r["loss/ratio_max"] == 1.0 and r["loss/ratio_mean"] == 1.0
     assert m[0]["mismatch/numerics"] == 0.0  # the decomposition's numerics term

@@ -163,10 +163,14 @@ def test_attention_takes_tiles_for_prefix_masks_and_folds_for_others():
     are attention: close to sdpa in fp32."""
     q, k, v = _attention_inputs(torch.float32, kv_heads=4, t=24)
     causal = torch.ones(24, 24, dtype=torch.bool).tril()
-    assert bi._compacted(q, k, v, causal, None) is not None
+    assert bi._key_plan(causal, 1, 4, 24, 24) is not None
+    gapped = causal.clone()
+    gapped[:, 3:5] = False  # no query sees keys 3 and 4: they are dropped
+    index, counts = bi._key_plan(gapped, 1, 4, 24, 24)
+    assert index.tolist() == [[0, 1, 2, *range(5, 24)]] and counts[0, 0, -1] == 22
     block = causal.clone()
     block[12:, :12] = False  # two packed sequences of 12
-    assert bi._compacted(q, k, v, block, None) is None
+    assert bi._key_plan(block, 1, 4, 24, 24) is None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block)
     _close(bi.attention(q, k, v, attn_mask=block), ref, torch.float32)
 

@@ -450,6 +450,15 @@ def _true_on_policy(r: dict[str, Any]) -> list[Row]:
         Row("true_on_policy", "trainer forward time, trainer.numerics=batch_invariant / default",
             _x(t_over), f"≤ {target:g}×",
             _status(t_over, _num(t_over) is not None and t_over <= target)),
+        Row("true_on_policy", "k3 of the trained tokens, both modes on (off)",
+            f"{r['k3_on']:.3g} ({r['k3_off']:.3g})" if "k3_on" in r else "n/a", "0",
+            _status(r.get("k3_on"), r.get("k3_on") == 0) if "k3_on" in r else "—"),
+        Row("true_on_policy", "main job, staleness=sync: step time with both modes on / off; "
+            "k3 per step on (off)",
+            f"{_x(r['run_step_overhead'])}; {r['run_k3_on']:.3g} ({r['run_k3_off']:.3g})"
+            if "run_step_overhead" in r else "n/a", f"≤ {target:g}×; 0",
+            _status(r.get("run_step_overhead"), r.get("run_step_overhead", 99) <= target
+                    and r.get("run_k3_on") == 0) if "run_step_overhead" in r else "—"),
     ]  # fmt: skip
 
 

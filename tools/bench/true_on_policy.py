@@ -19,15 +19,19 @@ directly, no HTTP):
   0.7, top-p 0.9, routes and kept sets recorded) scored by megatron-core with Keep Routing
   and the sampling mask (``moerl.checks.replay.score``), with both modes on
   (``--enable-deterministic-inference``, ``trainer.numerics=batch_invariant``) in each of
-  the issue's 7 layouts (``--quick``: single),
-  and in the single layout with both off: max |log π_trainer − log μ| over the trained
-  tokens, and the single layout's trainer forward time on over off (``trainer_overhead``).
+  the issue's 7 layouts (``--quick``: single), and in the single layout with both off:
+  max |log π_trainer − log μ| and k3 over the trained tokens, and the single layout's
+  trainer forward time on over off (``trainer_overhead``: the fastest of 5 forwards over
+  all rollouts, micro-batched as the trainer does, by ``trainer.max_tokens_per_microbatch``).
 
 Then the same in bf16 (engine and trainer; checkpoint weights rounded to bf16 values), in
-the single layout (not with ``--quick``).
+the single layout (not with ``--quick``); and the main job (``+recipe=deepseek_moe
+staleness=sync``, ``--run-steps`` steps, 20; not with ``--quick``) with both modes on and
+both off: reward per step, step time, k3 and abs_diff_max from metrics.jsonl.
 
 Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
-layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=… bf16_exact=…``.
+layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=… k3_on=… k3_off=…
+bf16_exact=… [run_step_overhead=…]``.
 ``layouts_exact`` counts the issue's 7 layouts × families whose trained tokens matched
 exactly in fp32; ``bf16_exact`` the families matched exactly in bf16.
 """
@@ -39,6 +43,7 @@ import dataclasses
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +58,8 @@ TARGET_OVERHEAD = 1.35  # SGLang's deterministic mode: 34% (dense models, GPU)
 LAYOUTS = ("single", "tp2", "ep2", "etp2ep2", "tp2ep2", "pp2", "dp2ep2")
 MATCHED = LAYOUTS  # every layout of the issue
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
+FORWARD_REPEATS = 5
+RUN_FLAGS = ("engine.deterministic_inference=true", "trainer.numerics=batch_invariant")
 
 
 def trainer_match(
@@ -67,6 +74,7 @@ def trainer_match(
     and the trainer in the same: both modes on in each of ``layouts`` (the first also
     both off)."""
     from moerl.checks.replay import collect_rollouts, score
+    from moerl.config.trainer import TrainerConfig
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
@@ -88,7 +96,11 @@ def trainer_match(
         ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
         for layout in layouts if mode == "on" else layouts[:1]:
             scored = tmp / f"{family}-{dtype}-{mode}-{layout}.json"
-            score(layout, hf, rollouts, scored, settings=[("on", "on")], numerics=numerics,
+            # the trainer's micro-batching (trainer.max_tokens_per_microbatch); timed: the
+            # fastest of FORWARD_REPEATS forwards over all rollouts
+            setting = ("on", "on", {"max_tokens": TrainerConfig().max_tokens_per_microbatch})
+            repeats = FORWARD_REPEATS if layout == layouts[0] else 1
+            score(layout, hf, rollouts, scored, settings=[setting] * repeats, numerics=numerics,
                   dtype=trainer_dtype)  # fmt: skip
             payload = json.loads(scored.read_text())
             diff = np.abs(np.asarray(payload["logprobs"]["on/on"]) - ref)
@@ -96,6 +108,7 @@ def trainer_match(
                 "abs_diff_max": float(diff.max()),
                 "exact_tokens": int((diff == 0).sum()),
                 "tokens": len(diff),
+                "k3": payload["settings"][0]["mismatch_k3"],
                 "forward_s": payload["seconds"]["on/on"],
             }
             if mode == "on":
@@ -104,6 +117,35 @@ def trainer_match(
                 out[mode] = found
     out["exact"] = [k for k, v in out["layouts"].items() if v["abs_diff_max"] == 0.0]
     out["trainer_overhead"] = out["on"]["forward_s"] / out["off"]["forward_s"]
+    return out
+
+
+def main_job(tmp: Path, steps: int, timeout_s: int = 1200) -> dict[str, Any]:
+    """The main job (``+recipe=deepseek_moe staleness=sync``, the tiny model) for ``steps``
+    steps with both modes on (``RUN_FLAGS``) and with both off: per step the reward, the
+    step time, k3 and max |log π_trainer − log μ| from its metrics.jsonl."""
+    from moerl.telemetry.metrics import read_metrics
+
+    out: dict[str, Any] = {}
+    for mode, flags in (("on", RUN_FLAGS), ("off", ())):
+        run = tmp / f"run-{mode}"
+        cmd = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", "staleness=sync",
+               f"trainer.train_iters={steps}", "eval.every=0", "trainer.checkpoint_dir=null",
+               "telemetry.progress_interval_s=1000", f"hydra.run.dir={run}", *flags]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode:
+            raise RuntimeError(f"main job ({mode}) exited with {proc.returncode}:\n"
+                               f"{proc.stderr[-3000:]}")  # fmt: skip
+        rows = read_metrics(run)
+        out[mode] = {
+            "reward": [r["reward_mean"] for r in rows],
+            "step_s": [r["step_s"] for r in rows],
+            "k3": [r["mismatch/k3"] for r in rows],
+            "abs_diff_max": [r["mismatch/abs_diff_max"] for r in rows],
+        }
+    warm = slice(1, None)  # step 0 carries the first forward's warm-up
+    on, off = (statistics.median(out[m]["step_s"][warm]) for m in ("on", "off"))
+    out["step_overhead"] = on / off
     return out
 
 
@@ -207,6 +249,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: quiet)")
+    parser.add_argument(
+        "--run-steps",
+        type=int,
+        default=None,
+        help="main-job steps with the modes on and off (default 20; --quick: 0)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     import torch
@@ -266,6 +314,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"(off: {half['off']['abs_diff_max']:.3g})",
                     flush=True,
                 )
+        run_steps = args.run_steps if args.run_steps is not None else (0 if args.quick else 20)
+        if run_steps:
+            job = result["run"] = main_job(Path(tmp), run_steps)
+            for mode in ("on", "off"):
+                curve = " ".join(f"{x:.2f}" for x in job[mode]["reward"])
+                print(f"main job {mode}: reward per step {curve}; k3 mean="
+                      f"{statistics.mean(job[mode]['k3']):.3g} abs_diff_max="
+                      f"{max(job[mode]['abs_diff_max']):.3g}", flush=True)  # fmt: skip
+            print(f"main job step time on/off={job['step_overhead']:.2f}", flush=True)
         mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
         mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
         runners = {m: ModelRunner(mid, deterministic=m) for m in (False, True)}
@@ -284,6 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["abs_diff_max"] = max(v["abs_diff_max"] for m in trainer for v in m["layouts"].values())
     result["abs_diff_max_off"] = max(m["off"]["abs_diff_max"] for m in trainer)
     result["trainer_overhead"] = statistics.median(m["trainer_overhead"] for m in trainer)
+    result["k3_on"] = max(m["on"]["k3"] for m in trainer)
+    result["k3_off"] = max(m["off"]["k3"] for m in trainer)
+    if "run" in result:
+        result["run_step_overhead"] = result["run"]["step_overhead"]
+        result["run_k3_on"] = statistics.mean(result["run"]["on"]["k3"])
+        result["run_k3_off"] = statistics.mean(result["run"]["off"]["k3"])
     halves = result.get("trainer_bf16", {}).values()
     result["bf16_exact"] = sum(len(m["exact"]) for m in halves)
     result["bf16_total"] = len(halves)
@@ -294,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" layouts_exact={result['layouts_exact']}/{result['layouts_total']}"
         f" abs_diff_max={result['abs_diff_max']:.3g} abs_diff_max_off={result['abs_diff_max_off']:.3g}"
         f" trainer_overhead={result['trainer_overhead']:.2f}"
-        f" bf16_exact={result['bf16_exact']}/{result['bf16_total']}",
+        f" k3_on={result['k3_on']:.3g} k3_off={result['k3_off']:.3g}"
+        f" bf16_exact={result['bf16_exact']}/{result['bf16_total']}"
+        + (f" run_step_overhead={result['run_step_overhead']:.2f}" if "run" in result else ""),
         flush=True,
     )
     if args.out:
