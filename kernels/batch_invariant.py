@@ -17,10 +17,11 @@ buffer. The ops here follow these rules instead, each checked by
 - Attention drops the keys no query of a row sees (left padding, the gap between a
   shared prompt and a row's own tokens), so a key's index is its position in the
   sequence in a prefill, a decode step or a prefix read; scores and the values' sum are
-  then fixed-shape [ROWS, ·] × [·, ROWS] tile products, the values' partial sums folded
-  over key tiles in order. A masked or missing key adds an exact zero wherever it sits.
-  Sums over keys whose number changes with the batch (the softmax's total) are a left
-  fold in key order (``fold_sum``: cumsum's last element).
+  then fixed-shape tile products (``ATTENTION_ROWS`` queries × ``ATTENTION_KEYS`` keys),
+  the values' partial sums folded over key tiles in order. A masked or missing key adds
+  an exact zero wherever it sits. Sums over keys whose number changes with the batch
+  (the softmax's total) are a left fold in key order (``fold_sum``: cumsum's last
+  element).
 
 Elementwise ops that are exact (add, mul, div) or position-independent here (exp, log,
 sqrt, cos, sin; fp32 rsqrt) are used as they are; sigmoid and silu are built from exp.
@@ -135,7 +136,7 @@ def split_k(
     splits: int,
 ) -> torch.Tensor:
     """``product(x, weight)`` [.., N] as the ``pairwise`` sum of ``splits`` products over
-    equal chunks of K (x's last axis, weight [N, K]'s columns)."""
+    equal chunks of K (x's last axis, the last axis of weight [.., N, K])."""
     if splits == 1:
         return product(x, weight)
     k = x.shape[-1]
@@ -143,7 +144,7 @@ def split_k(
         raise ValueError(f"batch-invariant linear: K={k} does not split into {splits} chunks")
     step = k // splits
     return pairwise(
-        [product(x[..., i : i + step], weight[:, i : i + step]) for i in range(0, k, step)]
+        [product(x[..., i : i + step], weight[..., i : i + step]) for i in range(0, k, step)]
     )
 
 
@@ -269,8 +270,16 @@ def rms_norm(
     """RMSNorm over the last axis as transformers' models write it: statistics in fp32
     (``mean`` of squares), the normed value cast back, then times ``weight``."""
     h = x.float()
-    h = (h * torch.rsqrt(mean(h * h, -1, keepdim=True) + eps)).to(x.dtype)
+    h = (h * torch.rsqrt(row_sums(h * h) / h.shape[-1] + eps)).to(x.dtype)
     return h if weight is None else weight * h
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the last axis [.., 1] of an fp32 tensor as one fixed-shape tile product
+    with ones ([ROWS, K] × [K, ROWS], first column): one kernel call instead of a tree's
+    log₂ K adds, for the short axes (hidden sizes) it serves."""
+    ones = torch.ones(x.shape[-1], ROWS, dtype=x.dtype, device=x.device)
+    return linear(x, ones.t())[..., :1]
 
 
 @_plain
@@ -291,8 +300,7 @@ def attention(
     and a row's own tokens) are dropped first, keeping the others in order; when every
     query then sees a prefix of the remaining keys (causal rows, decode, prefix reuse),
     a key's index is its position in the sequence wherever the row came from, and
-    ``_tiled_attention`` computes scores and values as fixed-shape [ROWS, ·] × [·, ROWS]
-    tile products. Other masks (packed rows' block diagonals) take ``_folded_attention``:
+    ``_tiled_attention`` computes scores and values as fixed-shape tile products. Other masks (packed rows' block diagonals) take ``_folded_attention``:
     elementwise products, ``tree_sum`` over D and ``fold_sum`` over keys."""
     if dropout_p:
         raise NotImplementedError("batch-invariant mode: attention dropout")
@@ -324,8 +332,11 @@ def attention(
 
 
 ATTENTION_ROWS = 4
-"""Queries per tile in ``_tiled_attention`` (keys per tile: ROWS). Fewer than ROWS: a
-decode step fills one of a tile's rows."""
+"""Queries per tile in ``_tiled_attention``: fewer than ROWS, since a decode step fills
+one of a tile's rows."""
+
+ATTENTION_KEYS = 16
+"""Keys per tile in ``_tiled_attention``."""
 
 
 _PLAN: list[Any] = []
@@ -372,8 +383,8 @@ def _key_plan(
 
 
 def _key_tiles(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch.Tensor:
-    """Keys or values [B, h, T, D] as [B, h, length/ROWS, ROWS, D]: a row's seen keys
-    (``index``, ``_key_plan``; all when None) in order, then zeros."""
+    """Keys or values [B, h, T, D] as [B, h, length / ATTENTION_KEYS, ATTENTION_KEYS, D]:
+    a row's seen keys (``index``, ``_key_plan``; all when None) in order, then zeros."""
     b, h, k_len, d = x.shape
     if index is not None:
         flat = x.transpose(1, 2).reshape(b * k_len, h * d)
@@ -382,7 +393,7 @@ def _key_tiles(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torc
     pad = length - x.shape[-2]
     if pad:
         x = torch.cat([x, x.new_zeros(b, h, pad, d)], dim=-2)
-    return x.reshape(b, h, length // ROWS, ROWS, d)
+    return x.reshape(b, h, length // ATTENTION_KEYS, ATTENTION_KEYS, d)
 
 
 def _tiled_attention(
@@ -394,17 +405,17 @@ def _tiled_attention(
     factor: float,
 ) -> torch.Tensor:
     """Attention over a row's seen keys, in order (``_key_plan``): a key's index is its
-    position in the sequence. Scores of each [ATTENTION_ROWS queries] × [ROWS keys] tile
-    pair as one fixed-shape product over D; the values' weighted sum as one
-    [ATTENTION_ROWS, ROWS] × [ROWS, Dv] product per tile pair, folded over key tiles in
-    order; the softmax's total by ``fold_sum`` over keys. A key a query does not see, and
+    position in the sequence. Scores of each [ATTENTION_ROWS queries] × [ATTENTION_KEYS
+    keys] tile pair as one fixed-shape product over D; the values' weighted sum as one
+    [ATTENTION_ROWS, ATTENTION_KEYS] × [ATTENTION_KEYS, Dv] product per tile pair, folded
+    over key tiles in order; the softmax's total by ``fold_sum`` over keys. A key a query does not see, and
     the padding, weigh exact zeros wherever they sit."""
     b, h, q_len, _ = q.shape
     width = k.shape[-2] if index is None else index.shape[-1]
-    k_pad = -(-max(width, 1) // ROWS) * ROWS
-    k_tiles = _key_tiles(k, index, k_pad).transpose(-1, -2)  # [B, h, Tt, D, ROWS]
-    v_tiles = _key_tiles(v, index, k_pad)  # [B, h, Tt, ROWS, Dv]
-    tiles = k_pad // ROWS
+    k_pad = -(-max(width, 1) // ATTENTION_KEYS) * ATTENTION_KEYS
+    k_tiles = _key_tiles(k, index, k_pad).transpose(-1, -2)  # [B, h, Tt, D, ATTENTION_KEYS]
+    v_tiles = _key_tiles(v, index, k_pad)  # [B, h, Tt, ATTENTION_KEYS, Dv]
+    tiles = k_pad // ATTENTION_KEYS
     rows = ATTENTION_ROWS
     per_query = max(1, k_pad * (k.shape[-1] + v.shape[-1]) * b * h)
     step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query // rows) * rows
@@ -417,7 +428,7 @@ def _tiled_attention(
         if n_pad != n:
             q_part = torch.cat([q_part, q_part.new_zeros(b, h, n_pad - n, q.shape[-1])], dim=-2)
         q_tiles = q_part.view(b, h, n_pad // rows, rows, -1)  # [B, h, Qt, rows, D]
-        scores = _pair_products(q_tiles, k_tiles)  # [B, h, Qt, Tt, rows, ROWS]
+        scores = _pair_products(q_tiles, k_tiles)  # [B, h, Qt, Tt, rows, ATTENTION_KEYS]
         scores = scores.transpose(3, 4).reshape(b, h, n_pad, k_pad)[..., :n, :] * factor
         seen = counts if isinstance(counts, int) else counts[..., first : first + n, None]
         scores = scores.masked_fill(key_ids >= seen, -math.inf)
@@ -425,7 +436,7 @@ def _tiled_attention(
         total = fold_sum(p, -1)[..., None]
         if n_pad != n:
             p = torch.cat([p, p.new_zeros(b, h, n_pad - n, k_pad)], dim=-2)
-        p_tiles = p.view(b, h, n_pad // rows, rows, tiles, ROWS).transpose(3, 4)
+        p_tiles = p.view(b, h, n_pad // rows, rows, tiles, ATTENTION_KEYS).transpose(3, 4)
         parts = _pair_products(p_tiles, v_tiles, diagonal=True)  # [B, h, Qt, Tt, rows, Dv]
         weighted = fold_sum(parts, 3).reshape(b, h, n_pad, -1)[..., :n, :]
         outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
@@ -497,9 +508,9 @@ def experts(
     order = flat.argsort(stable=True)[: sum(counts)]  # slots by expert, then token
     x = hidden_TH.new_zeros(sum(sizes), hidden_TH.shape[-1])
     x[dest] = hidden_TH[order // topk]
-    gate, up = grouped_tiles(x, sizes, list(gate_up_E2IH)).chunk(2, dim=-1)
+    gate, up = grouped_tiles(x, sizes, gate_up_E2IH).chunk(2, dim=-1)
     h = act(gate) * up
-    y = grouped_tiles(h, sizes, list(down_EHI), K_SPLITS)
+    y = grouped_tiles(h, sizes, down_EHI, K_SPLITS)
     out = hidden_TH.new_zeros(tokens * topk, hidden_TH.shape[-1])
     out[order] = (y[dest] * weights_S1[order]).to(out.dtype)
     # summed in fp32 for fp16/bf16 and rounded once, as torch's scatter_add (megatron-core's
@@ -515,24 +526,54 @@ def tile_groups(counts: list[int], device: Any = None) -> tuple[list[int], torch
     """Rows of consecutive groups (``counts`` rows each) laid out with each group padded
     to whole ROWS tiles: (the padded sizes, each row's index in that layout)."""
     sizes = [-(-n // ROWS) * ROWS for n in counts]
-    starts = [0]
-    for size in sizes[:-1]:
-        starts.append(starts[-1] + size)
-    dest = [torch.arange(start, start + n, device=device) for start, n in zip(starts, counts)]
-    return sizes, torch.cat(dest) if dest else torch.zeros(0, dtype=torch.long, device=device)
+    n_T = torch.tensor(counts, dtype=torch.long, device=device)
+    gap_T = torch.tensor(sizes, dtype=torch.long, device=device) - n_T  # padding per group
+    group = torch.repeat_interleave(torch.arange(len(counts), device=device), n_T)
+    # a row's index: its own, plus the padding of the groups before it
+    dest = torch.arange(int(sum(counts)), device=device) + (gap_T.cumsum(0) - gap_T)[group]
+    return sizes, dest
+
+
+GATHER_BYTES = 1 << 23
+"""``grouped_tiles`` copies each tile's weight into one batch (one bmm for all groups)
+when that copy is at most this many bytes; above it, one bmm per group."""
 
 
 def grouped_tiles(
-    rows: torch.Tensor, sizes: list[int], weights: list[torch.Tensor], splits: int = 1
+    rows: torch.Tensor,
+    sizes: list[int],
+    weights: list[torch.Tensor] | torch.Tensor,
+    splits: int = 1,
 ) -> torch.Tensor:
     """Each group's rows (``sizes``: whole ROWS tiles, ``tile_groups``) × its weight
-    [N, K]ᵀ, through ``_tiles`` (K-split ``splits`` ways); empty groups are skipped."""
+    [N, K]ᵀ (a list, or stacked [G, N, K]), through the fixed-shape tile product (K-split
+    ``splits`` ways). Small weights are gathered per tile into one batched product,
+    large ones multiply group by group: the same products, the same bits."""
+    n_out, k = weights[0].shape
+    tiles = [size // ROWS for size in sizes]
+    count = sum(tiles)
+    if not count:
+        return rows.new_zeros(0, n_out)
+    if count * n_out * k * weights[0].element_size() <= GATHER_BYTES:
+        stacked = weights if isinstance(weights, torch.Tensor) else torch.stack(weights)
+        owner = torch.repeat_interleave(
+            torch.arange(len(sizes), device=rows.device),
+            torch.tensor(tiles, device=rows.device),
+        )
+        per_tile = stacked.index_select(0, owner)  # [tiles, N, K]
+        return split_k(_tile_batch, rows, per_tile, splits)
     parts = [
         _split_tiles(part, weight, splits)
         for part, weight, size in zip(rows.split(sizes), weights, sizes, strict=True)
         if size
     ]
-    return torch.cat(parts) if parts else rows.new_zeros(0, weights[0].shape[0])
+    return torch.cat(parts)
+
+
+def _tile_batch(rows: torch.Tensor, weight_TNK: torch.Tensor) -> torch.Tensor:
+    """rows [n·ROWS, K], tile i × weight_TNK[i]ᵀ: ``_tiles`` with a weight per tile."""
+    tiles = rows.reshape(-1, ROWS, rows.shape[-1])
+    return torch.bmm(tiles, weight_TNK.transpose(1, 2)).view(-1, weight_TNK.shape[1])
 
 
 def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

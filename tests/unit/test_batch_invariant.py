@@ -241,3 +241,27 @@ def test_rms_norm_is_transformers_formula_and_rerouted_from_torch(dtype):
     with torch.no_grad(), bi.BatchInvariant():
         assert torch.equal(norm(x), got)
     assert torch.equal(bi.rms_norm(x[4:5, 1:2], w, 1e-6), got[4:5, 1:2])
+
+
+def test_tile_groups_start_every_group_on_a_tile():
+    sizes, dest = bi.tile_groups([3, 0, 17, 16, 1])
+    assert sizes == [16, 0, 32, 16, 16]
+    want = [*range(0, 3), *range(16, 33), *range(48, 64), 64]
+    assert dest.tolist() == want
+    assert bi.tile_groups([])[1].numel() == 0
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_grouped_tiles_gathered_and_per_group_give_the_same_bits(monkeypatch, splits):
+    g = _gen(11)
+    weights = torch.randn(5, 24, 32, generator=g)
+    sizes, dest = bi.tile_groups([3, 0, 17, 16, 1])
+    rows = torch.zeros(sum(sizes), 32)
+    rows[dest] = torch.randn(len(dest), 32, generator=g)
+    gathered = bi.grouped_tiles(rows, sizes, weights, splits)
+    monkeypatch.setattr(bi, "GATHER_BYTES", 0)
+    per_group = bi.grouped_tiles(rows, sizes, list(weights), splits)
+    assert torch.equal(gathered, per_group)
+    ref = torch.cat([rows[16 * i : 16 * (i + 1)] @ weights[e].T
+                     for i, e in enumerate([0, 2, 2, 3, 4])])  # fmt: skip
+    torch.testing.assert_close(gathered, ref)

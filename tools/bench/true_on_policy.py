@@ -22,7 +22,8 @@ directly, no HTTP):
   the issue's 7 layouts (``--quick``: single), and in the single layout with both off:
   max |log π_trainer − log μ| and k3 over the trained tokens, and the single layout's
   trainer forward time on over off (``trainer_overhead``: the fastest of 5 forwards over
-  all rollouts, micro-batched as the trainer does, by ``trainer.max_tokens_per_microbatch``).
+  all rollouts, micro-batched as the trainer does, by ``trainer.max_tokens_per_microbatch``);
+  the same for deepseek_moe on the mid shape, single layout (``trainer_overhead_mid``).
 
 Then the same in bf16 (engine and trainer; checkpoint weights rounded to bf16 values), in
 the single layout (not with ``--quick``); and the main job (``+recipe=deepseek_moe
@@ -30,7 +31,8 @@ staleness=sync``, ``--run-steps`` steps, 20; not with ``--quick``) with both mod
 both off: reward per step, step time, k3 and abs_diff_max from metrics.jsonl.
 
 Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
-layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=… k3_on=… k3_off=…
+layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=… trainer_overhead_mid=…
+k3_on=… k3_off=…
 bf16_exact=… [run_step_overhead=…]``.
 ``layouts_exact`` counts the issue's 7 layouts × families whose trained tokens matched
 exactly in fp32; ``bf16_exact`` the families matched exactly in bf16.
@@ -69,17 +71,20 @@ def trainer_match(
     new: int,
     layouts: tuple[str, ...],
     dtype: str = "float32",
+    shape: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Engine vs trainer logprobs (kept-set, Keep Routing) with the engine in ``dtype``
     and the trainer in the same: both modes on in each of ``layouts`` (the first also
-    both off)."""
+    both off); ``shape``: model config overrides (the tiny model's by default)."""
     from moerl.checks.replay import collect_rollouts, score
     from moerl.config.trainer import TrainerConfig
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
 
+    cfg = dataclasses.replace(tiny_config(family), **(shape or {}))
+    name = f"{family}-mid" if shape else family  # the files' names
     hf = save_tiny_checkpoint(
-        tiny_config(family), tmp / f"{family}-{dtype}-hf", seed=0, bf16_values=dtype == "bfloat16"
+        cfg, tmp / f"{name}-{dtype}-hf", seed=0, bf16_values=dtype == "bfloat16"
     )
     trainer_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     out: dict[str, Any] = {"layouts": {}}
@@ -87,7 +92,7 @@ def trainer_match(
         ("on", ("--enable-deterministic-inference",), "batch_invariant"),
         ("off", (), "default"),
     ):
-        rollouts = tmp / f"{family}-{dtype}-{mode}.jsonl"
+        rollouts = tmp / f"{name}-{dtype}-{mode}.jsonl"
         trajs = collect_rollouts(
             hf, rollouts, num_prompts=prompts, max_new_tokens=new, dtype=dtype,
             sampling=SAMPLING, flags=flags,
@@ -95,7 +100,7 @@ def trainer_match(
         trained = np.concatenate([t.trained for t in trajs])
         ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
         for layout in layouts if mode == "on" else layouts[:1]:
-            scored = tmp / f"{family}-{dtype}-{mode}-{layout}.json"
+            scored = tmp / f"{name}-{dtype}-{mode}-{layout}.json"
             # the trainer's micro-batching (trainer.max_tokens_per_microbatch); timed: the
             # fastest of FORWARD_REPEATS forwards over all rollouts
             setting = ("on", "on", {"max_tokens": TrainerConfig().max_tokens_per_microbatch})
@@ -323,6 +328,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{statistics.mean(job[mode]['k3']):.3g} abs_diff_max="
                       f"{max(job[mode]['abs_diff_max']):.3g}", flush=True)  # fmt: skip
             print(f"main job step time on/off={job['step_overhead']:.2f}", flush=True)
+        mid_match = trainer_match("deepseek_moe", Path(tmp), 8, args.new_tokens, ("single",),
+                                  shape=_mid_shape())  # fmt: skip
+        result["trainer_mid"] = mid_match
+        print(f"deepseek_moe mid single abs_diff_max={mid_match['on']['abs_diff_max']:.3g} "
+              f"trainer_overhead={mid_match['trainer_overhead']:.2f}", flush=True)  # fmt: skip
         mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
         mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
         runners = {m: ModelRunner(mid, deterministic=m) for m in (False, True)}
@@ -341,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["abs_diff_max"] = max(v["abs_diff_max"] for m in trainer for v in m["layouts"].values())
     result["abs_diff_max_off"] = max(m["off"]["abs_diff_max"] for m in trainer)
     result["trainer_overhead"] = statistics.median(m["trainer_overhead"] for m in trainer)
+    result["trainer_overhead_mid"] = result["trainer_mid"]["trainer_overhead"]
+    result["mid_exact"] = result["trainer_mid"]["on"]["abs_diff_max"] == 0.0
     result["k3_on"] = max(m["on"]["k3"] for m in trainer)
     result["k3_off"] = max(m["off"]["k3"] for m in trainer)
     if "run" in result:
@@ -357,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" layouts_exact={result['layouts_exact']}/{result['layouts_total']}"
         f" abs_diff_max={result['abs_diff_max']:.3g} abs_diff_max_off={result['abs_diff_max_off']:.3g}"
         f" trainer_overhead={result['trainer_overhead']:.2f}"
+        f" trainer_overhead_mid={result['trainer_overhead_mid']:.2f}"
         f" k3_on={result['k3_on']:.3g} k3_off={result['k3_off']:.3g}"
         f" bf16_exact={result['bf16_exact']}/{result['bf16_total']}"
         + (f" run_step_overhead={result['run_step_overhead']:.2f}" if "run" in result else ""),
