@@ -234,8 +234,7 @@ def _worker(
             num_layers=model.num_layers, topk=model.moe_router_topk, num_experts=model.num_experts,
             **extra,
         )  # fmt: skip
-        took = time.perf_counter() - start  # a repeated setting: its fastest forward
-        seconds[f"{replay}/{mask}"] = min(took, seconds.get(f"{replay}/{mask}", took))
+        seconds[f"{replay}/{mask}"] = time.perf_counter() - start
         if dist.get_rank() != 0:
             continue
         # an episode's spliced observation tokens are not sampled: only trained ones count
@@ -299,7 +298,7 @@ def score(
     reported under its target); default: replay and mask each on and off. ``numerics``:
     the trainer's (``trainer.numerics``). ``out`` also keeps each setting's trainer
     logprobs of the trained tokens (``logprobs`` → "replay/mask") and the seconds each
-    setting's forward took (``seconds``; a setting listed more than once: its fastest)."""
+    setting's forward took (``seconds``)."""
     _, world = parse_layout(layout)
     spawn(_worker, world, layout, str(hf_dir), str(rollouts), str(out), dtype, settings, numerics)
     return [SettingResult(**r) for r in json.loads(Path(out).read_text())["settings"]]
@@ -308,3 +307,52 @@ def score(
 def decomposition(out: str | Path) -> dict | None:
     """The mismatch decomposition written by the last ``score`` into ``out``."""
     return json.loads(Path(out).read_text()).get("decomposition")
+
+
+def _timing_worker(
+    hf_dir: str, rollouts: str, out: str, dtype: str, repeats: int, max_tokens: int
+) -> None:
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+    from moerl.parallel.state import initialize_for_model
+    from moerl.trainer import numerics as trainer_numerics
+    from moerl.trainer.forward import trainer_logprobs
+
+    model = checkpoint_model(hf_dir)
+    pcfg, _ = parse_layout("single")
+    initialize_for_model(pcfg, model)
+    trajs = load_jsonl(rollouts)
+    models = {}
+    for mode in ("default", "batch_invariant"):
+        chunks = build_model(model, pcfg, dtype, routing_replay=True, use_te=False)
+        load_hf(chunks, hf_dir, model)
+        if mode == "batch_invariant":
+            trainer_numerics.enable(chunks, model.family)
+        models[mode] = chunks
+    seconds: dict[str, list[float]] = {mode: [] for mode in models}
+    for rep in range(repeats + 1):
+        for mode, chunks in models.items():
+            start = time.perf_counter()
+            trainer_logprobs(
+                chunks, trajs, replay="all", use_mask=True, num_layers=model.num_layers,
+                topk=model.moe_router_topk, num_experts=model.num_experts, max_tokens=max_tokens,
+            )  # fmt: skip
+            if rep:  # the first round warms both up
+                seconds[mode].append(time.perf_counter() - start)
+    Path(out).write_text(json.dumps(seconds))
+
+
+def forward_seconds(
+    hf_dir: str | Path,
+    rollouts: str | Path,
+    out: str | Path,
+    dtype: str = "fp32",
+    repeats: int = 10,
+    max_tokens: int = 0,
+) -> dict[str, list[float]]:
+    """Seconds of the trainer's forward over all rollouts (Keep Routing, mask replay,
+    ``max_tokens`` per micro-batch), single layout, with ``trainer.numerics`` 'default'
+    and 'batch_invariant' built side by side in one process and timed alternately,
+    ``repeats`` times each after a warm-up round: {numerics: [seconds, ...]}."""
+    spawn(_timing_worker, 1, str(hf_dir), str(rollouts), str(out), dtype, repeats, max_tokens)
+    return json.loads(Path(out).read_text())  # type: ignore[no-any-return]

@@ -256,8 +256,6 @@ def _experts_forward(
     parallelism each rank computes its chunks, the ranks' sums are added before the
     routing weight scales them (as without it), and rank 0 of the expert-TP group returns
     the result, the others zeros, so the dispatcher's sum over that group is exact."""
-    from torch.distributed.nn.functional import all_reduce
-
     cfg = self.config
     silu = cfg.activation_func in (F.silu, bi.silu)
     if not silu or not cfg.gated_linear_unit or cfg.add_bias_linear:
@@ -276,11 +274,35 @@ def _experts_forward(
     splits = bi.K_SPLITS // etp
     y = bi.grouped_tiles(h, sizes, [e.linear_fc2.weight for e in experts], splits)[dest]
     if etp > 1:  # all-reduced forward and backward: every rank's partial feeds rank 0's
-        y = all_reduce(y, group=group)
+        y = _SumAcross.apply(y, group)
     out = (y * probs_S.unsqueeze(-1)).to(y.dtype)
     if etp > 1 and group.rank() != 0:
         out = out * 0.0  # still in the graph: its backward's collective runs on every rank
     return out, None
+
+
+class _SumAcross(torch.autograd.Function):
+    """Σ over a process group, forward and backward (each rank's partial feeds the sum,
+    whose gradient only the rank using it holds). torch's own
+    ``torch.distributed.nn.functional.all_reduce`` does the same but is deprecated (a
+    FutureWarning per call), and its suggested successor has no backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _patch_router() -> None:

@@ -42,3 +42,22 @@ def _uneven(_: int) -> None:
 
 def test_uneven_gather_and_reduce_scatter_over_gloo():
     spawn(_uneven, len(SIZES), 0)
+
+
+def _sum_across() -> None:
+    from moerl.trainer.numerics import _SumAcross
+
+    rank = dist.get_rank()
+    x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    y = _SumAcross.apply(x, dist.group.WORLD)
+    assert torch.equal(y, torch.full((2, 3), 3.0))  # 1 + 2
+    # only rank 0 uses the sum (as the expert-TP experts return it): both partials get its
+    # gradient, rank 1's through the backward's all-reduce
+    weight = torch.arange(6, dtype=torch.float32).view(2, 3)
+    (y * weight * (1.0 if rank == 0 else 0.0)).sum().backward()
+    assert torch.equal(x.grad, weight), (rank, x.grad)
+
+
+def test_sum_across_adds_forward_and_backward():
+    """trainer.numerics' expert-TP sum (moerl/trainer/numerics.py _SumAcross) over gloo."""
+    spawn(_sum_across, 2)

@@ -106,7 +106,7 @@ SUITE: dict[str, tuple[bool, dict[str, list[str]], dict[str, int]]] = {
     # its overhead on the tiny and mid shapes (~1 min quick)
     "true_on_policy": (True, {"full": [], "quick": ["--quick"],
                               "smoke": ["--quick", "--reps", "1", "--new-tokens", "6"]},
-                       {"full": 1200, "quick": 300, "smoke": 180}),
+                       {"full": 2400, "quick": 300, "smoke": 180}),
 }  # fmt: skip
 NOISE = ("UserWarning", "warnings.warn(", "Writing model shards")
 

@@ -21,8 +21,9 @@ directly, no HTTP):
   (``--enable-deterministic-inference``, ``trainer.numerics=batch_invariant``) in each of
   the issue's 7 layouts (``--quick``: single), and in the single layout with both off:
   max |log π_trainer − log μ| and k3 over the trained tokens, and the single layout's
-  trainer forward time on over off (``trainer_overhead``: the fastest of 5 forwards over
-  all rollouts, micro-batched as the trainer does, by ``trainer.max_tokens_per_microbatch``);
+  trainer forward time on over off (``trainer_overhead``: the median of 10 forwards over
+  all rollouts, micro-batched as the trainer does, by ``trainer.max_tokens_per_microbatch``,
+  both numerics built in one process and timed alternately);
   the same for deepseek_moe on the mid shape, single layout (``trainer_overhead_mid``).
 
 Then the same in bf16 (engine and trainer; checkpoint weights rounded to bf16 values), in
@@ -60,7 +61,7 @@ TARGET_OVERHEAD = 1.35  # SGLang's deterministic mode: 34% (dense models, GPU)
 LAYOUTS = ("single", "tp2", "ep2", "etp2ep2", "tp2ep2", "pp2", "dp2ep2")
 MATCHED = LAYOUTS  # every layout of the issue
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
-FORWARD_REPEATS = 5
+FORWARD_REPEATS = 10
 RUN_FLAGS = ("engine.deterministic_inference=true", "trainer.numerics=batch_invariant")
 
 
@@ -76,7 +77,7 @@ def trainer_match(
     """Engine vs trainer logprobs (kept-set, Keep Routing) with the engine in ``dtype``
     and the trainer in the same: both modes on in each of ``layouts`` (the first also
     both off); ``shape``: model config overrides (the tiny model's by default)."""
-    from moerl.checks.replay import collect_rollouts, score
+    from moerl.checks.replay import collect_rollouts, forward_seconds, score
     from moerl.config.trainer import TrainerConfig
     from moerl.models.hf_tiny import save_tiny_checkpoint
     from moerl.models.tiny import tiny_config
@@ -87,6 +88,7 @@ def trainer_match(
         cfg, tmp / f"{name}-{dtype}-hf", seed=0, bf16_values=dtype == "bfloat16"
     )
     trainer_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    max_tokens = TrainerConfig().max_tokens_per_microbatch
     out: dict[str, Any] = {"layouts": {}}
     for mode, flags, numerics in (
         ("on", ("--enable-deterministic-inference",), "batch_invariant"),
@@ -101,11 +103,9 @@ def trainer_match(
         ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
         for layout in layouts if mode == "on" else layouts[:1]:
             scored = tmp / f"{name}-{dtype}-{mode}-{layout}.json"
-            # the trainer's micro-batching (trainer.max_tokens_per_microbatch); timed: the
-            # fastest of FORWARD_REPEATS forwards over all rollouts
-            setting = ("on", "on", {"max_tokens": TrainerConfig().max_tokens_per_microbatch})
-            repeats = FORWARD_REPEATS if layout == layouts[0] else 1
-            score(layout, hf, rollouts, scored, settings=[setting] * repeats, numerics=numerics,
+            # micro-batched as the trainer does (trainer.max_tokens_per_microbatch)
+            setting = ("on", "on", {"max_tokens": max_tokens})
+            score(layout, hf, rollouts, scored, settings=[setting], numerics=numerics,
                   dtype=trainer_dtype)  # fmt: skip
             payload = json.loads(scored.read_text())
             diff = np.abs(np.asarray(payload["logprobs"]["on/on"]) - ref)
@@ -114,14 +114,18 @@ def trainer_match(
                 "exact_tokens": int((diff == 0).sum()),
                 "tokens": len(diff),
                 "k3": payload["settings"][0]["mismatch_k3"],
-                "forward_s": payload["seconds"]["on/on"],
             }
             if mode == "on":
                 out["layouts"][layout] = found
             if layout == layouts[0]:
                 out[mode] = found
     out["exact"] = [k for k, v in out["layouts"].items() if v["abs_diff_max"] == 0.0]
-    out["trainer_overhead"] = out["on"]["forward_s"] / out["off"]["forward_s"]
+    # both numerics side by side in one process, alternating, on the mode-on rollouts
+    seconds = forward_seconds(hf, tmp / f"{name}-{dtype}-on.jsonl", tmp / f"{name}-{dtype}-s.json",
+                              trainer_dtype, FORWARD_REPEATS, max_tokens)  # fmt: skip
+    out["forward_s"] = seconds
+    on, off = (statistics.median(seconds[k]) for k in ("batch_invariant", "default"))
+    out["trainer_overhead"] = on / off
     return out
 
 
