@@ -347,7 +347,8 @@ def _cached_plan(
     mask: torch.Tensor | None, keep: torch.Tensor | None, b: int, h: int, q_len: int, k_len: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
     """``_key_plan``, made once for the mask every layer of a forward passes."""
-    shape = (b, h, q_len, k_len, keep is mask)
+    # the same tensor, unchanged since (its version counter counts in-place writes)
+    shape = (b, h, q_len, k_len, keep is mask, None if mask is None else mask._version)
     if mask is not None and _PLAN and _PLAN[0]() is mask and _PLAN[1] == shape:
         return _PLAN[2]  # type: ignore[no-any-return]
     plan = _key_plan(keep, b, h, q_len, k_len)

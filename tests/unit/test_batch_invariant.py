@@ -265,3 +265,15 @@ def test_grouped_tiles_gathered_and_per_group_give_the_same_bits(monkeypatch, sp
     ref = torch.cat([rows[16 * i : 16 * (i + 1)] @ weights[e].T
                      for i, e in enumerate([0, 2, 2, 3, 4])])  # fmt: skip
     torch.testing.assert_close(gathered, ref)
+
+
+def test_the_key_plan_follows_a_mask_changed_in_place():
+    """The plan made for a mask is reused by the next layer's call with that mask, and
+    remade once the mask is written in place (a decode buffer reused across steps)."""
+    q, k, v = _attention_inputs(torch.float32, kv_heads=4, t=20)
+    last, keep = q[:, :, -1:], torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    full = bi.attention(last, k, v, attn_mask=keep)
+    keep[..., 5:9] = False  # the same tensor: keys 5..8 now unseen
+    gapped = bi.attention(last, k, v, attn_mask=keep)
+    fresh = bi.attention(last, k, v, attn_mask=keep.clone())
+    assert torch.equal(gapped, fresh) and not torch.equal(gapped, full)
