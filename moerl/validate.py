@@ -194,6 +194,12 @@ def _check_numerics(cfg: MoerlConfig) -> None:
             f"engine.dtype={cfg.engine.dtype!r}: the engine computes the trainer's bits in "
             f"the trainer's dtype; set engine.dtype={engine}"
         )
+    if cfg.model.normalization != "RMSNorm":
+        raise ValueError(
+            f"model.normalization={cfg.model.normalization!r} with "
+            "trainer.numerics=batch_invariant: only RMSNorm has a batch-invariant version "
+            "(kernels/batch_invariant.py); use trainer.numerics=default for this model"
+        )
     if t.packing != "padded":
         raise ValueError(
             f"trainer.packing={t.packing!r} with trainer.numerics=batch_invariant: packed rows' "

@@ -180,6 +180,11 @@ def testpackage_header() -> None:
             ["trainer.dtype='bf16' and engine.dtype='float32'", "engine.dtype=bfloat16"],
         ),
         (
+            ["trainer.numerics=batch_invariant", "model.normalization=LayerNorm"],
+            1,
+            ["model.normalization='LayerNorm' with trainer.numerics=batch_invariant"],
+        ),
+        (
             ["trainer.numerics=batch_invariant", "trainer.packing=packed"],
             1,
             ["trainer.packing='packed' with trainer.numerics=batch_invariant", "padded"],
