@@ -300,14 +300,13 @@ def attention(
     and a row's own tokens) are dropped first, keeping the others in order; when every
     query then sees a prefix of the remaining keys (causal rows, decode, prefix reuse),
     a key's index is its position in the sequence wherever the row came from, and
-    ``_tiled_attention`` computes scores and values as fixed-shape tile products. Other masks (packed rows' block diagonals) take ``_folded_attention``:
-    elementwise products, ``tree_sum`` over D and ``fold_sum`` over keys."""
+    ``_tiled_attention`` computes scores and values as fixed-shape tile products (the
+    query heads sharing a key/value head share its tiles). Other masks (packed rows'
+    block diagonals) take ``_folded_attention``: elementwise products, ``tree_sum`` over
+    D and ``fold_sum`` over keys."""
     if dropout_p:
         raise NotImplementedError("batch-invariant mode: attention dropout")
     heads, kv_heads = query.shape[-3], key.shape[-3]
-    if heads != kv_heads:
-        key = key.repeat_interleave(heads // kv_heads, dim=-3)
-        value = value.repeat_interleave(heads // kv_heads, dim=-3)
     q_len, k_len = query.shape[-2], key.shape[-2]
     keep = None
     if is_causal:
@@ -320,14 +319,24 @@ def attention(
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     q, k, v = _wide(query), _wide(key), _wide(value)
     if q.dim() == 4 and additive is None:
+        b = q.shape[0]
         if is_causal and attn_mask is None:  # query i sees keys 0..i
             counts = torch.arange(1, q_len + 1, device=q.device).clamp(max=k_len)
             plan: tuple[torch.Tensor | None, torch.Tensor | int] | None = (None, counts)
         else:
-            b, h = q.shape[0], q.shape[1]
-            plan = _cached_plan(attn_mask, keep, b, h, q_len, k_len)
+            plan = _cached_plan(attn_mask, keep, b, heads, q_len, k_len)
         if plan is not None:
-            return _tiled_attention(q, k, v, *plan, factor).to(query.dtype)
+            index, seen = plan
+            group = heads // kv_heads
+            if group > 1:  # a kv head's query heads as one set of rows: (head, query)
+                q = q.reshape(b, kv_heads, group * q_len, -1)
+                if isinstance(seen, torch.Tensor):
+                    seen = seen.expand(b, heads, q_len).reshape(b, kv_heads, group * q_len)
+            out = _tiled_attention(q, k, v, index, seen, factor)
+            return out.reshape(b, heads, q_len, -1).to(query.dtype)
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=-3)
+        v = v.repeat_interleave(heads // kv_heads, dim=-3)
     return _folded_attention(q, k, v, keep, additive, factor).to(query.dtype)
 
 

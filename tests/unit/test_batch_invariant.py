@@ -123,14 +123,18 @@ def test_attention_matches_sdpa(dtype):
                                           scale=0.3).to(dtype), dtype)  # fmt: skip
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("t", [13, 40])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix(dtype, t):
+def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix(
+    dtype, t, kv_heads
+):
     """Every query of a causal prefill; the last one decoded alone over the keys; its keys
     left-padded as a batched forward pads them; its keys split into a prompt prefix and
     its own tokens with masked zero columns between (the engine's shared prompt read);
-    and batched beside another sequence. 40 tokens span several query and key tiles."""
-    q, k, v = _attention_inputs(dtype, kv_heads=4, t=t)
+    and batched beside another sequence. 40 tokens span several query and key tiles; with
+    2 kv heads for 4 query heads, a kv head's query heads share its tiles."""
+    q, k, v = _attention_inputs(dtype, kv_heads=kv_heads, t=t)
     prefill = bi.attention(q, k, v, is_causal=True)
     for i in (0, 5, t - 1):  # a query alone over its keys: another row in another tile
         alone = bi.attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1])
@@ -138,14 +142,15 @@ def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix
     last = q[:, :, -1:]
     assert torch.equal(bi.attention(last, k, v), prefill[:, :, -1:])
     pad = 5
-    kp = torch.cat([torch.zeros(1, 4, pad, 24, dtype=dtype), k], dim=2)
-    vp = torch.cat([torch.zeros(1, 4, pad, 16, dtype=dtype), v], dim=2)
+    kp = torch.cat([torch.zeros(1, kv_heads, pad, 24, dtype=dtype), k], dim=2)
+    vp = torch.cat([torch.zeros(1, kv_heads, pad, 16, dtype=dtype), v], dim=2)
     keep = torch.ones(1, 1, 1, t + pad, dtype=torch.bool)
     keep[..., :pad] = False
     assert torch.equal(bi.attention(last, kp, vp, attn_mask=keep), prefill[:, :, -1:])
     gap = 3
-    kg = torch.cat([k[:, :, :8], torch.zeros(1, 4, gap, 24, dtype=dtype), k[:, :, 8:]], dim=2)
-    vg = torch.cat([v[:, :, :8], torch.zeros(1, 4, gap, 16, dtype=dtype), v[:, :, 8:]], dim=2)
+    zk, zv = (torch.zeros(1, kv_heads, gap, d, dtype=dtype) for d in (24, 16))
+    kg = torch.cat([k[:, :, :8], zk, k[:, :, 8:]], dim=2)
+    vg = torch.cat([v[:, :, :8], zv, v[:, :, 8:]], dim=2)
     keep = torch.ones(1, 1, 1, t + gap, dtype=torch.bool)
     keep[..., 8 : 8 + gap] = False
     assert torch.equal(bi.attention(last, kg, vg, attn_mask=keep), prefill[:, :, -1:])
@@ -277,3 +282,19 @@ def test_the_key_plan_follows_a_mask_changed_in_place():
     gapped = bi.attention(last, k, v, attn_mask=keep)
     fresh = bi.attention(last, k, v, attn_mask=keep.clone())
     assert torch.equal(gapped, fresh) and not torch.equal(gapped, full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_query_heads_sharing_a_kv_head_get_the_bits_of_repeated_keys(dtype):
+    """Grouped-query attention's tiles hold a kv head's query heads together: each
+    query's bits are those it gets with the keys and values repeated per head."""
+    q, k, v = _attention_inputs(dtype, kv_heads=2, t=21)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    assert torch.equal(
+        bi.attention(q, k, v, is_causal=True), bi.attention(q, kr, vr, is_causal=True)
+    )
+    keep = torch.ones(1, 1, 1, 21, dtype=torch.bool)
+    keep[..., 2:5] = False
+    last = q[:, :, -1:]
+    assert torch.equal(bi.attention(last, k, v, attn_mask=keep),
+                       bi.attention(last, kr, vr, attn_mask=keep))  # fmt: skip
