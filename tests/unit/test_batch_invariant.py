@@ -298,3 +298,16 @@ def test_query_heads_sharing_a_kv_head_get_the_bits_of_repeated_keys(dtype):
     last = q[:, :, -1:]
     assert torch.equal(bi.attention(last, k, v, attn_mask=keep),
                        bi.attention(last, kr, vr, attn_mask=keep))  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [64, 2048])
+def test_row_sums_give_a_row_the_same_bits_in_any_batch(k):
+    """RMSNorm's sum of squares: one fixed-shape product with ones, a row's bits the same
+    alone, in a short batch or at any position of a long one (a single-column product is
+    not: its rows' bits move with their position)."""
+    x = torch.randn(40, k, generator=_gen(12))
+    whole = bi.row_sums(x)
+    torch.testing.assert_close(whole[:, 0], x.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
+    for start in (0, 5, 23):
+        for n in (1, 3, 17):
+            assert torch.equal(bi.row_sums(x[start : start + n]), whole[start : start + n])
