@@ -268,7 +268,8 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
 ) -> torch.Tensor:
     """RMSNorm over the last axis as transformers' models write it: statistics in fp32
-    (``mean`` of squares), the normed value cast back, then times ``weight``."""
+    (the mean of squares, its sum by ``row_sums``), the normed value cast back, then
+    times ``weight``."""
     h = x.float()
     h = (h * torch.rsqrt(row_sums(h * h) / h.shape[-1] + eps)).to(x.dtype)
     return h if weight is None else weight * h
@@ -418,8 +419,8 @@ def _tiled_attention(
     position in the sequence. Scores of each [ATTENTION_ROWS queries] × [ATTENTION_KEYS
     keys] tile pair as one fixed-shape product over D; the values' weighted sum as one
     [ATTENTION_ROWS, ATTENTION_KEYS] × [ATTENTION_KEYS, Dv] product per tile pair, folded
-    over key tiles in order; the softmax's total by ``fold_sum`` over keys. A key a query does not see, and
-    the padding, weigh exact zeros wherever they sit."""
+    over key tiles in order; the softmax's total by ``fold_sum`` over keys. A key a query
+    does not see, and the padding, weigh exact zeros wherever they sit."""
     b, h, q_len, _ = q.shape
     width = k.shape[-2] if index is None else index.shape[-1]
     k_pad = -(-max(width, 1) // ATTENTION_KEYS) * ATTENTION_KEYS
@@ -571,7 +572,7 @@ def grouped_tiles(
             torch.tensor(tiles, device=rows.device),
         )
         per_tile = stacked.index_select(0, owner)  # [tiles, N, K]
-        return split_k(_tile_batch, rows, per_tile, splits)
+        return _split_tiles(rows, per_tile, splits)
     parts = [
         _split_tiles(part, weight, splits)
         for part, weight, size in zip(rows.split(sizes), weights, sizes, strict=True)
@@ -580,17 +581,12 @@ def grouped_tiles(
     return torch.cat(parts)
 
 
-def _tile_batch(rows: torch.Tensor, weight_TNK: torch.Tensor) -> torch.Tensor:
-    """rows [n·ROWS, K], tile i × weight_TNK[i]ᵀ: ``_tiles`` with a weight per tile."""
-    tiles = rows.reshape(-1, ROWS, rows.shape[-1])
-    return torch.bmm(tiles, weight_TNK.transpose(1, 2)).view(-1, weight_TNK.shape[1])
-
-
 def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [n·ROWS, K] × weight [N, K]ᵀ as n products of one [ROWS, K] × [K, N] shape."""
+    """rows [n·ROWS, K] × weight [N, K]ᵀ as n products of one [ROWS, K] × [K, N] shape;
+    a weight [n, N, K] gives each tile its own."""
     tiles = rows.reshape(-1, ROWS, rows.shape[-1])
-    w_KN = weight.t()
-    return torch.bmm(tiles, w_KN.expand(tiles.shape[0], *w_KN.shape)).view(-1, weight.shape[0])
+    per_tile = weight.expand(tiles.shape[0], *weight.shape[-2:])
+    return torch.bmm(tiles, per_tile.transpose(1, 2)).view(-1, weight.shape[-2])
 
 
 _ROUTES: dict[Any, Callable[..., Any]] = {}

@@ -196,23 +196,13 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
 
-    from moerl.convert import load_hf
-    from moerl.models.gpt import build_model
     from moerl.parallel.state import initialize_for_model
     from moerl.trainer.forward import trainer_logprobs
 
     model = checkpoint_model(hf_dir)
     pcfg, _ = parse_layout(layout)
     initialize_for_model(pcfg, model)
-    matching = numerics == "batch_invariant"
-    chunks = build_model(
-        model, pcfg, dtype, routing_replay=True, use_te=False if matching else None
-    )
-    load_hf(chunks, hf_dir, model)
-    if matching:
-        from moerl.trainer import numerics as trainer_numerics
-
-        trainer_numerics.enable(chunks, model.family)
+    chunks = _chunks(model, pcfg, hf_dir, dtype, numerics)
     trajs = load_jsonl(rollouts)
     moe_layers = [i for i in range(model.num_layers) if i >= model.first_k_dense_replace]
     results = []
@@ -309,26 +299,36 @@ def decomposition(out: str | Path) -> dict | None:
     return json.loads(Path(out).read_text()).get("decomposition")
 
 
+def _chunks(model: ModelConfig, pcfg: Any, hf_dir: str, dtype: str, numerics: str) -> list:
+    """The checkpoint's model chunks, as the trainer builds them with ``trainer.numerics``
+    (the matching numerics: local layers, its ops put in)."""
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+
+    matching = numerics == "batch_invariant"
+    chunks = build_model(
+        model, pcfg, dtype, routing_replay=True, use_te=False if matching else None
+    )
+    load_hf(chunks, hf_dir, model)
+    if matching:
+        from moerl.trainer import numerics as trainer_numerics
+
+        trainer_numerics.enable(chunks, model.family)
+    return chunks
+
+
 def _timing_worker(
     hf_dir: str, rollouts: str, out: str, dtype: str, repeats: int, max_tokens: int
 ) -> None:
-    from moerl.convert import load_hf
-    from moerl.models.gpt import build_model
     from moerl.parallel.state import initialize_for_model
-    from moerl.trainer import numerics as trainer_numerics
     from moerl.trainer.forward import trainer_logprobs
+    from moerl.trainer.numerics import NUMERICS
 
     model = checkpoint_model(hf_dir)
     pcfg, _ = parse_layout("single")
     initialize_for_model(pcfg, model)
     trajs = load_jsonl(rollouts)
-    models = {}
-    for mode in ("default", "batch_invariant"):
-        chunks = build_model(model, pcfg, dtype, routing_replay=True, use_te=False)
-        load_hf(chunks, hf_dir, model)
-        if mode == "batch_invariant":
-            trainer_numerics.enable(chunks, model.family)
-        models[mode] = chunks
+    models = {mode: _chunks(model, pcfg, hf_dir, dtype, mode) for mode in NUMERICS}
     seconds: dict[str, list[float]] = {mode: [] for mode in models}
     for rep in range(repeats + 1):
         for mode, chunks in models.items():
