@@ -29,8 +29,10 @@ sqrt, cos, sin; fp32 rsqrt) are used as they are; sigmoid and silu are built fro
 (``F.linear``, softmax, mean, sdpa, ...) to these ops inside its ``with`` block, and
 refuses a matrix product it has no rule for rather than let it through.
 
-On CUDA the same definitions hold, but nothing here is tuned for it: batch-invariant
-Triton kernels are the GPU path's work.
+These rules were measured on the CPU (MKL). On CUDA they do not all hold: on an H200,
+in fp32, a batch of 16 or more fixed-shape tiles gives a row other bits than a shorter
+batch (``tools/gpu/probe_invariance.py`` checks each op on a device); a tile product of
+one fixed batch shape, or batch-invariant Triton kernels, are the GPU path's work.
 """
 
 # B batch, h heads, Q query tokens, T key tokens, D head dim, E experts, K top-k

@@ -231,3 +231,29 @@ def test_committed_gpu_run_renders_with_its_baselines(tmp_path):
     assert trl[1].endswith("| not met |")  # colocated as measured
     assert any("chunks 4096x8192" in r for r in rows)
     assert any("kernel launches" in r for r in rows)
+
+
+def test_gpu_true_on_policy_rows_name_what_failed():
+    """The GPU section's issue-30 rows (tools/gpu parts 9 and 10): each setting's
+    invariance, the trainer match, and the probe's failing ops, with their status."""
+    report = _module("report")
+    run = {
+        "device": "GPU", "date": "d", "versions": dict.fromkeys(
+            ("torch", "triton", "transformers", "megatron-core"), "v"),
+        "part9_true_on_policy": {
+            "invariant": {"a/float32": ["2/6", "1/6"], "a/bfloat16": ["6/6", "6/6"]},
+            "engine_overhead_tiny": {"a/float32": 1.2},
+            "trainer": {"a/float32": {"abs_diff_max": 0.0, "exact_tokens": "9/9",
+                                      "off_abs_diff_max": 1e-6, "trainer_overhead": 1.5}},
+        },
+        "part10_probe": {"invariant": "1/2", "differs": {"linear/float32": "257"}},
+    }  # fmt: skip
+    rows = [r for r in report._gpu_run(run).splitlines() if r.startswith("| true on-policy")]
+    status = {r.split(" | ")[1]: r.rstrip(" |").rsplit(" | ", 1)[1] for r in rows}
+    assert len(rows) == 6
+    assert [v for k, v in status.items() if "batch invariance" in k] == ["not met", "met"]
+    assert status["engine time with the mode on / off, a/float32, tiny"] == "met"
+    assert status["trainer = engine, single layout, a/float32: max abs diff; exact tokens"] == "met"
+    assert status["trainer forward time, batch_invariant / default, a/float32"] == "not met"
+    probe = next(r for r in rows if "probe_invariance" in r)
+    assert "linear/float32 (257)" in probe and probe.endswith("| not met |")

@@ -28,7 +28,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert sorted(parts) == ["1", "2", "3", "4", "5", "6", "7", "8"]
+    assert sorted(parts, key=int) == [str(n) for n in range(1, 11)]
     assert {p["status"] for p in parts.values()} <= {"ok", "skipped"}, parts
     assert "skipped" in parts["1"]["results"]["pytest"]  # the kernels' GPU tests, collected
     assert parts["6"]["results"]["benches"] == {"kernels": "ok"}  # run_all's kernel section
@@ -36,6 +36,12 @@ def test_dry_run_runs_every_part(tmp_path):
     assert parts["3"]["results"]["tiny/fp32"]["ok"]
     assert parts["5"]["results"]["steps"] == 2
     assert parts["8"]["results"]["steps"] == 2  # engine.cuda_graph=true: no graphs on the CPU
+    top = parts["9"]["results"]  # issue 30's bench, quick, on the CPU
+    assert top["device"] == "cpu" and top["abs_diff_max"] == 0
+    assert top["engine_invariant"] == top["engine_scenarios"] == 6
+    probe = parts["10"]["results"]  # every op of kernels/batch_invariant.py keeps its bits here
+    assert probe["device"] == "cpu" and probe["invariant"] == "18/18", probe
+    assert probe["differs"].get("torch_linear/float32"), probe  # the probe can see a change
     colocated = parts["7"]["results"]  # in one process, asleep through both steps
     assert colocated["steps"] == 2 and colocated["engine_slept_steps"] == 2
     assert colocated["onpolicy_log_ratio_abs_max"] < 1e-4
@@ -43,7 +49,7 @@ def test_dry_run_runs_every_part(tmp_path):
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in files)
     logs = (out / "parts.log").read_text()  # every part's log, in order
-    assert [int(n) for n in re.findall(r"^# part (\d+):", logs, re.M)] == list(range(1, 9))
+    assert [int(n) for n in re.findall(r"^# part (\d+):", logs, re.M)] == list(range(1, 11))
     assert "=== summary ===" in proc.stdout
 
 
@@ -88,3 +94,16 @@ def test_engine_profile_runs_on_the_cpu(capsys):
     assert got["engine_step_ms"] > 0 and got["hf_step_ms"] > 0
     assert got["aten_ops_per_step"] > 100  # a decode step of 4 layers, not an empty profile
     assert "engine/hf" in capsys.readouterr().out
+
+
+def test_environment_check_reads_setup_requirements():
+    """check_env.py also checks moerl's own install_requires (read from setup.py without
+    running it): orjson was missing on the GPU image and only an ImportError said so."""
+    import check_env
+
+    reqs = check_env.setup_requires()
+    assert "orjson" in reqs and any(r.startswith("megatron-core") for r in reqs)
+    assert check_env._unmet("x", ["pytest", "no-such-dist-moerl==1"]) == [
+        "x needs no-such-dist-moerl==1: not installed"
+    ]
+    assert check_env._unmet("x", ["pytest<1"])[0].startswith("x needs pytest<1: found ")

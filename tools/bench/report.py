@@ -909,6 +909,7 @@ def _gpu_run(run: dict[str, Any]) -> str:
             f"{job['sync_s_median']:.3f}; {job['peak_gpu_mem_mib']} MiB | — | reward rises | "
             f"{'met' if sum(curve[-3:]) / 3 > 2 * curve[0] else 'not met'} |"
         )
+    lines += _gpu_true_on_policy(run)
     if "vs_trl" in run:
         t = run["vs_trl"]
         for label, sync, asyn, ratios in (
@@ -924,6 +925,42 @@ def _gpu_run(run: dict[str, Any]) -> str:
                 f"{'met' if ratios['ratio_sync'] <= 1 and ratios['ratio_async'] <= 0.8 else 'not met'} |"
             )
     return "\n".join(lines)
+
+
+def _gpu_true_on_policy(run: dict[str, Any]) -> list[str]:
+    """Issue 30 on CUDA: tools/gpu parts 9 (true_on_policy.py) and 10 (the op probe)."""
+    lines = []
+    top = run.get("part9_true_on_policy", {})
+    for setting, (on, off) in top.get("invariant", {}).items():
+        good, total = (int(x) for x in on.split("/"))
+        lines.append(
+            f"| true on-policy | engine batch invariance, {setting}: scenarios with the alone "
+            f"run's bits, --enable-deterministic-inference on | {on} | off: {off} | all | "
+            f"{'met' if good == total else 'not met'} |"
+        )
+    for setting, over in top.get("engine_overhead_tiny", {}).items():
+        lines.append(f"| true on-policy | engine time with the mode on / off, {setting}, tiny "
+                     f"| {over:.2f}× | mode off | ≤ 1.35× | {'met' if over <= 1.35 else 'not met'} |")  # fmt: skip
+    for setting, m in top.get("trainer", {}).items():
+        lines.append(
+            f"| true on-policy | trainer = engine, single layout, {setting}: max abs diff; "
+            f"exact tokens | {m['abs_diff_max']:.3g}; {m['exact_tokens']} | both modes off: "
+            f"{m['off_abs_diff_max']:.3g} | 0 | {'met' if m['abs_diff_max'] == 0 else 'not met'} |"
+        )
+        if "trainer_overhead" in m:
+            over = m["trainer_overhead"]
+            lines.append(f"| true on-policy | trainer forward time, batch_invariant / default, "
+                         f"{setting} | {over:.2f}× | default | ≤ 1.35× | "
+                         f"{'met' if over <= 1.35 else 'not met'} |")  # fmt: skip
+    if "part10_probe" in run:
+        p = run["part10_probe"]
+        failing = "; ".join(f"{op} ({where})" for op, where in p["differs"].items())
+        lines.append(
+            f"| true on-policy | `kernels/batch_invariant.py` ops keeping a row's bits in any "
+            f"batch (tools/gpu/probe_invariance.py) | {p['invariant']}; differ: {failing} | "
+            f"the CPU: all | all | {'met' if not p['differs'] else 'not met'} |"
+        )
+    return lines
 
 
 def _gpu(results: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -73,12 +74,13 @@ def trainer_match(
     dtype: str = "float32",
     shape: dict[str, Any] | None = None,
     timed: bool = True,
+    flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Engine vs trainer logprobs (kept-set, Keep Routing) with the engine in ``dtype``
     and the trainer in the same: both modes on in each of ``layouts`` (the first also
     both off); ``shape``: model config overrides (the tiny model's by default);
     ``timed``: also the trainer's forward time with the matching numerics over the
-    default (``trainer_overhead``)."""
+    default (``trainer_overhead``); ``flags``: more engine flags (``--device``)."""
     from moerl.checks.replay import collect_rollouts, forward_seconds, score
     from moerl.config.trainer import TrainerConfig
     from moerl.models.hf_tiny import save_tiny_checkpoint
@@ -92,14 +94,14 @@ def trainer_match(
     trainer_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     max_tokens = TrainerConfig().max_tokens_per_microbatch
     out: dict[str, Any] = {"layouts": {}}
-    for mode, flags, numerics in (
+    for mode, mode_flags, numerics in (
         ("on", ("--enable-deterministic-inference",), "batch_invariant"),
         ("off", (), "default"),
     ):
         rollouts = tmp / f"{name}-{dtype}-{mode}.jsonl"
         trajs = collect_rollouts(
             hf, rollouts, num_prompts=prompts, max_new_tokens=new, dtype=dtype,
-            sampling=SAMPLING, flags=flags,
+            sampling=SAMPLING, flags=(*mode_flags, *flags),
         )  # fmt: skip
         trained = np.concatenate([t.trained for t in trajs])
         ref = np.concatenate([t.sampling_logprobs for t in trajs])[trained]
@@ -160,6 +162,10 @@ def main_job(tmp: Path, steps: int, timeout_s: int = 1200) -> dict[str, Any]:
     on, off = (statistics.median(out[m]["step_s"][warm]) for m in ("on", "off"))
     out["step_overhead"] = on / off
     return out
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def _mid_shape() -> dict[str, Any]:
@@ -268,8 +274,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="main-job steps with the modes on and off (default 20; --quick: 0)",
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="the engines' and the trainer's device: 'cpu' hides any GPU from both; 'auto' "
+        "(default) or 'cuda' runs both on this machine's GPU (the trainer takes it by itself)",
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", choices=LAYOUTS, default=None,
+        help="the trainer's layouts (default: all 7; --quick: single)",
+    )  # fmt: skip
+    parser.add_argument("--no-mid", action="store_true", help="skip the mid shape")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.device == "cpu":  # before torch sees the GPU; spawned workers inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
     from moerl.engine.core.model_runner import ModelRunner
@@ -281,13 +300,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
     reps = min(args.reps, 3) if args.quick else args.reps
     result: dict[str, Any] = {"settings": {}, "target_overhead": TARGET_OVERHEAD}
+    from moerl.device import resolve
+
+    device = resolve(args.device)
+    result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    engine_flags = ("--device", str(device))
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             cfg = tiny_config(family)
             path = save_tiny_checkpoint(cfg, Path(tmp) / family, seed=0)
             for dtype in dtypes:
                 runners = {
-                    m: ModelRunner(path, dtype=dtype, deterministic=m) for m in (False, True)
+                    m: ModelRunner(path, dtype=dtype, device=device, deterministic=m)
+                    for m in (False, True)
                 }
                 setting: dict[str, Any] = {
                     "invariant_off": invariance(runners[False], args.new_tokens),
@@ -305,8 +330,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(line, flush=True)
         result["trainer"] = {}
         for family in families:
-            layouts = MATCHED[:1] if args.quick else MATCHED
-            match = trainer_match(family, Path(tmp), 8, args.new_tokens, layouts)
+            layouts = tuple(args.layouts or (MATCHED[:1] if args.quick else MATCHED))
+            match = trainer_match(
+                family, Path(tmp), 8, args.new_tokens, layouts, flags=engine_flags
+            )
             result["trainer"][family] = match
             for layout, found in match["layouts"].items():
                 print(
@@ -320,9 +347,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
             if not args.quick:  # bf16 engine and trainer, single layout
-                half = trainer_match(
-                    family, Path(tmp), 8, args.new_tokens, ("single",), "bfloat16", timed=False
-                )
+                half = trainer_match(family, Path(tmp), 8, args.new_tokens, ("single",), "bfloat16",
+                                     timed=False, flags=engine_flags)  # fmt: skip
                 result.setdefault("trainer_bf16", {})[family] = half
                 print(
                     f"{family} bf16 single abs_diff_max={half['on']['abs_diff_max']:.3g} "
@@ -338,30 +364,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{statistics.mean(job[mode]['k3']):.3g} abs_diff_max="
                       f"{max(job[mode]['abs_diff_max']):.3g}", flush=True)  # fmt: skip
             print(f"main job step time on/off={job['step_overhead']:.2f}", flush=True)
-        mid_match = trainer_match("deepseek_moe", Path(tmp), 8, args.new_tokens, ("single",),
-                                  shape=_mid_shape())  # fmt: skip
-        result["trainer_mid"] = mid_match
-        print(f"deepseek_moe mid single abs_diff_max={mid_match['on']['abs_diff_max']:.3g} "
-              f"trainer_overhead={mid_match['trainer_overhead']:.2f}", flush=True)  # fmt: skip
-        mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
-        mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
-        runners = {m: ModelRunner(mid, deterministic=m) for m in (False, True)}
-        result["mid"] = overhead(runners, args.new_tokens, reps, mid_cfg.vocab_size)
-        print(f"deepseek_moe mid/float32 overhead={result['mid']['overhead']:.2f}", flush=True)
+        if not args.no_mid:
+            mid_match = trainer_match("deepseek_moe", Path(tmp), 8, args.new_tokens, ("single",),
+                                      shape=_mid_shape(), flags=engine_flags)  # fmt: skip
+            result["trainer_mid"] = mid_match
+            print(f"deepseek_moe mid single abs_diff_max={mid_match['on']['abs_diff_max']:.3g} "
+                  f"trainer_overhead={mid_match['trainer_overhead']:.2f}", flush=True)  # fmt: skip
+            mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
+            mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
+            runners = {m: ModelRunner(mid, device=device, deterministic=m) for m in (False, True)}
+            result["mid"] = overhead(runners, args.new_tokens, reps, mid_cfg.vocab_size)
+            print(f"deepseek_moe mid/float32 overhead={result['mid']['overhead']:.2f}", flush=True)
     settings = result["settings"].values()
     result["engine_invariant"] = sum(sum(s["invariant_on"].values()) for s in settings)
     result["engine_scenarios"] = sum(len(s["invariant_on"]) for s in settings)
     result["engine_invariant_off"] = sum(sum(s["invariant_off"].values()) for s in settings)
     tiny = [s["tiny"]["overhead"] for s in settings if "tiny" in s]
     result["engine_overhead"] = statistics.median(tiny)
-    result["engine_overhead_mid"] = result["mid"]["overhead"]
+    result["engine_overhead_mid"] = result["mid"]["overhead"] if "mid" in result else None
     trainer = result["trainer"].values()
     result["layouts_exact"] = sum(len(m["exact"]) for m in trainer)
     result["layouts_total"] = len(LAYOUTS) * len(result["trainer"])
     result["abs_diff_max"] = max(v["abs_diff_max"] for m in trainer for v in m["layouts"].values())
     result["abs_diff_max_off"] = max(m["off"]["abs_diff_max"] for m in trainer)
     result["trainer_overhead"] = statistics.median(m["trainer_overhead"] for m in trainer)
-    result["trainer_overhead_mid"] = result["trainer_mid"]["trainer_overhead"]
+    result["trainer_overhead_mid"] = (
+        result["trainer_mid"]["trainer_overhead"] if "trainer_mid" in result else None
+    )
     result["k3_on"] = max(m["on"]["k3"] for m in trainer)
     result["k3_off"] = max(m["off"]["k3"] for m in trainer)
     if "run" in result:
@@ -374,11 +403,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"true_on_policy engine_invariant={result['engine_invariant']}/{result['engine_scenarios']}"
         f" (off: {result['engine_invariant_off']}) engine_overhead={result['engine_overhead']:.2f}"
-        f" engine_overhead_mid={result['engine_overhead_mid']:.2f}"
+        f" engine_overhead_mid={_num(result['engine_overhead_mid'])}"
         f" layouts_exact={result['layouts_exact']}/{result['layouts_total']}"
         f" abs_diff_max={result['abs_diff_max']:.3g} abs_diff_max_off={result['abs_diff_max_off']:.3g}"
         f" trainer_overhead={result['trainer_overhead']:.2f}"
-        f" trainer_overhead_mid={result['trainer_overhead_mid']:.2f}"
+        f" trainer_overhead_mid={_num(result['trainer_overhead_mid'])}"
         f" k3_on={result['k3_on']:.3g} k3_off={result['k3_off']:.3g}"
         f" bf16_exact={result['bf16_exact']}/{result['bf16_total']}"
         + (f" run_step_overhead={result['run_step_overhead']:.2f}" if "run" in result else ""),

@@ -3,7 +3,8 @@
 Budgets (seconds of device time, the 8-minute plan of issue 28; a rerun must fit the
 15 minutes too): install 30, part 1 120, part 2 120, part 3 180 (the CPU side of the mid
 bf16 step is slow: 120 s ran out there on an H100 machine), part 4 100, part 5 150, part 6
-120, part 7 120, part 8 150. ``dry_limit_s`` bounds the CPU dry run.
+120, part 7 120, part 8 150; part 9 (issue 30) 360 (300 ran out on an H200 with the mid shape), part 10 60. A session runs the parts it needs
+(``--parts``), not all of them. ``dry_limit_s`` bounds the CPU dry run.
 """
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ def _run_all(work: Path, dry: bool) -> list[str]:
             str(work / "run_all")]  # fmt: skip
 
 
+def _true_on_policy(work: Path, dry: bool) -> list[str]:
+    # issue 30 on the GPU: the batch-invariant engine (fp32, bf16; both families) and the
+    # matching trainer, single layout (one GPU); invariance, engine = trainer, overheads
+    if dry:
+        size = ["--device", "cpu", "--quick", "--reps", "1", "--new-tokens", "4", "--no-mid"]
+    else:
+        size = ["--device", "cuda", "--layouts", "single", "--run-steps", "0", "--reps", "3",
+                "--no-mid"]  # fmt: skip
+    return [PY, "tools/bench/true_on_policy.py", *size, "--out", str(work / "top")]
+
+
+def _probe(work: Path, dry: bool) -> list[str]:
+    # which batch-invariant op keeps a row's bits on this device (part 9's diagnosis)
+    device = ["--device", "cpu"] if dry else ["--device", "cuda"]
+    return [PY, "tools/gpu/probe_invariance.py", *device, "--out", str(work / "probe.json")]
+
+
 def _skipped(work: Path, dry: bool) -> list[str]:
     return []
 
@@ -147,6 +165,8 @@ PARTS = [
         dry_limit_s=90,
         sample_gpu_memory=True,
     ),  # fmt: skip
+    Part(9, "true on-policy on cuda (batch-invariant engine and trainer)", _true_on_policy, 360),
+    Part(10, "batch-invariant ops probed one by one on cuda", _probe, 60, dry_limit_s=60),
 ]
 
 
@@ -212,6 +232,26 @@ def _run_all_results(work: Path, log: Path) -> dict[str, Any]:
             "benches": {k: v.get("status") for k, v in results.get("benches", {}).items()}}  # fmt: skip
 
 
+def _true_on_policy_results(work: Path, log: Path) -> dict[str, Any]:
+    r = json.loads((work / "top" / "result.json").read_text())
+    keys = ("device", "engine_invariant", "engine_scenarios", "engine_invariant_off",
+            "engine_overhead", "engine_overhead_mid", "layouts_exact", "abs_diff_max",
+            "abs_diff_max_off", "trainer_overhead", "trainer_overhead_mid", "k3_on", "k3_off",
+            "bf16_exact", "bf16_total")  # fmt: skip
+    out = {k: r.get(k) for k in keys}
+    out["invariant_on"] = {k: v["invariant_on"] for k, v in r["settings"].items()}
+    out["bf16_abs_diff_max"] = {
+        family: m["on"]["abs_diff_max"] for family, m in r.get("trainer_bf16", {}).items()
+    }
+    return out
+
+
+def _probe_results(work: Path, log: Path) -> dict[str, Any]:
+    found = json.loads((work / "probe.json").read_text())
+    return {"device": found["device"], "invariant": f"{found['invariant']}/{found['total']}",
+            "differs": {k: len(v) for k, v in found["ops"].items() if v}}  # fmt: skip
+
+
 def parse_results(number: int, work: Path, log: Path) -> dict[str, Any]:
     parsers = {
         1: _pytest_results,
@@ -222,5 +262,7 @@ def parse_results(number: int, work: Path, log: Path) -> dict[str, Any]:
         6: _run_all_results,
         7: _colocated_results,
         8: _graphs_results,
+        9: _true_on_policy_results,
+        10: _probe_results,
     }
     return parsers[number](work, log) if number in parsers else {}
