@@ -395,9 +395,9 @@ def _key_plan(
     return torch.where(slots < seen, order[:, :width] + rows, -1), counts
 
 
-def _key_tiles(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch.Tensor:
-    """Keys or values [B, h, T, D] as [B, h, length / ATTENTION_KEYS, ATTENTION_KEYS, D]:
-    a row's seen keys (``index``, ``_key_plan``; all when None) in order, then zeros."""
+def _key_rows(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch.Tensor:
+    """Keys or values [B, h, T, D] as [B, h, length, D]: a row's seen keys (``index``,
+    ``_key_plan``; all when None) in order, then zeros."""
     b, h, k_len, d = x.shape
     if index is not None:
         flat = x.transpose(1, 2).reshape(b * k_len, h * d)
@@ -406,7 +406,7 @@ def _key_tiles(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torc
     pad = length - x.shape[-2]
     if pad:
         x = torch.cat([x, x.new_zeros(b, h, pad, d)], dim=-2)
-    return x.reshape(b, h, length // ATTENTION_KEYS, ATTENTION_KEYS, d)
+    return x
 
 
 def _tiled_attention(
@@ -418,19 +418,29 @@ def _tiled_attention(
     factor: float,
 ) -> torch.Tensor:
     """Attention over a row's seen keys, in order (``_key_plan``): a key's index is its
-    position in the sequence. Scores of each [ATTENTION_ROWS queries] × [ATTENTION_KEYS
-    keys] tile pair as one fixed-shape product over D; the values' weighted sum as one
-    [ATTENTION_ROWS, ATTENTION_KEYS] × [ATTENTION_KEYS, Dv] product per tile pair, folded
-    over key tiles in order; the softmax's total by ``fold_sum`` over keys. A key a query
-    does not see, and the padding, weigh exact zeros wherever they sit."""
-    b, h, q_len, _ = q.shape
+    position in the sequence. Scores are [ATTENTION_ROWS queries] × [ATTENTION_KEYS keys]
+    tile products over D; the values' weighted sum is one [ATTENTION_ROWS,
+    ATTENTION_KEYS] × [ATTENTION_KEYS, Dv] product per tile pair, folded over key tiles
+    in order; the softmax's total is ``fold_sum`` over keys. A key a query does not see,
+    and the padding, weigh exact zeros wherever they sit.
+
+    The tile products run as whole-row products: all of a (batch row, head)'s queries,
+    padded to a multiple of ATTENTION_ROWS, against all its keys (padded to whole
+    tiles) in one product, and against each key tile's values in one product per tile.
+    On the CPU such a product gives every [ATTENTION_ROWS, ATTENTION_KEYS] block the
+    bits of that block's own tile product, whatever the number of query and key tiles
+    (measured, and checked by tests/unit/test_batch_invariant.py against the tile
+    products); it saves the tiles' copies."""
+    b, h, q_len, d = q.shape
     width = k.shape[-2] if index is None else index.shape[-1]
     k_pad = -(-max(width, 1) // ATTENTION_KEYS) * ATTENTION_KEYS
-    k_tiles = _key_tiles(k, index, k_pad).transpose(-1, -2)  # [B, h, Tt, D, ATTENTION_KEYS]
-    v_tiles = _key_tiles(v, index, k_pad)  # [B, h, Tt, ATTENTION_KEYS, Dv]
     tiles = k_pad // ATTENTION_KEYS
+    keys_t = _key_rows(k, index, k_pad).reshape(b * h, k_pad, d).transpose(1, 2)
+    v_rows = _key_rows(v, index, k_pad)
+    dv = v_rows.shape[-1]
+    v_tiles = v_rows.reshape(b * h * tiles, ATTENTION_KEYS, dv)
     rows = ATTENTION_ROWS
-    per_query = max(1, k_pad * (k.shape[-1] + v.shape[-1]) * b * h)
+    per_query = max(1, k_pad * (d + dv) * b * h)
     step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query // rows) * rows
     key_ids = torch.arange(k_pad, device=q.device)
     outs = []
@@ -439,34 +449,21 @@ def _tiled_attention(
         n_pad = -(-n // rows) * rows
         q_part = q[..., first : first + n, :]
         if n_pad != n:
-            q_part = torch.cat([q_part, q_part.new_zeros(b, h, n_pad - n, q.shape[-1])], dim=-2)
-        q_tiles = q_part.view(b, h, n_pad // rows, rows, -1)  # [B, h, Qt, rows, D]
-        scores = _pair_products(q_tiles, k_tiles)  # [B, h, Qt, Tt, rows, ATTENTION_KEYS]
-        scores = scores.transpose(3, 4).reshape(b, h, n_pad, k_pad)[..., :n, :] * factor
+            q_part = torch.cat([q_part, q_part.new_zeros(b, h, n_pad - n, d)], dim=-2)
+        scores = torch.bmm(q_part.reshape(b * h, n_pad, d), keys_t)  # [B·h, n_pad, T]
+        scores = scores.view(b, h, n_pad, k_pad)[..., :n, :] * factor
         seen = counts if isinstance(counts, int) else counts[..., first : first + n, None]
         scores = scores.masked_fill(key_ids >= seen, -math.inf)
         p = torch.exp(_shifted(scores, -1))  # [B, h, n, T]
         total = fold_sum(p, -1)[..., None]
         if n_pad != n:
             p = torch.cat([p, p.new_zeros(b, h, n_pad - n, k_pad)], dim=-2)
-        p_tiles = p.view(b, h, n_pad // rows, rows, tiles, ATTENTION_KEYS).transpose(3, 4)
-        parts = _pair_products(p_tiles, v_tiles, diagonal=True)  # [B, h, Qt, Tt, rows, Dv]
-        weighted = fold_sum(parts, 3).reshape(b, h, n_pad, -1)[..., :n, :]
+        # [B, h, n_pad, Tt, keys] → one [n_pad, keys] block per key tile
+        p_tiles = p.view(b, h, n_pad, tiles, ATTENTION_KEYS).transpose(2, 3)
+        parts = torch.bmm(p_tiles.reshape(-1, n_pad, ATTENTION_KEYS), v_tiles)
+        weighted = fold_sum(parts.view(b, h, tiles, n_pad, dv), 2)[..., :n, :]
         outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
-    return torch.cat(outs, dim=-2)
-
-
-def _pair_products(a: torch.Tensor, b: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
-    """One bmm of fixed-shape tile products. a [B, h, I, R, X]; b [B, h, J, X, N]:
-    every (a tile, b tile) pair → [B, h, I, J, R, N]; with ``diagonal``, a is already
-    [B, h, I, J, R, X] and each a[i, j] meets b[j]."""
-    lead = a.shape[:3]
-    j = b.shape[2]
-    if not diagonal:
-        a = a[:, :, :, None].expand(*lead, j, *a.shape[3:])
-    left = a.reshape(-1, *a.shape[4:])
-    right = b[:, :, None].expand(*lead, *b.shape[2:]).reshape(-1, *b.shape[3:])
-    return torch.bmm(left, right).view(*lead, j, a.shape[-2], b.shape[-1])
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def _folded_attention(

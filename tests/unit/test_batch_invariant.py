@@ -311,3 +311,44 @@ def test_row_sums_give_a_row_the_same_bits_in_any_batch(k):
     for start in (0, 5, 23):
         for n in (1, 3, 17):
             assert torch.equal(bi.row_sums(x[start : start + n]), whole[start : start + n])
+
+
+def _tile_by_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, factor: float):
+    """Causal attention of one head [Q, D] written tile by tile: each [ATTENTION_ROWS
+    queries] × [ATTENTION_KEYS keys] score block its own product, each block's values
+    its own product, the blocks' value sums folded over key tiles in order."""
+    rows, keys = bi.ATTENTION_ROWS, bi.ATTENTION_KEYS
+    q_len, t = q.shape[0], k.shape[0]
+    qp = torch.cat([q, q.new_zeros(-q_len % rows, q.shape[1])])
+    kp = torch.cat([k, k.new_zeros(-t % keys, k.shape[1])])
+    vp = torch.cat([v, v.new_zeros(-t % keys, v.shape[1])])
+    scores = torch.cat(
+        [torch.cat([qp[i : i + rows] @ kp[j : j + keys].T for j in range(0, len(kp), keys)], 1)
+         for i in range(0, len(qp), rows)]
+    )[:q_len] * factor  # fmt: skip
+    seen = torch.arange(1, q_len + 1)[:, None] + (t - q_len)
+    scores = scores.masked_fill(torch.arange(len(kp)) >= seen, -math.inf)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    total = p.cumsum(-1)[:, -1:]
+    p = torch.cat([p, p.new_zeros(-q_len % rows, len(kp))])
+    out = []
+    for i in range(0, len(qp), rows):
+        parts = [p[i : i + rows, j : j + keys] @ vp[j : j + keys] for j in range(0, len(kp), keys)]
+        out.append(torch.stack(parts).cumsum(0)[-1])
+    return torch.cat(out)[:q_len] / total
+
+
+@pytest.mark.parametrize("q_len,t", [(1, 1), (1, 37), (7, 7), (40, 40), (3, 50)])
+def test_whole_row_products_give_each_tile_the_bits_of_its_own_product(q_len, t):
+    """The tiled attention multiplies a row's queries by all its keys at once, and by
+    each key tile's values at once (kernels/batch_invariant.py says why that keeps each
+    tile's bits on the CPU): the same bits as one product per tile, written out here."""
+    gen = _gen(3)
+    q = torch.randn(1, 2, q_len, 24, generator=gen)
+    k, v = torch.randn(1, 2, t, 24, generator=gen), torch.randn(1, 2, t, 16, generator=gen)
+    factor = 1 / math.sqrt(24)
+    mask = torch.ones(q_len, t, dtype=torch.bool).tril(t - q_len)
+    got = bi.attention(q, k, v, attn_mask=mask[None, None], scale=factor)
+    for head in range(2):
+        ref = _tile_by_tile(q[0, head], k[0, head], v[0, head], factor)
+        assert torch.equal(got[0, head], ref), (head, (got[0, head] - ref).abs().max())
