@@ -352,3 +352,26 @@ def test_whole_row_products_give_each_tile_the_bits_of_its_own_product(q_len, t)
     for head in range(2):
         ref = _tile_by_tile(q[0, head], k[0, head], v[0, head], factor)
         assert torch.equal(got[0, head], ref), (head, (got[0, head] - ref).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "k,n,m", [(64, 1, 16), (64, 2, 5), (96, 48, 33), (256, 151, 64), (32, 4096, 17)]
+)
+def test_linear_gives_each_tile_the_bits_of_its_own_product(dtype, k, n, m):
+    """``linear`` multiplies all of a shared weight's tiles in one product where that
+    keeps their bits (kernels/batch_invariant.py ``_tiles``): the same bits as one
+    [ROWS, K] × [K, N] product per tile, written out here, split along K or not."""
+    gen = _gen(4)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    rows = torch.cat([x, x.new_zeros(-m % bi.ROWS, k)])
+    for splits in (1, 2):
+        step = k // splits
+        parts = [
+            torch.cat([rows[i : i + bi.ROWS, c : c + step] @ w[:, c : c + step].T
+                       for i in range(0, len(rows), bi.ROWS)])
+            for c in range(0, k, step)
+        ]  # fmt: skip
+        ref = parts[0] if splits == 1 else parts[0] + parts[1]
+        assert torch.equal(bi.linear(x, w, splits=splits), ref[:m]), splits
