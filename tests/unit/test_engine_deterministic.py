@@ -114,3 +114,55 @@ def test_the_mode_is_refused_with_lora_before_anything_loads():
     assert parse_args(["--model-path", "m"]).enable_deterministic_inference is False
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--enable-deterministic-inference", "--enable-lora"])
+
+
+@pytest.mark.parametrize("family", ["deepseek_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_router_twins_give_the_routers_bits_in_the_mode(tiny_checkpoints, family, dtype):
+    """The mode runs DeepSeek-V3's and Qwen3-MoE's routers as twins that call the
+    batch-invariant ops directly (moerl/engine/core/invariant.py): the same logits,
+    weights and ids, bit for bit, as transformers' own router run inside
+    ``BatchInvariant``, with a nonzero balancing bias and both normalisations."""
+    import torch
+
+    from moerl.engine.core import invariant
+    from moerl.kernels import batch_invariant as bi
+
+    runner = ModelRunner(tiny_checkpoints[family], dtype=dtype, deterministic=True)
+    gate = next(iter(runner.routers.values()))
+    twin = invariant._ROUTER_TWINS[type(gate).__name__]
+    assert gate.forward.func is twin  # chosen at load: it passed the probe
+    own = type(gate).forward.__get__(gate)  # transformers' forward, unpatched
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 37, gate.weight.shape[1], generator=gen).to(runner.dtype)
+    if hasattr(gate, "e_score_correction_bias"):
+        gate.e_score_correction_bias.copy_(torch.randn(gate.weight.shape[0], generator=gen))
+    for norm in (True, False):
+        gate.norm_topk_prob = norm
+        with torch.no_grad():
+            want = bi.invariant(own)(hidden)
+            got = twin(gate, hidden)
+        for a, b in zip(want, got, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), norm
+
+
+def test_a_router_that_computes_otherwise_keeps_the_mode():
+    """A router class of a twin's name whose forward differs (another transformers
+    release) fails the probe and runs inside ``BatchInvariant`` instead."""
+    import torch
+
+    from moerl.engine.core import invariant
+
+    class Qwen3MoeTopKRouter(torch.nn.Module):  # the name, not the computation
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16))
+            self.hidden_dim, self.top_k, self.norm_topk_prob = 16, 2, True
+
+        def forward(self, hidden):  # type: ignore[no-untyped-def]
+            logits = torch.nn.functional.linear(hidden.reshape(-1, 16), self.weight)
+            top, ids = torch.topk(torch.sigmoid(logits), 2, dim=-1)  # sigmoid, not softmax
+            return logits, top, ids
+
+    assert invariant._router_twin(Qwen3MoeTopKRouter()) is None
+    assert invariant._router_twin(torch.nn.Linear(4, 4)) is None  # no twin for the class

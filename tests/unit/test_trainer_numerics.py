@@ -35,10 +35,16 @@ def test_token_logprobs_are_the_engine_samplers(batched):
     g = torch.Generator().manual_seed(0)
     logits_BV = torch.randn(6, 300, generator=g) * 3
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=1)
-    with bi.BatchInvariant():  # as the engine's scheduler runs its sampler
-        if batched:
-            drawn = sample_batch(logits_BV, params, torch.Generator().manual_seed(1), [True] * 6)
-        else:
+    if batched:  # as the engine's scheduler draws a batch: the invariant softmaxes directly
+        drawn = sample_batch(logits_BV, params, torch.Generator().manual_seed(1), [True] * 6,
+                             invariant=True)  # fmt: skip
+        with bi.BatchInvariant():  # the same bits as through the mode's rerouting
+            moded = sample_batch(logits_BV, params, torch.Generator().manual_seed(1), [True] * 6)
+        assert [(d.token, d.logprob, d.sampling_logprob, d.mask) for d in drawn] == [
+            (d.token, d.logprob, d.sampling_logprob, d.mask) for d in moded
+        ]
+    else:
+        with bi.BatchInvariant():  # a request sampled alone runs in the mode
             drawn = [sample(row, params, torch.Generator().manual_seed(1)) for row in logits_BV]
     tokens = torch.tensor([d.token for d in drawn])
     pos = torch.cat([torch.full((len(d.mask),), b) for b, d in enumerate(drawn)])

@@ -13,7 +13,9 @@ them into transformers' model where its own are not invariant:
   (``ExpertsInterface``: each expert's tokens through fixed-shape products, a token's
   experts summed in ascending expert id);
 - each MoE router's forward runs inside the ``BatchInvariant`` mode, which reroutes its
-  linear, softmax/sigmoid and sums;
+  linear, softmax/sigmoid and sums; DeepSeek-V3's and Qwen3-MoE's routers run a twin
+  here instead that calls those ops directly (``_ROUTER_TWINS``; the mode's per-op
+  dispatch doubled their time), used only where it gives the mode's bits on a probe;
 - everything else the forward does is exact as torch runs it (embedding lookups,
   residual adds, the rotary tables' products, views) and runs as it is.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -169,11 +172,75 @@ def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
                 "batch-invariant version"
             )
     for module in routers.values():
-        module.forward = bi.invariant(module.forward)  # type: ignore[method-assign]
+        twin = _router_twin(module)
+        module.forward = twin or bi.invariant(module.forward)  # type: ignore[method-assign]
     config = model.config
     if getattr(config, "_experts_implementation", None) is not None:
         model.set_experts_implementation(NAME)  # type: ignore[operator]
     model.set_attn_implementation(NAME)  # type: ignore[operator]
+
+
+def _deepseek_v3_gate(
+    gate: Any, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router in fp32 with batch-invariant ops: sigmoid scores; experts
+    chosen by score plus the balancing bias, among the ``topk_group`` groups whose two
+    best biased scores sum highest; the chosen experts' plain scores as weights,
+    normalised to sum to 1 when ``norm_topk_prob``, times the scaling factor.
+    Returns (logits, weights, ids), as transformers' router does."""
+    experts, groups = gate.weight.shape[0], gate.num_group
+    logits = bi.linear(hidden.reshape(-1, gate.hidden_dim).float(), gate.weight.float())
+    scores = bi.sigmoid(logits)
+    biased = scores + gate.e_score_correction_bias
+    per_group = biased.view(-1, groups, experts // groups)
+    best = bi.sum_(per_group.topk(2, dim=-1).values, dim=-1)  # [T, groups]
+    chosen = best.topk(gate.topk_group, dim=-1, sorted=False).indices
+    allowed = torch.zeros_like(best).scatter_(1, chosen, 1).bool()
+    allowed = allowed[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
+    ids = biased.masked_fill(~allowed, -math.inf).topk(gate.top_k, dim=-1, sorted=False)
+    weights = scores.gather(1, ids.indices)
+    if gate.norm_topk_prob:
+        weights = weights / (bi.sum_(weights, dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * gate.routed_scaling_factor, ids.indices
+
+
+def _qwen3_moe_gate(
+    gate: Any, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router with batch-invariant ops: softmax over the experts in fp32, the
+    top-k probabilities (renormalised to sum to 1 when ``norm_topk_prob``) in the
+    logits' dtype as weights. Returns (logits, weights, ids)."""
+    logits = bi.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+    top, ids = torch.topk(bi.softmax(logits, -1, torch.float), gate.top_k, dim=-1)
+    if gate.norm_topk_prob:
+        top = top / bi.sum_(top, dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), ids
+
+
+_ROUTER_TWINS = {"DeepseekV3TopkRouter": _deepseek_v3_gate, "Qwen3MoeTopKRouter": _qwen3_moe_gate}
+"""transformers' router class → its twin with the batch-invariant ops called directly."""
+
+
+def _router_twin(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """The twin of ``module``'s forward, bound to it, if there is one and it gives the
+    bits of the forward run inside ``BatchInvariant`` on a probe (a transformers
+    release whose router computes otherwise keeps the mode); else None."""
+    twin = _ROUTER_TWINS.get(type(module).__name__)
+    weight = getattr(module, "weight", None)
+    if twin is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(19, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            want = bi.invariant(module.forward)(probe)
+            got = twin(module, probe)
+    except Exception:  # attributes of another release: the mode
+        return None
+    same = len(want) == len(got) and all(
+        torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got, strict=True)
+    )
+    return functools.partial(twin, module) if same else None
 
 
 def _linear(module: torch.nn.Linear, splits: int, x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ from typing import Any, Protocol
 import regex
 import torch
 
+from moerl.kernels import batch_invariant as bi
+
 GREEDY_EPS = 1e-5  # SGLang's _SAMPLING_EPS is 1e-6; below either, sampling is greedy
 MAX_STOP_COUNT = 32  # SGLang's bounds on stop strings and stop_regex patterns
 MAX_STOP_REGEX_LEN = 256  # bytes
@@ -416,23 +418,31 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
     )
 
 
+_TORCH_SOFTMAXES = (torch.log_softmax, torch.softmax)
+
+
 def sample_batch(
     logits_BV: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator,
     details: list[bool],
+    invariant: bool = False,
 ) -> list[Sampled]:
     """``sample`` for B rows sharing ``params`` in batched tensor ops: the same
     distribution, logprob, kept set and renormalised logprob per row (the random draws
     differ from B calls of ``sample``). Rows whose ``details`` is false skip the kept
-    set's id list and support logprobs (``mask`` and ``support_logprobs`` left empty)."""
+    set's id list and support logprobs (``mask`` and ``support_logprobs`` left empty).
+    ``invariant``: the softmaxes are ``kernels.batch_invariant``'s (what the
+    ``BatchInvariant`` mode would reroute them to; the draw's other ops are exact or
+    row-wise), called directly rather than through the mode's per-op dispatch."""
+    log_softmax, softmax = (bi.log_softmax, bi.softmax) if invariant else _TORCH_SOFTMAXES
     logits_BV = logits_BV.float()
-    logprobs_BV = torch.log_softmax(logits_BV / max(_temperature(params), GREEDY_EPS), dim=-1)
+    logprobs_BV = log_softmax(logits_BV / max(_temperature(params), GREEDY_EPS), dim=-1)
     if params.greedy:
         keep_BV = torch.zeros_like(logits_BV, dtype=torch.bool)
         keep_BV.scatter_(1, torch.argmax(logits_BV, dim=-1, keepdim=True), True)
     else:
-        probs_BV = torch.softmax(logits_BV / params.temperature, dim=-1)
+        probs_BV = softmax(logits_BV / params.temperature, dim=-1)
         keep_BV = torch.isfinite(logits_BV)
         if 0 < params.top_k < probs_BV.shape[-1]:
             kth = torch.topk(probs_BV, params.top_k, dim=-1).values[:, -1:]
@@ -445,7 +455,7 @@ def sample_batch(
             keep_BV &= torch.zeros_like(keep_BV).scatter_(1, order, keep_sorted)
         if params.min_p > 0.0:
             keep_BV &= probs_BV >= params.min_p * probs_BV.max(dim=-1, keepdim=True).values
-    kept_BV = torch.log_softmax(logprobs_BV.masked_fill(~keep_BV, -math.inf), dim=-1)
+    kept_BV = log_softmax(logprobs_BV.masked_fill(~keep_BV, -math.inf), dim=-1)
     if params.greedy:
         tokens_B = torch.argmax(keep_BV.float(), dim=-1)
     else:  # inverse CDF: one cumsum (torch.multinomial over [B, V] is ~10x slower on CPU)

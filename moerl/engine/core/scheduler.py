@@ -1068,14 +1068,14 @@ class Scheduler:
                 key = (p.greedy, p.temperature, p.top_k, p.top_p, p.min_p)
                 groups.setdefault(key, []).append(i)
         for rows in groups.values():
-            try:
-                with self.runner.numerics():
-                    got = sample_batch(
-                        logits_BV[rows],
-                        batch[rows[0]].params,
-                        self.runner.generator,
-                        [batch[i].return_sampling_mask for i in rows],
-                    )
+            try:  # batch-invariant softmaxes with the engine's mode, called directly
+                got = sample_batch(
+                    logits_BV[rows],
+                    batch[rows[0]].params,
+                    self.runner.generator,
+                    [batch[i].return_sampling_mask for i in rows],
+                    invariant=self.runner.deterministic,
+                )
             except Exception:  # each alone then, where a failure is the request's own
                 log.exception("batched sampling failed; sampling one by one")
                 continue
