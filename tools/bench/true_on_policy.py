@@ -12,8 +12,9 @@ directly, no HTTP):
   reading a shared prompt; a scenario counts when its tokens, logprobs and routes have
   the alone run's bits. Printed per setting as ``invariant_off=a/6 invariant_on=b/6``.
 - engine overhead: a step's batch (4 prompts × 8 samples, ``--new-tokens`` each), the
-  two engines alternating ``--reps`` times; the median wall time with the mode on over
-  off, on the tiny shape and on tools/bench/engine.py's mid shape (fp32).
+  two engines alternating (``--reps`` × ``TINY_REPS`` times on the tiny shape, × 2 on
+  tools/bench/engine.py's mid shape); the median wall time with the mode on over off
+  (fp32).
 
 - engine = trainer: per family, fp32 rollouts (8 prompts × ``--new-tokens``, temperature
   0.7, top-p 0.9, routes and kept sets recorded) scored by megatron-core with Keep Routing
@@ -62,6 +63,10 @@ LAYOUTS = ("single", "tp2", "ep2", "etp2ep2", "tp2ep2", "pp2", "dp2ep2")
 MATCHED = LAYOUTS  # every layout of the issue
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1}
 FORWARD_REPEATS = 10
+TINY_REPS = 4
+"""The tiny shape's step takes ~0.1 s: it alternates this many times ``--reps`` (the mid
+shape twice), since five medians of so short a step swung from 1.3x to 1.8x between runs
+on 2 cores."""
 RUN_FLAGS = ("engine.deterministic_inference=true", "trainer.numerics=batch_invariant")
 
 
@@ -319,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "invariant_on": invariance(runners[True], args.new_tokens),
                 }
                 if dtype == "float32":
-                    setting["tiny"] = overhead(runners, args.new_tokens, reps, cfg.vocab_size)
+                    tiny_reps = reps * TINY_REPS
+                    setting["tiny"] = overhead(runners, args.new_tokens, tiny_reps, cfg.vocab_size)
                 name = f"{family}/{dtype}"
                 result["settings"][name] = setting
                 off, on = (sum(setting[k].values()) for k in ("invariant_off", "invariant_on"))
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mid_cfg = dataclasses.replace(tiny_config("deepseek_moe"), **_mid_shape())
             mid = save_tiny_checkpoint(mid_cfg, Path(tmp) / "mid", seed=0)
             runners = {m: ModelRunner(mid, device=device, deterministic=m) for m in (False, True)}
-            result["mid"] = overhead(runners, args.new_tokens, reps, mid_cfg.vocab_size)
+            result["mid"] = overhead(runners, args.new_tokens, reps * 2, mid_cfg.vocab_size)
             print(f"deepseek_moe mid/float32 overhead={result['mid']['overhead']:.2f}", flush=True)
     settings = result["settings"].values()
     result["engine_invariant"] = sum(sum(s["invariant_on"].values()) for s in settings)
