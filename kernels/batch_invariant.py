@@ -373,8 +373,8 @@ def _cached_plan(
 def _key_plan(
     keep: torch.Tensor | None, b: int, h: int, q_len: int, k_len: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
-    """How ``_tiled_attention`` reads the keys: (each row's seen keys in order, as indices
-    into the [B·T] keys with −1 for none, or None when every key is seen; the keys each
+    """How ``_tiled_attention`` reads the keys: (each row's seen keys in order, as their
+    positions [B, most seen] with −1 for none, or None when every key is seen; the keys each
     query sees [B, h, Q], the first that many of its row's); None where some query sees
     other than a prefix of its row's seen keys (a block-diagonal mask)."""
     if keep is None:
@@ -392,22 +392,42 @@ def _key_plan(
     order = (~seen_BT).to(torch.int8).argsort(dim=-1, stable=True)  # seen keys first
     width = int(seen.max())
     slots = torch.arange(width, device=keep.device)
-    rows = torch.arange(b, device=keep.device)[:, None] * k_len
-    return torch.where(slots < seen, order[:, :width] + rows, -1), counts
+    return torch.where(slots < seen, order[:, :width], -1), counts
 
 
 def _key_rows(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch.Tensor:
-    """Keys or values [B, h, T, D] as [B, h, length, D]: a row's seen keys (``index``,
-    ``_key_plan``; all when None) in order, then zeros."""
+    """Keys or values [B, h, T, D] as [B, h, length, D]: a row's seen keys (``index``
+    [B, ≤ length], their positions, −1 for none: ``_key_plan``; all when None) in
+    order, then zeros."""
     b, h, k_len, d = x.shape
-    if index is not None:
-        flat = x.transpose(1, 2).reshape(b * k_len, h * d)
-        flat = torch.cat([flat, flat.new_zeros(1, h * d)])  # index −1: the zero row
-        x = flat[index].view(b, -1, h, d).transpose(1, 2)
-    pad = length - x.shape[-2]
-    if pad:
-        x = torch.cat([x, x.new_zeros(b, h, pad, d)], dim=-2)
-    return x
+    if index is None:
+        pad = length - k_len
+        return torch.cat([x, x.new_zeros(b, h, pad, d)], dim=-2) if pad else x
+    rows = x.new_empty(b * k_len + 1, h * d)  # [B·T tokens, h·D], then a zero row
+    rows[:-1].view(b, k_len, h, d).copy_(x.transpose(1, 2))
+    rows[-1].zero_()
+    picked = rows.index_select(0, _flat_index(index, k_len, length))
+    return picked.view(b, length, h, d).transpose(1, 2).contiguous()
+
+
+_FLAT: list[Any] = []
+"""The last (index, (T, length), flat index) ``_flat_index`` made: a forward's layers
+read one plan's index."""
+
+
+def _flat_index(index: torch.Tensor, k_len: int, length: int) -> torch.Tensor:
+    """``index`` [B, n] (positions, −1 for none) as rows of the [B·T + 1] token rows
+    ``_key_rows`` lays out, padded with the zero row (B·T) to ``length`` per batch row."""
+    key = (k_len, length)
+    if _FLAT and _FLAT[0]() is index and _FLAT[1] == key:
+        return _FLAT[2]  # type: ignore[no-any-return]
+    b = index.shape[0]
+    zero = b * k_len
+    base = torch.arange(b, device=index.device)[:, None] * k_len
+    flat = torch.where(index >= 0, index + base, zero)
+    flat = F.pad(flat, (0, length - index.shape[-1]), value=zero).reshape(-1)
+    _FLAT[:] = [weakref.ref(index), key, flat]
+    return flat
 
 
 def _tiled_attention(
