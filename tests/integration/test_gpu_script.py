@@ -40,7 +40,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert top["device"] == "cpu" and top["abs_diff_max"] == 0
     assert top["engine_invariant"] == top["engine_scenarios"] == 6
     probe = parts["10"]["results"]  # every op of kernels/batch_invariant.py keeps its bits here
-    assert probe["device"] == "cpu" and probe["invariant"] == "18/18", probe
+    assert probe["device"] == "cpu" and probe["invariant"] == "20/20", probe
     assert probe["differs"].get("torch_linear/float32"), probe  # the probe can see a change
     colocated = parts["7"]["results"]  # in one process, asleep through both steps
     assert colocated["steps"] == 2 and colocated["engine_slept_steps"] == 2

@@ -11,7 +11,9 @@ device, op by op, so a failing end-to-end check (tools/bench/true_on_policy.py
 row is computed alone, then at several positions inside batches of several sizes; the
 op counts as invariant when every placement gives the alone run's bits. The raw torch
 products the ops are built from (``torch.bmm`` over a varying number of tiles, ``F.linear``
-over a varying number of rows) are probed too, as the diagnosis.
+over a varying number of rows) are probed too, as the diagnosis, and ``linear_wide_n``
+asks whether a weight's first 64 outputs keep their bits inside a wider product (fused
+weights in the trainer, separate ones in the engine).
 
 Prints one line per (op, dtype): ``probe <op> <dtype> invariant=<bool> differs=<placements>``
 and a last line ``probe device=… invariant=N/M``; ``--out`` writes the same as JSON.
@@ -54,6 +56,24 @@ def probe(op: Op, row: torch.Tensor, make_other: Callable[[int], torch.Tensor]) 
             if not torch.equal(op(rows)[pos], alone):
                 differs.append(f"{batch}@{pos}")
     return differs
+
+
+def wide_n(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The output widths N at which ``bi.linear`` gives a column other bits than the
+    same weight rows in a narrower product: the trainer multiplies some weights fused
+    (megatron-core's QKV, gate and up) where the engine multiplies them apart."""
+    sys.path.insert(0, str(REPO))
+    from moerl.kernels import batch_invariant as bi
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(32, 256, generator=gen).to(device=device, dtype=dtype)
+    w = torch.randn(4096, 256, generator=gen).to(device=device, dtype=dtype)
+    narrow = bi.linear(x, w[:64])
+    return [
+        str(n)
+        for n in (128, 192, 1024, 4096)
+        if not torch.equal(bi.linear(x, w[:n])[:, :64], narrow)
+    ]
 
 
 def cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Op, torch.Tensor, Any]]:
@@ -139,6 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             found["ops"][f"{op}/{name}"] = differs
             print(f"probe {op} {name} invariant={not differs} differs={','.join(differs) or '-'}",
                   flush=True)  # fmt: skip
+        with torch.no_grad():
+            widths = wide_n(device, dtype)
+        found["ops"][f"linear_wide_n/{name}"] = widths
+        print(f"probe linear_wide_n {name} invariant={not widths} differs={','.join(widths) or '-'}",
+              flush=True)  # fmt: skip
     ours = {k: v for k, v in found["ops"].items() if not k.startswith("torch_")}
     found["invariant"] = sum(not v for v in ours.values())
     found["total"] = len(ours)
