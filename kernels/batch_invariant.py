@@ -359,12 +359,15 @@ _PLAN: list[Any] = []
 def _cached_plan(
     mask: torch.Tensor | None, keep: torch.Tensor | None, b: int, h: int, q_len: int, k_len: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
-    """``_key_plan``, made once for the mask every layer of a forward passes."""
+    """``_key_plan``, made once for the mask every layer of a forward passes, its
+    index as ``_flat_index`` (what ``_tiled_attention`` reads)."""
     # the same tensor, unchanged since (its version counter counts in-place writes)
     shape = (b, h, q_len, k_len, keep is mask, None if mask is None else mask._version)
     if mask is not None and _PLAN and _PLAN[0]() is mask and _PLAN[1] == shape:
         return _PLAN[2]  # type: ignore[no-any-return]
     plan = _key_plan(keep, b, h, q_len, k_len)
+    if plan is not None and plan[0] is not None:
+        plan = (_flat_index(plan[0], k_len), plan[1])
     if mask is not None:
         _PLAN[:] = [weakref.ref(mask), shape, plan]
     return plan
@@ -396,9 +399,8 @@ def _key_plan(
 
 
 def _key_rows(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch.Tensor:
-    """Keys or values [B, h, T, D] as [B, h, length, D]: a row's seen keys (``index``
-    [B, ≤ length], their positions, −1 for none: ``_key_plan``; all when None) in
-    order, then zeros."""
+    """Keys or values [B, h, T, D] as [B, h, length, D]: a row's seen keys in order, then
+    zeros (``index``: ``_flat_index``'s [B·length] rows; all keys when None)."""
     b, h, k_len, d = x.shape
     if index is None:
         pad = length - k_len
@@ -406,28 +408,20 @@ def _key_rows(x: torch.Tensor, index: torch.Tensor | None, length: int) -> torch
     rows = x.new_empty(b * k_len + 1, h * d)  # [B·T tokens, h·D], then a zero row
     rows[:-1].view(b, k_len, h, d).copy_(x.transpose(1, 2))
     rows[-1].zero_()
-    picked = rows.index_select(0, _flat_index(index, k_len, length))
+    picked = rows.index_select(0, index)
     return picked.view(b, length, h, d).transpose(1, 2).contiguous()
 
 
-_FLAT: list[Any] = []
-"""The last (index, (T, length), flat index) ``_flat_index`` made: a forward's layers
-read one plan's index."""
-
-
-def _flat_index(index: torch.Tensor, k_len: int, length: int) -> torch.Tensor:
-    """``index`` [B, n] (positions, −1 for none) as rows of the [B·T + 1] token rows
-    ``_key_rows`` lays out, padded with the zero row (B·T) to ``length`` per batch row."""
-    key = (k_len, length)
-    if _FLAT and _FLAT[0]() is index and _FLAT[1] == key:
-        return _FLAT[2]  # type: ignore[no-any-return]
-    b = index.shape[0]
+def _flat_index(index: torch.Tensor, k_len: int) -> torch.Tensor:
+    """``_key_plan``'s index [B, n] (positions, −1 for none) as rows of the [B·T + 1]
+    token rows ``_key_rows`` lays out, each batch row padded with the zero row (B·T) to
+    whole ATTENTION_KEYS tiles: [B·length]."""
+    b, width = index.shape
+    length = -(-max(width, 1) // ATTENTION_KEYS) * ATTENTION_KEYS
     zero = b * k_len
     base = torch.arange(b, device=index.device)[:, None] * k_len
     flat = torch.where(index >= 0, index + base, zero)
-    flat = F.pad(flat, (0, length - index.shape[-1]), value=zero).reshape(-1)
-    _FLAT[:] = [weakref.ref(index), key, flat]
-    return flat
+    return F.pad(flat, (0, length - width), value=zero).reshape(-1)
 
 
 def _tiled_attention(
@@ -438,7 +432,8 @@ def _tiled_attention(
     counts: torch.Tensor | int,
     factor: float,
 ) -> torch.Tensor:
-    """Attention over a row's seen keys, in order (``_key_plan``): a key's index is its
+    """Attention over a row's seen keys, in order (``_key_plan``, its index as
+    ``_flat_index``'s rows, or None for all keys): a key's index is its
     position in the sequence. Scores are [ATTENTION_ROWS queries] × [ATTENTION_KEYS keys]
     tile products over D; the values' weighted sum is one [ATTENTION_ROWS,
     ATTENTION_KEYS] × [ATTENTION_KEYS, Dv] product per tile pair, folded over key tiles
@@ -453,7 +448,7 @@ def _tiled_attention(
     (measured, and checked by tests/unit/test_batch_invariant.py against the tile
     products); it saves the tiles' copies."""
     b, h, q_len, d = q.shape
-    width = k.shape[-2] if index is None else index.shape[-1]
+    width = k.shape[-2] if index is None else index.numel() // b
     k_pad = -(-max(width, 1) // ATTENTION_KEYS) * ATTENTION_KEYS
     tiles = k_pad // ATTENTION_KEYS
     keys_t = _key_rows(k, index, k_pad).reshape(b * h, k_pad, d).transpose(1, 2)

@@ -305,10 +305,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
     reps = min(args.reps, 3) if args.quick else args.reps
     result: dict[str, Any] = {"settings": {}, "target_overhead": TARGET_OVERHEAD}
-    from moerl.device import resolve
+    from moerl.device import name, resolve
 
     device = resolve(args.device)
-    result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result["device"] = name() if device.type == "cuda" else "cpu"
     engine_flags = ("--device", str(device))
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:

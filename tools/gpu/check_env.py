@@ -6,8 +6,9 @@
 Requirement checking reads each distribution's ``Requires-Dist`` (markers evaluated,
 extras skipped), and moerl's own ``install_requires`` in setup.py (the checkout is not
 installed there, so nothing else would read them), against what ``importlib.metadata``
-finds on sys.path, which includes SITE through PYTHONPATH. It exits 1 listing what is missing or too old, so a wheel left
-out of tools/gpu/wheels.txt shows in install.log instead of as an ImportError mid-part.
+finds on sys.path, which includes SITE through PYTHONPATH. It exits 1 listing what is
+missing or too old, so a wheel left out of tools/gpu/wheels.txt shows in install.log
+instead of as an ImportError mid-part.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script from any directory
 
 BATCHES = (1, 3, 16, 64, 257)
 """Batch sizes (rows, sequences or tiles) the target row is placed in."""
@@ -62,7 +63,6 @@ def wide_n(device: torch.device, dtype: torch.dtype) -> list[str]:
     """The output widths N at which ``bi.linear`` gives a column other bits than the
     same weight rows in a narrower product: the trainer multiplies some weights fused
     (megatron-core's QKV, gate and up) where the engine multiplies them apart."""
-    sys.path.insert(0, str(REPO))
     from moerl.kernels import batch_invariant as bi
 
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -77,7 +77,6 @@ def wide_n(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Op, torch.Tensor, Any]]:
-    sys.path.insert(0, str(REPO))
     from moerl.kernels import batch_invariant as bi
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -143,14 +142,17 @@ def cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Op, torch
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", default="auto", help="auto (default): the GPU if any, cuda, cpu"
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    found: dict[str, Any] = {"device": str(device), "ops": {}}
-    if device.type == "cuda":
-        found["device"] = torch.cuda.get_device_name(device)
+    from moerl import device as devices
+
+    device = devices.resolve(args.device)
+    found: dict[str, Any] = {"ops": {}}
+    found["device"] = devices.name() if device.type == "cuda" else "cpu"
     for name in args.dtypes:
         dtype = getattr(torch, name)
         for op, (fn, row, make_other) in cases(device, dtype).items():
