@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moerl.device import resolve
-from moerl.engine.core import invariant
+from moerl.engine.core import invariant, mla
 from moerl.engine.core.kv_pool import KVPool, Plan, SlotCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +89,10 @@ class ModelRunner:
         self.deterministic = deterministic
         if deterministic:
             invariant.enable(self.model, self.routers)
+        # MLA decode steps absorbed as SGLang runs them (not in the batch-invariant mode,
+        # whose attention follows the trainer's order, nor with LoRA adapters)
+        self.absorb_mla = not deterministic
+        self.absorbed = mla.install(self.model, self._absorb) if self.absorb_mla else 0
         # boolean masks for sdpa and the batch-invariant attention, additive for eager
         self.sdpa = getattr(self.model.config, "_attn_implementation", "sdpa") in (
             "sdpa",
@@ -106,6 +110,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.lora: Any = None  # a LoraManager when the engine runs with --enable-lora
         self.graphs: Any = None  # DecodeGraphs when decode steps replay CUDA graphs
+
+    def _absorb(self) -> bool:
+        """Whether MLA decode steps run absorbed now (``moerl.engine.core.mla``): unless
+        ``absorb_mla`` was turned off or the engine runs with LoRA."""
+        return self.absorb_mla and self.lora is None
 
     def _set_adapters(self, adapters: list[str | None] | None) -> None:
         if self.lora is not None:
