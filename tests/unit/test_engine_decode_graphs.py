@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from engine_slots_for_tests import Owner
 
 from moerl.device import graphed
 from moerl.engine.core.decode_graphs import DecodeGraphs, batch_sizes, run_eagerly
@@ -25,11 +26,6 @@ from moerl.engine.core.model_runner import ModelRunner
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_CUDA])]
-
-
-class Owner:
-    def __init__(self) -> None:
-        self.slot: int | None = None
 
 
 def capture_for(runner: ModelRunner):  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_slots_for_tests import Owner
 
 from moerl.engine.core.kv_pool import Plan
 from moerl.engine.core.model_runner import ModelRunner
@@ -22,11 +23,6 @@ from moerl.engine.weights.routes import ReceiveBuffers, receive_device
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_CUDA])]
-
-
-class Owner:
-    def __init__(self) -> None:
-        self.slot: int | None = None
 
 
 class EvenTokens:

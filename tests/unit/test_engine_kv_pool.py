@@ -10,14 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_slots_for_tests import Owner, allocated
 
 from moerl.engine.core.kv_pool import KVPool, Plan, Prefix
 from moerl.engine.core.model_runner import ModelRunner
-
-
-class Owner:
-    def __init__(self) -> None:
-        self.slot: int | None = None
 
 
 @pytest.fixture(scope="module", params=["deepseek_moe", "qwen3_moe"])
@@ -48,9 +44,7 @@ def _decode_as_full_forward(runner, pool, owners, seqs, rng, steps: int = 3) -> 
 def test_batched_prefill_and_decode_equal_the_full_forward(runner):
     rng = np.random.default_rng(0)
     pool = runner.new_pool(8)
-    owners = [Owner() for _ in range(3)]
-    for o in owners:
-        pool.alloc(o)
+    owners = allocated(pool, 3)
     seqs = [rng.integers(3, 100, n).tolist() for n in (5, 19, 11)]
     # row 1 arrives with 7 tokens already in its slot (a prefix-cache hit)
     runner.extend(pool, [owners[1].slot], [seqs[1][:7]])
@@ -101,9 +95,7 @@ def test_chunks_and_growth_equal_one_forward(runner):
     """A long row in three forwards, through reallocations of both pool dimensions."""
     rng = np.random.default_rng(2)
     pool = KVPool(runner.num_layers, runner.dtype, max_slots=8, max_tokens=128, slots=1, tokens=4)
-    owners = [Owner() for _ in range(3)]
-    for o in owners:
-        pool.alloc(o)
+    owners = allocated(pool, 3)
     seq = rng.integers(3, 100, 40).tolist()
     for lo, hi in ((0, 13), (13, 30), (30, 40)):
         logits, routes = runner.extend(pool, [owners[2].slot], [seq[lo:hi]])

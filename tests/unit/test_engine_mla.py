@@ -8,14 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_slots_for_tests import allocated
 
 from moerl.engine.core import mla
 from moerl.engine.core.model_runner import ModelRunner
-
-
-class Owner:
-    def __init__(self) -> None:
-        self.slot: int | None = None
 
 
 def _expansions(runner: ModelRunner) -> list[int]:
@@ -41,9 +37,7 @@ def _decode_run(
     times the decode steps expanded the latents (``calls``: ``_expansions``' counter)."""
     rng = np.random.default_rng(0)
     pool = runner.new_pool(8)
-    owners = [Owner() for _ in range(3)]
-    for o in owners:
-        pool.alloc(o)
+    owners = allocated(pool, 3)
     seqs = [rng.integers(3, 100, n).tolist() for n in (5, 19, 11)]
     slots = [o.slot for o in owners]
     runner.extend(pool, [slots[1]], [seqs[1][:7]])
