@@ -98,3 +98,21 @@ def test_not_taken_where_it_would_change_what_the_engine_promises(tiny_checkpoin
     runner.lora = LoraManager(runner.model, max_rank=8)
     _, n = _decode_run(runner, True, _expansions(runner), steps=2)
     assert n == 2 * runner.num_layers
+
+
+def test_without_a_query_latent(tmp_path):
+    """DeepSeek-V2-Lite's layout: the query from one projection (``q_lora_rank`` None)."""
+    import dataclasses
+
+    from moerl.models.hf_tiny import save_tiny_checkpoint
+    from moerl.models.tiny import tiny_config
+
+    cfg = dataclasses.replace(tiny_config("deepseek_moe"), q_lora_rank=None)
+    runner = ModelRunner(save_tiny_checkpoint(cfg, tmp_path / "no-q-lora"))
+    assert runner.model.model.layers[0].self_attn.q_proj is not None
+    calls = _expansions(runner)
+    absorbed, n = _decode_run(runner, True, calls)
+    assert n == 0
+    expanded, _ = _decode_run(runner, False, calls)
+    for a, e in zip(absorbed, expanded):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

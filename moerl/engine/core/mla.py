@@ -11,11 +11,12 @@ and value halves of ``kv_b_proj`` for head h,
     q_nope_h . (W_UK_h c_s)  =  (W_UK_h^T q_nope_h) . c_s
     sum_s p_s W_UV_h c_s     =  W_UV_h (sum_s p_s c_s)
 
-so each head attends over the latents ``c`` themselves (scores ``q_abs . c + q_rot . k_rot``,
-values ``c``), one key/value head shared by all query heads, and only the attended latent
-is projected to the head's values; the softmax runs in float32, as transformers' eager
-attention's does. The cache, the mask and every other op are transformers'
-own; the result equals transformers' path up to float rounding (tested against it).
+so each head attends over the latents ``c`` themselves (scores ``q_abs . c + q_rot .
+k_rot``, values ``c``), one key/value head shared by all query heads, and only the
+attended latent is projected to the head's values; the softmax runs in float32, as
+transformers' eager attention's does. The cache, the mask and every other op are
+transformers' own; the result equals transformers' path up to float rounding (tested
+against it).
 
 Only decode steps (one new token per row) take this path, as in SGLang: at prefill the
 expanded form costs less. It is not taken
