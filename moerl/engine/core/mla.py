@@ -34,6 +34,7 @@ expanded form costs less. It is not taken
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,8 +63,15 @@ def install(model: torch.nn.Module, enabled: Callable[[], bool]) -> int:
     count = 0
     for module in model.modules():
         if absorbable(module):
+            # the rotary function of the module's own modeling file, as its forward picks it
+            modeling = sys.modules[type(module).__module__]
+            interleave = getattr(module.config, "rope_interleave", False)
+            rotate = getattr(
+                modeling,
+                "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb",
+            )
             module.forward = functools.partial(  # type: ignore[method-assign]
-                _forward, module, module.forward, enabled
+                _forward, module, module.forward, enabled, rotate
             )
             count += 1
     return count
@@ -73,6 +81,7 @@ def _forward(
     module: torch.nn.Module,
     original: Callable[..., Any],
     enabled: Callable[[], bool],
+    rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -89,11 +98,12 @@ def _forward(
         or not enabled()
     ):
         return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-    return decode(module, hidden_states, position_embeddings, attention_mask, cache)
+    return decode(module, rotate, hidden_states, position_embeddings, attention_mask, cache)
 
 
 def decode(
     module: Any,
+    rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     hidden_BxH: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
@@ -101,9 +111,8 @@ def decode(
 ) -> tuple[torch.Tensor, None]:
     """One decode step of ``module`` (a ``DeepseekV3Attention``) in absorbed form: the
     new latents go into ``cache`` as transformers' forward writes them; returns the
-    attention output [B, 1, hidden] as that forward does (and no weights)."""
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
-
+    attention output [B, 1, hidden] as that forward does (and no weights); ``rotate``:
+    the rotary function that forward applies."""
     batch = hidden_BxH.shape[0]
     heads, nope, rope = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim
     rank, v_dim = module.kv_lora_rank, module.v_head_dim
@@ -118,11 +127,6 @@ def decode(
     kv_nope = module.kv_a_layernorm(kv_nope).view(batch, 1, 1, rank)
     k_rot = k_rot.view(batch, 1, 1, rope)
     cos, sin = position_embeddings
-    rotate = (
-        ds.apply_rotary_pos_emb_interleave
-        if getattr(module.config, "rope_interleave", False)
-        else ds.apply_rotary_pos_emb
-    )
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
     c_B1SR, k_rot_B1SP = cache.update(kv_nope, k_rot, module.layer_idx)
     c_BSR, k_rot_BSP = c_B1SR.squeeze(1), k_rot_B1SP.squeeze(1)
