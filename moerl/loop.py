@@ -215,11 +215,25 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             if saves:
                 with run_log.span("checkpoint", step=step):
                     trainer.save(step=step + 1, **(rollout.state() if rollout else {}))
+            if step == start and cfg.launcher.gc_freeze:
+                _freeze_gc(rollout)
         return run_log.last
     finally:
         if inflight is not None:
             inflight.close()
         _close(rollout, publisher, run_log)
+
+
+def _freeze_gc(rollout: Any) -> None:
+    """launcher.gc_freeze, after the run's first step (everything long-lived exists, and
+    the engines served a batch): this rank's objects and, from rank 0, every engine's
+    leave the garbage collector's scans (moerl/common/gc_freeze.py)."""
+    from moerl.common.gc_freeze import freeze_gc
+
+    count, seconds = freeze_gc()
+    log.info("froze the garbage collector's %d objects in %.2f s", count, seconds)
+    if rollout is not None:
+        rollout.freeze_engines_gc()
 
 
 def engines_sleep(cfg: MoerlConfig, has_cuda: bool) -> bool:

@@ -35,6 +35,12 @@ class LauncherConfig:
     glibc's default maps them afresh each time, so every step paid page faults again
     (the engine's decode step 8.3 → 5.3 ms; moerl/config/threads.py). 0 or None leaves
     glibc's default. No effect without glibc."""
+    gc_freeze: bool = True
+    """After the run's first step, every trainer rank and every engine (SGLang's
+    /freeze_gc) collects once and freezes the objects alive then (``gc.freeze``), so
+    Python's full collections no longer scan the model, the optimizer and the imports:
+    on the 2-core recipe each full collection had stalled a step by 160-220 ms
+    (moerl/common/gc_freeze.py). A restarted engine is frozen again once it serves."""
     dry_run: bool = False
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None

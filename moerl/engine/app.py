@@ -237,6 +237,16 @@ def create_app(state: EngineState) -> FastAPI:
         await on_scheduler(state, sched.flush_cache)
         return PlainTextResponse("Cache flushed.")
 
+    @app.api_route("/freeze_gc", methods=["GET", "POST"])
+    async def freeze_gc_route() -> Any:
+        # SGLang's /freeze_gc: the objects alive now leave the garbage collector's scans
+        # (moerl/common/gc_freeze.py); the scheduler thread waits for the one collection
+        from moerl.common.gc_freeze import freeze_gc
+
+        count, seconds = freeze_gc()
+        log.info("froze the garbage collector's %d objects in %.2f s", count, seconds)
+        return PlainTextResponse("Garbage collection frozen.\n")
+
     @app.post("/pause_generation")
     async def pause_generation(request: HTTPRequest) -> Any:
         body = await body_of(request)

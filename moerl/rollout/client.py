@@ -295,6 +295,12 @@ class EngineClient(EngineTransport):
     async def flush_cache(self, *, urls: Sequence[str] | None = None) -> dict:
         return await self._broadcast("POST", "/flush_cache", None, urls=urls)
 
+    async def freeze_gc(self, *, urls: Sequence[str] | None = None) -> dict[str, Any]:
+        """SGLang's /freeze_gc on every target engine: the objects it holds now leave its
+        garbage collector's scans (moerl/common/gc_freeze.py). A server without the
+        route (HTTP 404) is left as it is."""
+        return await self._optional_call("/freeze_gc", None, urls)
+
     async def update_weight_version(
         self,
         version: int | str,
@@ -329,22 +335,25 @@ class EngineClient(EngineTransport):
         """Open SGLang's weight-update session on every target engine: from SGLang 0.5.23 on,
         update_weights_from_distributed and _from_tensor are refused outside one. A server
         without sessions (older SGLang: HTTP 404) needs none and counts as opened."""
-        return await self._session_call("/begin_weight_update", {"selector": selector}, urls)
+        return await self._optional_call("/begin_weight_update", {"selector": selector}, urls)
 
     async def end_weight_update(self, *, urls: Sequence[str] | None = None) -> dict[str, Any]:
         """Close the session begin_weight_update opened (also after a failed load)."""
-        return await self._session_call("/end_weight_update", {}, urls)
+        return await self._optional_call("/end_weight_update", {}, urls)
 
-    async def _session_call(
-        self, path: str, body: dict[str, Any], urls: Sequence[str] | None
+    async def _optional_call(
+        self, path: str, body: dict[str, Any] | None, urls: Sequence[str] | None
     ) -> dict[str, Any]:
+        """POST ``path`` to every target; a server that has no such route (an older
+        SGLang: HTTP 404) counts as done (it needs no session, or keeps its collector)."""
+
         async def one(url: str) -> Any:
             try:  # not re-sent: a second begin would be refused as already open
                 return await self._control_one(url, "POST", path, body, idempotent=False)
             except EngineError as err:
                 if err.status_code != 404:
                     raise
-                return {"success": True, "message": f"{url} has no {path} (needs no session)"}
+                return {"success": True, "message": f"{url} has no {path}"}
 
         targets = self._targets(urls)
         return dict(zip(targets, await asyncio.gather(*(one(u) for u in targets))))

@@ -12,8 +12,10 @@ time, or on I/O. Timed by wall time alone, one wait of the first kind kept a mic
 reward on the pool for the whole run (every call of a 60-step run went through the pool).
 So the first group decides by its fastest call (a function that blocks on I/O waits in
 every call; the first call of the run may warm caches), and on the loop the function goes
-back to the pool at the first call that computed long, or once more than one call in 50
-waited (at least 2).
+back to the pool once more than one call in 50 (at least 2) computed long, or waited.
+One long call alone does not send it back: a 15 µs reward (copy_digits) once computed
+past the bound on the loop (a garbage collection or a first use falls in some call), and
+every later group paid the pool's hand-offs, ~1 ms a group where the loop takes 0.12.
 """
 
 # G completions per group
@@ -82,7 +84,8 @@ class RewardRunner:
         ``clock`` (wall) and ``cpu_clock`` (the calling thread's CPU) time its calls."""
         self.task = task
         self.clock, self.cpu_clock = clock, cpu_clock
-        self.calls = self.waited = 0  # calls timed on the loop, and those that waited
+        # calls timed on the loop, those that waited and those that computed long
+        self.calls = self.waited = self.heavy = 0
         self._lock = threading.Lock()  # the first group's shares are timed in parallel
         self.workers = workers
         self.inline_s = inline_s
@@ -119,15 +122,15 @@ class RewardRunner:
         """The reward of each completion, each call timed (module docstring). On the pool
         the first share timed decides ``inline`` by its fastest call (the other pool
         shares of the groups scored meanwhile count nothing: their threads wait for the
-        lock more); on the loop (``on_loop``) a call that computed long, or waits past one
-        call in 50, set it False for good."""
+        lock more); on the loop (``on_loop``) long computations or waits past one call in 50
+        (at least 2 of either) set it False for good."""
         reward, values = self.task.reward, []
-        heavy, fastest, lightest, waited = False, math.inf, math.inf, 0
+        heavy, fastest, lightest, waited = 0, math.inf, math.inf, 0
         for traj in share:
             wall, cpu = self.clock(), self.cpu_clock()
             values.append(reward(prompt, traj))
             wall, cpu = self.clock() - wall, self.cpu_clock() - cpu
-            heavy |= cpu >= self.inline_s
+            heavy += cpu >= self.inline_s
             fastest, lightest = min(fastest, wall), min(lightest, cpu)
             waited += wall >= self.inline_s
         with self._lock:
@@ -137,7 +140,9 @@ class RewardRunner:
             elif self.inline:
                 self.calls += len(share)
                 self.waited += waited
-                if heavy or self.waited > max(1, self.calls // 50):
+                self.heavy += heavy
+                bound = max(1, self.calls // 50)
+                if self.heavy > bound or self.waited > bound:
                     self.inline = False
         return values
 

@@ -24,6 +24,7 @@ Only rank 0 builds one; the components on its thread never see the trainer.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -34,6 +35,7 @@ from moerl.config.schema import MoerlConfig
 from moerl.rollout.aio import EventLoopThread
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RolloutService:
@@ -67,6 +69,7 @@ class RolloutService:
         # next_batch's batch in the gathering: (version, future), kept across a push
         self._batch: tuple[int, concurrent.futures.Future[list[Any]]] | None = None
         self.supervisor: Any = None
+        self._engines_frozen = False  # freeze_engines_gc ran: restarted engines freeze too
         self.orchestrator: Any = None
         self.buffer: Any = None
         self.client: Any = None
@@ -130,8 +133,12 @@ class RolloutService:
     # ---- run ---------------------------------------------------------------------------
 
     def start(self, on_restart: Callable[[str], Awaitable[bool]] | None = None) -> None:
-        """Generation and engine supervision begin."""
+        """Generation and engine supervision begin. With launcher.gc_freeze, an engine
+        restarted after ``freeze_engines_gc`` is frozen again once ``on_restart`` ran."""
         from moerl.rollout.supervisor import EngineSupervisor
+
+        if on_restart is not None and self.cfg.launcher.gc_freeze:
+            on_restart = self._refreezing(on_restart)
 
         eng = self.cfg.engine
         self._futures["orchestrator"] = self.aio.submit(self.orchestrator.run())
@@ -149,6 +156,33 @@ class RolloutService:
             )
         )
         self._futures["supervisor"] = self.aio.submit(self.supervisor.run())
+
+    def freeze_engines_gc(self) -> None:
+        """SGLang's /freeze_gc on every engine (moerl/common/gc_freeze.py), after the run's
+        first step; a failure is logged, not raised (the run goes on, only slower)."""
+        self._engines_frozen = True
+        try:
+            answers = self.aio.run(self.client.freeze_gc())
+        except Exception as err:
+            log.warning("could not freeze the engines' garbage collectors: %s", err)
+        else:
+            log.info("froze the garbage collectors of the engines: %s", ", ".join(answers))
+
+    def _refreezing(
+        self, on_restart: Callable[[str], Awaitable[bool]]
+    ) -> Callable[[str], Awaitable[bool]]:
+        async def restored(url: str) -> bool:
+            ready = await on_restart(url)
+            if self._engines_frozen:
+                try:
+                    await self.client.freeze_gc(urls=[url])
+                except Exception as err:
+                    log.warning("could not freeze the garbage collector of %s: %s", url, err)
+                else:
+                    log.info("froze the garbage collector of the restarted engine %s", url)
+            return ready
+
+        return restored
 
     def next_batch(self, version: int) -> list[Trajectory] | None:
         """The next ``groups_per_step`` groups' trajectories for the trainer at policy

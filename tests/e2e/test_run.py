@@ -224,6 +224,12 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(10))
     assert m[-1]["engine/restarts"] == 1.0
+    # launcher.gc_freeze: after the first step the trainer and the engine froze their
+    # collectors' objects, and the restarted engine again once it had the weights
+    rank0 = (run / "logs" / "rank0.log").read_text()
+    assert "froze the garbage collector's" in rank0
+    assert "froze the garbage collectors of the engines: http://" in rank0
+    assert "froze the garbage collector of the restarted engine http://" in rank0
     _no_prompt_twice(run)
     # after the restart the engine serves the trainer's weights, not its initial ones:
     # every later batch was sampled by the previous version or a newer one

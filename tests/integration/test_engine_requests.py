@@ -155,3 +155,30 @@ def test_validation_accepts_sglang_batch_and_null_forms():
         check_generate({"input_ids": [5], "lora_path": ["a"]})
     with pytest.raises(RequestError, match="text"):  # never half batch
         check_generate({"input_ids": [5], "text": ["a"], "lora_path": ["a"]})
+
+
+def test_freeze_gc_moves_the_engines_objects_out_of_the_collectors_scans(inprocess_engine):
+    """SGLang's /freeze_gc (GET and POST, its answer): the engine collects, then every
+    object alive, its model's modules included, sits in the collector's permanent
+    generation (here the engine shares this process, so this process's count is the
+    engine's); it still generates after."""
+    import gc
+
+    http = Http(inprocess_engine.url, timeout=30)
+    model = inprocess_engine.state.runner.model
+
+    def scanned() -> bool:  # gc.get_objects lists generations 0-2, not the permanent one
+        return any(o is model for o in gc.get_objects())
+
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0 and scanned()
+        r = http.post("/freeze_gc")
+        assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000 and not scanned()  # torch's, transformers', the engine's
+        assert http.get("/freeze_gc").status_code == 200  # again: what was made since
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
+    assert http.post("/generate", GEN).status_code == 200

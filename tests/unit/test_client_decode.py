@@ -569,7 +569,32 @@ def test_weight_update_sessions_open_on_every_engine_and_older_servers_need_none
             return opened, closed
 
     opened, closed = run(go())
-    assert opened[A]["success"] and "needs no session" in opened[B]["message"]
+    assert opened[A]["success"] and "has no /begin_weight_update" in opened[B]["message"]
     assert closed[A]["success"] and closed[B]["success"]
     assert calls[:2] == [(A, "/begin_weight_update", {"selector": "all"}),
                          (B, "/begin_weight_update", {"selector": "all"})]  # fmt: skip
+
+
+def test_freeze_gc_reaches_every_engine_and_a_server_without_it_is_left_alone():
+    """SGLang's /freeze_gc on each engine (a fake server: SGLang cannot run here); a
+    server without the route (404) is left as it is, any other failure raises."""
+    calls = []
+
+    def handler(request):
+        calls.append((base(request), request.method, request.url.path))
+        if base(request) == B:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if len(calls) > 2:
+            return httpx.Response(500, json={"error": "collector broke"})
+        return httpx.Response(200, text="Garbage collection frozen.\n")
+
+    async def go():
+        async with client_with(handler) as client:
+            frozen = await client.freeze_gc()
+            with pytest.raises(EngineError, match="freeze_gc -> HTTP 500"):
+                await client.freeze_gc(urls=[A])
+            return frozen
+
+    frozen = run(go())
+    assert sorted(calls[:2]) == [(A, "POST", "/freeze_gc"), (B, "POST", "/freeze_gc")]
+    assert set(frozen) == {A, B} and "has no /freeze_gc" in frozen[B]["message"]

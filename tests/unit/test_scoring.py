@@ -117,21 +117,36 @@ def test_a_fast_reward_runs_on_the_loop_after_the_pool_timed_it():
     assert _threads(task, 8) == {loop_thread} and runner.inline is True
 
 
-def test_one_call_that_computed_long_sends_the_reward_back_to_the_pool_for_good():
-    task = Clocked([10e-6] * 8 + [10e-6, 5e-3] + [10e-6] * 30)
+def _clocked_runs(costs: list[float], groups: int) -> tuple[RewardRunner, Clocked, int]:
+    """``groups`` groups of 8 through 2 workers, each call computing ``costs``' next
+    seconds; the runner, the task and the loop's thread."""
+    task = Clocked(costs)
     runner = RewardRunner(task, 2, inline_s=100e-6, clock=task.clock, cpu_clock=task.clock)  # type: ignore[arg-type]
 
-    async def groups() -> int:
-        for _ in range(4):
+    async def run() -> int:
+        for _ in range(groups):
             assert await runner.score(PROMPT, _group(8)) == [float(i) for i in range(8)]
         return threading.get_ident()
 
     try:
-        loop_thread = asyncio.run(groups())
+        loop_thread = asyncio.run(run())
     finally:
         runner.close()
-    assert _threads(task, 8, 16) == {loop_thread}  # the second group inline, slow call too
+    return runner, task, loop_thread
+
+
+def test_calls_that_computed_long_send_the_reward_back_to_the_pool_for_good():
+    runner, task, loop_thread = _clocked_runs([10e-6] * 8 + [10e-6, 5e-3, 5e-3] + [10e-6] * 29, 5)
+    assert _threads(task, 8, 16) == {loop_thread}  # the second group inline, slow calls too
     assert runner.inline is False and loop_thread not in _threads(task, 16)
+
+
+def test_one_call_that_computed_long_does_not_send_a_fast_reward_back_to_the_pool():
+    """A microsecond reward whose one call ran long (a garbage collection fell in it) went
+    to the pool for good, and every later group paid its thread hand-offs."""
+    runner, task, loop_thread = _clocked_runs([10e-6] * 8 + [10e-6, 5e-3] + [10e-6] * 30, 5)
+    assert _threads(task, 8) == {loop_thread} and runner.inline is True
+    assert (runner.calls, runner.heavy) == (32, 1)
 
 
 def test_inline_zero_always_uses_the_pool():
