@@ -245,7 +245,10 @@ def rl_train_step(
         return output, partial(loss_func, mb)
 
     for chunk in chunks:
-        chunk.train()
+        # a probe's forward may have left it in eval mode; train() on every module each
+        # step (nn.Module's setattr, 170 modules) cost 0.6 ms of a tiny model's step
+        if not all(m.training for m in chunk.modules()):
+            chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_microbatches(
