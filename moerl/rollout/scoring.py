@@ -12,10 +12,13 @@ time, or on I/O. Timed by wall time alone, one wait of the first kind kept a mic
 reward on the pool for the whole run (every call of a 60-step run went through the pool).
 So the first group decides by its fastest call (a function that blocks on I/O waits in
 every call; the first call of the run may warm caches), and on the loop the function goes
-back to the pool once more than one call in 50 (at least 2) computed long, or waited.
-One long call alone does not send it back: a 15 µs reward (copy_digits) once computed
-past the bound on the loop (a garbage collection or a first use falls in some call), and
-every later group paid the pool's hand-offs, ~1 ms a group where the loop takes 0.12.
+back to the pool when a group's median call computed past the bound, or once more than
+one call in 50 (at least 2) computed past ten times the bound (``LONG_CALL``) or waited.
+A call that passes the bound now and then does not send it back: a 15 µs reward
+(copy_digits) computed past 100 µs in the first call of a step's first group (its caches
+cold after the trainer's step, or a garbage collection falls in it) two steps in a row,
+and every later group paid the pool's hand-offs, 1.1-1.5 ms a group where the loop takes
+0.12.
 """
 
 # G completions per group
@@ -64,6 +67,11 @@ def uniform(rewards: Sequence[float]) -> bool:
 
 async def _awaited(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+LONG_CALL = 10
+"""On the loop, a call whose CPU time passes this many times ``inline_s`` counts as long
+(it held the loop ~1 ms at the default bound); one that passes the bound alone does not."""
 
 
 class RewardRunner:
@@ -122,27 +130,30 @@ class RewardRunner:
         """The reward of each completion, each call timed (module docstring). On the pool
         the first share timed decides ``inline`` by its fastest call (the other pool
         shares of the groups scored meanwhile count nothing: their threads wait for the
-        lock more); on the loop (``on_loop``) long computations or waits past one call in 50
-        (at least 2 of either) set it False for good."""
-        reward, values = self.task.reward, []
-        heavy, fastest, lightest, waited = 0, math.inf, math.inf, 0
+        lock more); on the loop (``on_loop``) it sets False for good when the share's
+        median call computed long, or when more than one call in 50 (at least 2) held
+        the loop for ``LONG_CALL`` times the bound or waited."""
+        reward, values, cpus = self.task.reward, [], []
+        fastest, waited = math.inf, 0
         for traj in share:
             wall, cpu = self.clock(), self.cpu_clock()
             values.append(reward(prompt, traj))
             wall, cpu = self.clock() - wall, self.cpu_clock() - cpu
-            heavy += cpu >= self.inline_s
-            fastest, lightest = min(fastest, wall), min(lightest, cpu)
-            waited += wall >= self.inline_s
+            cpus.append(cpu)
+            fastest = min(fastest, wall)
+            waited += wall >= self.inline_s and cpu < self.inline_s
+        cpus.sort()
         with self._lock:
             if not on_loop:
                 if self.inline is None:  # by its fastest call: a first call may warm caches
-                    self.inline = lightest < self.inline_s and fastest < self.inline_s
+                    self.inline = cpus[0] < self.inline_s and fastest < self.inline_s
             elif self.inline:
                 self.calls += len(share)
                 self.waited += waited
-                self.heavy += heavy
+                self.heavy += sum(c >= LONG_CALL * self.inline_s for c in cpus)
                 bound = max(1, self.calls // 50)
-                if self.heavy > bound or self.waited > bound:
+                typical = cpus[len(cpus) // 2]
+                if typical >= self.inline_s or self.heavy > bound or self.waited > bound:
                     self.inline = False
         return values
 

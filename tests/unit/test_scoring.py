@@ -257,3 +257,22 @@ def test_pool_shares_after_the_first_count_nothing():
     runner._timed(PROMPT, _group(4), on_loop=True)
     assert (runner.calls, runner.waited) == (4, 0)
     runner.close()
+
+
+def test_a_slow_first_call_in_every_group_keeps_a_fast_reward_on_the_loop():
+    """Seen on the recipe: the first call of a step's first group computed past the
+    bound (its caches cold after the trainer's step) and the reward went to the pool for
+    good, ~1 ms a group in thread hand-offs. Only a group's median call, or calls past
+    LONG_CALL times the bound, count."""
+    cold = [200e-6] + [10e-6] * 7  # a first call twice the bound, the rest fast
+    runner, task, loop_thread = _clocked_runs([10e-6] * 8 + cold * 6, 7)
+    assert _threads(task, 8) == {loop_thread} and runner.inline is True
+    assert (runner.calls, runner.heavy) == (48, 0)
+
+
+def test_a_reward_whose_typical_call_computes_long_goes_back_to_the_pool():
+    """Fast when timed on the pool, then 150 µs a call: the first group on the loop says
+    so by its median, and the rest go to the pool."""
+    runner, task, loop_thread = _clocked_runs([10e-6] * 8 + [150e-6] * 32, 5)
+    assert _threads(task, 8, 16) == {loop_thread}
+    assert runner.inline is False and loop_thread not in _threads(task, 16)
