@@ -20,6 +20,7 @@ and data; metrics.jsonl is cut back to the checkpoint's step.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -231,6 +232,7 @@ def _freeze_gc(rollout: Any) -> None:
     from moerl.common.gc_freeze import freeze_gc
 
     count, seconds = freeze_gc()
+    gc.enable()  # the launcher turns it off for the start
     log.info("froze the garbage collector's %d objects in %.2f s", count, seconds)
     if rollout is not None:
         rollout.freeze_engines_gc()

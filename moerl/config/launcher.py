@@ -36,11 +36,13 @@ class LauncherConfig:
     (the engine's decode step 8.3 → 5.3 ms; moerl/config/threads.py). 0 or None leaves
     glibc's default. No effect without glibc."""
     gc_freeze: bool = True
-    """After the run's first step, every trainer rank and every engine (SGLang's
-    /freeze_gc) collects once and freezes the objects alive then (``gc.freeze``), so
-    Python's full collections no longer scan the model, the optimizer and the imports:
-    on the 2-core recipe each full collection had stalled a step by 160-220 ms
-    (moerl/common/gc_freeze.py). A restarted engine is frozen again once it serves."""
+    """Python's garbage collector stays off while the launcher's process starts (the
+    embedded engine's own start does the same: it freezes what loaded); after the run's
+    first step every trainer rank and every engine (SGLang's /freeze_gc) collects once,
+    freezes the objects alive then (``gc.freeze``) and collects as usual from there, so
+    full collections no longer scan the model, the optimizer and the imports: four of
+    them cost 0.6 s of the tiny recipe's start, and each later one stalled a step by
+    160-220 ms (moerl/common/gc_freeze.py). A restarted engine is frozen again."""
     dry_run: bool = False
     """Validate the config, print it and exit without starting anything."""
     backend: str | None = None

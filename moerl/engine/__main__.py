@@ -5,9 +5,11 @@ and exits.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
+from moerl.common.gc_freeze import freeze_gc
 from moerl.engine.cli import parse_args
 from moerl.engine.launch import build_state
 
@@ -16,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parse_args(argv)
+    gc.disable()  # no full collections over the imports and the model while they load
     logging.basicConfig(level=args.log_level.upper())
     from moerl.config.threads import keep_freed_memory
 
@@ -36,6 +39,10 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(args.num_threads)
     app = build_state(args)
+    # what loaded lives as long as the engine: out of the collector's scans from here on
+    # (moerl/common/gc_freeze.py; SGLang's /freeze_gc does the same on request)
+    freeze_gc()
+    gc.enable()
     scheduler = app.state.engine.scheduler
 
     class Server(uvicorn.Server):
