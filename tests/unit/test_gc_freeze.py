@@ -21,8 +21,8 @@ def test_freeze_collects_first_then_keeps_the_survivors_out_of_the_scans() -> No
     try:
         kept = Cycle()  # alive: frozen
         Cycle()  # garbage in a cycle: collected, not frozen for good
-        count, seconds = freeze_gc()
-        assert count == gc.get_freeze_count() > 0 and seconds >= 0
+        count, seconds = freeze_gc()  # (frozen objects still die by reference count)
+        assert count > 0 and seconds >= 0
         scanned = gc.get_objects()  # generations 0-2; the permanent one is not listed
         assert not any(o is kept for o in scanned)
         assert not any(type(o) is Cycle for o in scanned)  # the garbage one is gone
