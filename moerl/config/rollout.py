@@ -113,9 +113,9 @@ class RolloutConfig:
     """A synchronous reward function whose calls compute for less than this many
     microseconds (its thread's CPU time) runs on the event loop, without a thread hand-off:
     timed on the pool for the first group (its fastest call decides), then on the loop,
-    where a call that computed longer, or waits (wall time past the bound) in more than one
-    call in 50, send it back to the pool for good (moerl/rollout/scoring.py). 0: always
-    the pool."""
+    where a group whose median call computed longer, or more than one call in 50 that
+    computed ten times longer or waited (wall time past the bound on little CPU), sends it
+    back to the pool for good (moerl/rollout/scoring.py). 0: always the pool."""
 
     def validate(self, key: str = "rollout") -> None:
         """Raise ValueError naming `key.field` for an out-of-range option."""
