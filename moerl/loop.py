@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moerl import device
 from moerl.config.schema import MoerlConfig
-from moerl.config.sync import sync_backend, sync_transport
+from moerl.config.sync import sync_backend, sync_transport, waits_for_load
 from moerl.config.threads import overlapped
 from moerl.sync.wire import WeightSyncError
 
@@ -54,18 +54,30 @@ class RunContext:
 
 
 class InFlight:
-    """Rank 0's push of the last version, sent on a thread of its own while the trainer
-    steps on (sync.overlap). Other ranks hold one that never starts."""
+    """Rank 0's push of the last version, still completing while the trainer steps on:
+    gathered and sent on a thread of its own (``staged``: sync.overlap) or sent, its
+    landing left to the rollout loop (sync.wait_for_load=false). Other ranks hold one
+    that never starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, staged: bool = True) -> None:
+        self.staged = staged
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: concurrent.futures.Future[dict[str, float]] | None = None
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._metrics_of: Callable[[Any], dict[str, float]] = dict
 
     def start(self, send: Callable[[], dict[str, float]]) -> None:
         assert self._pending is None, "join() the push in flight first"
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "moerl-push")
-        self._pending = self._pool.submit(send)
+        self._pending, self._metrics_of = self._pool.submit(send), dict
+
+    def adopt(
+        self, landing: concurrent.futures.Future[Any], metrics_of: Callable[[Any], dict[str, float]]
+    ) -> None:
+        """Hold ``landing`` (a push completing elsewhere); its result's metrics are
+        ``metrics_of(result)``."""
+        assert self._pending is None, "join() the push in flight first"
+        self._pending, self._metrics_of = landing, metrics_of
 
     def join(self) -> tuple[dict[str, float], BaseException | None]:
         """Wait for the push in flight: (its metrics, None) or ({}, its error); ({}, None)
@@ -75,7 +87,7 @@ class InFlight:
             return {}, None
         t0 = time.perf_counter()
         try:
-            metrics = pending.result()
+            metrics = self._metrics_of(pending.result())
         except Exception as err:
             return {}, err
         return {**metrics, "sync/wait_s": time.perf_counter() - t0}, None
@@ -167,7 +179,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         if start > 0 or trainer.lora is not None or matching_half:
             _publish(publisher, rollout, trainer.version, initial=True)
         overlap = cfg.sync.overlap and publisher.can_stage()
-        inflight = InFlight() if overlap else None
+        if overlap or not waits_for_load(cfg.sync, overlapped(cfg.staleness)):
+            inflight = InFlight(staged=overlap)
         if rollout:
             rollout.start(on_restart=publisher.restore)
         run_log = open_run_log(cfg, ctx.run_dir, start, leader)
@@ -316,25 +329,32 @@ def _publish(
     """Collective: push policy ``version`` to the engines, inside the rollout side's
     update bracket; engines restarted since the last push join the group again first.
     Returns rank 0's sync metrics. ``initial``: before generation starts (no bracket).
-    ``inflight`` (sync.overlap): the previous push must have landed; then, unless an
-    engine restarted since, this one is gathered now and sent on rank 0's push thread
-    (its metrics come with the next push)."""
+    ``inflight``: the previous push must have landed (its metrics are returned); then
+    this one is gathered now and sent on rank 0's push thread (sync.overlap, unless an
+    engine restarted since) or sent now and left to land on the rollout loop
+    (sync.wait_for_load=false)."""
+    landed = None
     if inflight is not None:
         landed = _settle(*inflight.join(), rollout)  # None: failed, repeated below
-        if landed is not None and not _broadcast(rollout.restart_seen() if rollout else False):
-            staged = publisher.stage()  # collective: the weights as they are now
-            if rollout:
-                inflight.start(lambda: _send_staged(publisher, rollout, version, staged))
-            return landed
+        if inflight.staged and landed is not None:
+            if not _broadcast(rollout.restart_seen() if rollout else False):
+                staged = publisher.stage()  # collective: the weights as they are now
+                if rollout:
+                    inflight.start(lambda: _send_staged(publisher, rollout, version, staged))
+                return landed
+    detach = inflight is not None and not inflight.staged and not initial
     pauses = publisher.pauses_generation and not initial
     rejoin = _broadcast(rollout.before_update(pauses) if rollout and not initial else False)
     if rejoin:
         publisher.rejoin()
     for attempt in range(1, PUSH_ATTEMPTS + 1):
         try:
-            pub, error = publisher.push(version), None
+            sent, error = (
+                (publisher.push_sent(version) if detach else publisher.push(version)),
+                None,
+            )
         except WeightSyncError as err:  # rank 0's engine side; the others did their part
-            pub, error = None, err
+            sent, error = None, err
         if not _broadcast(error is not None):
             break
         # an engine that died during the push is restarted (and waited for) here; the
@@ -348,11 +368,16 @@ def _publish(
         )  # fmt: skip
         publisher.rejoin()
         rejoin = True
-    assert pub is not None
+    assert sent is not None
     if not rollout:
         return {}
-    rollout.after_update(version, paused=pauses, adapter=pub.adapter, rejoined=rejoin)
-    return _sync_metrics(pub)
+    if detach:
+        assert inflight is not None
+        landing = rollout.after_landing(sent, version, paused=pauses, rejoined=rejoin)
+        inflight.adopt(landing, _sync_metrics)
+        return landed or {}
+    rollout.after_update(version, paused=pauses, adapter=sent.adapter, rejoined=rejoin)
+    return _sync_metrics(sent)
 
 
 def _send_staged(publisher: Any, rollout: Any, version: int, staged: Any) -> dict[str, float]:

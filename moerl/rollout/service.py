@@ -23,6 +23,7 @@ Only rank 0 builds one; the components on its thread never see the trainer.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -265,19 +266,53 @@ class RolloutService:
         """After a push of ``version``: generation resumes (``paused``), new requests use
         ``adapter`` (LoRA) and restarted engines that got the weights are released. One
         hand-off to the loop."""
+        self.aio.run(self._after(version, paused=paused, adapter=adapter, rejoined=rejoined))
 
-        async def after() -> None:
-            if adapter is not None:
-                self.orchestrator.set_adapter(adapter, version)
-            if paused:
-                await self.orchestrator.after_update(version)
-            if self.evals is not None:
-                self.evals.after_update(version, adapter)
-            if rejoined:
-                await self.supervisor.reconnected()
+    def after_landing(
+        self,
+        landing: concurrent.futures.Future[Any],
+        version: int,
+        *,
+        paused: bool,
+        rejoined: bool = False,
+    ) -> concurrent.futures.Future[Any]:
+        """``after_update`` once ``landing`` (a push still completing on the loop, the
+        future of its ``Publication``) has landed, without waiting for either: returns
+        the future of that ``Publication``. A push that fails there resumes generation
+        on ``version - 1`` (what the engines had) and the future holds its error."""
+
+        async def after() -> Any:
+            try:
+                pub = await asyncio.wrap_future(landing)
+            except BaseException:
+                # the trainer may already have asked for its next batch (buffer version)
+                await self._after(version - 1, paused=paused, buffer=False)
+                raise
+            adapter = getattr(pub, "adapter", None)
+            await self._after(version, paused=paused, adapter=adapter, rejoined=rejoined)
+            return pub
+
+        return self.aio.submit(after())
+
+    async def _after(
+        self,
+        version: int,
+        *,
+        paused: bool,
+        adapter: str | None = None,
+        rejoined: bool = False,
+        buffer: bool = True,
+    ) -> None:
+        if adapter is not None:
+            self.orchestrator.set_adapter(adapter, version)
+        if paused:
+            await self.orchestrator.after_update(version)
+        if self.evals is not None:
+            self.evals.after_update(version, adapter)
+        if rejoined:
+            await self.supervisor.reconnected()
+        if buffer:
             self.buffer.set_version(version)
-
-        self.aio.run(after())
 
     # ---- colocation: the engine sleeps while the trainer steps ------------------------
 

@@ -8,6 +8,10 @@ The loop sees only :class:`Publisher`:
 
 - ``push(version)`` — collective on every trainer rank; returns a :class:`Publication`
   on rank 0 (stats, and the adapter name new requests must use, if any);
+- ``push_sent(version)`` — as ``push``, but returns once rank 0's parameters are free
+  again: a future of the ``Publication`` (rank 0) that completes when the engines have
+  loaded the push, on the engines' event loop (full weights by broadcast; anything else
+  lands before it returns, with a done future);
 - ``pauses_generation`` — whether the rollout side brackets a push with its
   partial-rollout policy (a weight broadcast does; loading an adapter disturbs no
   request);
@@ -27,6 +31,7 @@ they never call into it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +54,8 @@ class Publisher(Protocol):
     pauses_generation: bool
 
     def push(self, version: int) -> Publication: ...
+
+    def push_sent(self, version: int) -> concurrent.futures.Future[Publication]: ...
 
     def rejoin(self) -> None: ...
 
@@ -76,6 +83,20 @@ class FullWeights:
 
     def push(self, version: int) -> Publication:
         return Publication(version, self.sync.push(version))
+
+    def push_sent(self, version: int) -> concurrent.futures.Future[Publication]:
+        sent = self.sync.push_sent(version)
+        out: concurrent.futures.Future[Publication] = concurrent.futures.Future()
+
+        def landed(done: concurrent.futures.Future[dict[str, float]]) -> None:
+            error = done.exception()
+            if error is None:
+                out.set_result(Publication(version, done.result()))
+            else:
+                out.set_exception(error)
+
+        sent.add_done_callback(landed)
+        return out
 
     def rejoin(self) -> None:
         _close_quietly(self.sync)
@@ -110,6 +131,11 @@ class Adapters:
     def push(self, version: int) -> Publication:
         stats = self.sync.push(version)
         return Publication(version, stats, adapter=self.sync.name(version))
+
+    def push_sent(self, version: int) -> concurrent.futures.Future[Publication]:
+        done: concurrent.futures.Future[Publication] = concurrent.futures.Future()
+        done.set_result(self.push(version))  # an adapter is loaded whole, in one call
+        return done
 
     def rejoin(self) -> None:
         pass  # no group: a restarted engine got its adapter in restore()

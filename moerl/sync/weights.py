@@ -27,6 +27,7 @@ default group's timeout: treat it as fatal for the job (torchrun stops the other
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import re
@@ -328,11 +329,35 @@ class WeightSync:
         from moerl.compat import device_mode
 
         with device_mode.suspended():
-            return self._push(version, named)
+            stats = self._push(version, named)
+        assert isinstance(stats, dict)
+        return stats
+
+    def push_sent(
+        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> concurrent.futures.Future[dict[str, float]]:
+        """Collective, as ``push``, but returns once the last bucket has left rank 0's
+        buffers (the trainer may change its parameters then); the engines' loading of
+        the last buckets, the session's end and the version tag complete on the engines'
+        event loop (``run_coro``) while the caller goes on. The future holds ``push``'s
+        stats (``seconds`` up to the landing) or its error; the next push, and anything
+        that needs the engines on ``version``, must wait for it first. A push that cannot
+        be split (``transport="tensor"``: the engines read rank 0's parameters in place)
+        lands before this returns; other ranks get a done future of their own stats."""
+        from moerl.compat import device_mode
+
+        with device_mode.suspended():
+            sent = self._push(version, named, detach=self.transport == "broadcast")
+        if isinstance(sent, concurrent.futures.Future):
+            return sent
+        done: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
+        done.set_result(sent)
+        return done
 
     def _push(
-        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None
-    ) -> dict[str, float]:
+        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None, detach: bool = False
+    ) -> dict[str, float] | concurrent.futures.Future[dict[str, float]]:
+        """``detach`` (rank 0, broadcast): the landing's future, as ``push_sent`` says."""
         from moerl.convert.exporter import export_hf
 
         start = time.perf_counter()
@@ -348,7 +373,12 @@ class WeightSync:
             export_hf(self.chunks, self.model_cfg, views=True) if named is None else iter(named)
         )
         if self.rank == 0:
-            stats.update(self._forward(self._sources(stream, leads, plan=views), version))
+            sent = self._forward(
+                self._sources(stream, leads, plan=views), version, detach=detach, start=start
+            )
+            if isinstance(sent, concurrent.futures.Future):
+                return sent
+            stats.update(sent)
         elif self.rank in leads:
             staging = self._staging_on(p2p_device())
             for bucket, last in bucketize(
@@ -411,6 +441,7 @@ class WeightSync:
             )
         with device_mode.suspended():
             stats = self._forward(lambda _: [iter(staged.buckets)], version)
+        assert isinstance(stats, dict)
         return {**stats, "seconds": staged.seconds + time.perf_counter() - start}
 
     def _comm(self) -> torch.device:
@@ -500,10 +531,16 @@ class WeightSync:
                 self._plan = item
 
     def _forward(
-        self, sources: Callable[[Borrow], list[Iterator[tuple[Bucket, bool]]]], version: int
-    ) -> dict[str, int]:
+        self,
+        sources: Callable[[Borrow], list[Iterator[tuple[Bucket, bool]]]],
+        version: int,
+        detach: bool = False,
+        start: float = 0.0,
+    ) -> dict[str, int] | concurrent.futures.Future[dict[str, float]]:
         """Rank 0: every stage's buckets (``sources(wire.borrow)``, lazy iterators in
-        stage order) to the engines; the last bucket of the last stage carries ``version``."""
+        stage order) to the engines; the last bucket of the last stage carries ``version``.
+        ``detach`` (the broadcast wire): return once the last bucket is off the wire, with
+        the future of ``_land`` (``start``: the push's clock, for its ``seconds``)."""
         assert self.client is not None and self._run is not None
         wire: Wire | TensorWire
         if self.transport == "tensor":
@@ -523,6 +560,7 @@ class WeightSync:
         opening = self._run(self.client.begin_weight_update())
         opened = False
         error: Exception | None = None
+        due = None  # detached: the buckets whose engines' answers are still due
         try:
             for n, buckets in enumerate(stages, 1):
                 for bucket, last in buckets:  # gathered while the previous one is sent
@@ -540,7 +578,9 @@ class WeightSync:
                         sent_version |= tag is not None
             if not opened:
                 opened, error = True, self._opened(opening)
-            if error is None:
+            if error is None and detach and isinstance(wire, Wire):
+                due = wire.drain()
+            elif error is None:
                 stats = wire.finish()
         except Exception as err:
             if not opened:  # the session's end must not overtake its opening
@@ -550,6 +590,9 @@ class WeightSync:
             raise
         if error is not None:
             raise error
+        if due is not None:
+            assert isinstance(wire, Wire)
+            return self._run(self._land(wire, due, version, sent_version, start))
         try:
             self._end_session()
             if not sent_version:  # the last stage exported nothing: bump the version alone
@@ -557,3 +600,24 @@ class WeightSync:
         except EngineError as err:  # an engine died at the end: the push is repeated
             raise WeightSyncError(f"closing the push of version {version}: {err}") from err
         return stats
+
+    async def _land(
+        self, wire: Wire, due: list[Any], version: int, sent_version: bool, start: float
+    ) -> dict[str, float]:
+        """On the engines' loop: the rest of a detached push (``_forward``'s end)."""
+        assert self.client is not None
+        try:
+            stats = await wire.landed(due)
+        except Exception:
+            try:  # the push's own error goes on; the session is closed as after any failure
+                await asyncio.wait_for(self.client.end_weight_update(), self.timeout_s)
+            except Exception as err:
+                log.warning("could not close the engines' weight-update session: %s", err)
+            raise
+        try:
+            await asyncio.wait_for(self.client.end_weight_update(), self.timeout_s)
+            if not sent_version:  # the last stage exported nothing: bump the version alone
+                await asyncio.wait_for(self.client.update_weight_version(str(version)), 60)
+        except EngineError as err:  # an engine died at the end: the push is repeated
+            raise WeightSyncError(f"closing the push of version {version}: {err}") from err
+        return {**stats, "seconds": time.perf_counter() - start}

@@ -15,10 +15,14 @@ once the engines answered bucket k-1, so an engine needs two receive buffers.
 
 Waits are on futures (the broadcast's and the HTTP call's, whichever ends first), never
 polls: an engine that refuses a bucket before receiving it surfaces at once.
+:meth:`Wire.finish` is :meth:`Wire.drain` (the last bucket off the wire: rank 0's
+buffers are free) then the engines' answers; a detached push (``WeightSync.push_sent``)
+awaits those on the event loop instead (:meth:`Wire.landed`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Coroutine
@@ -120,14 +124,29 @@ class Wire:
 
     def finish(self) -> dict[str, int]:
         """Wait for every bucket sent to be loaded; returns the totals."""
-        sending, landed = self._sending, self._landed
+        for flight in self.drain():
+            self._answered(flight)
+        return self.stats
+
+    def drain(self) -> list[_InFlight]:
+        """``finish``'s first half: wait for the last bucket to leave the wire (then every
+        byte sent is off rank 0's buffers); returns the buckets whose engines' answers
+        are still due, for ``landed``."""
+        if self._sending is not None:
+            self._off_wire(self._sending)
+        due = [f for f in (self._landed, self._sending) if f is not None]
         self._sending = self._landed = None
-        if sending is not None:
-            self._off_wire(sending)
-        if landed is not None:
-            self._answered(landed)
-        if sending is not None:
-            self._answered(sending)
+        return due
+
+    async def landed(self, due: list[_InFlight]) -> dict[str, int]:
+        """``finish``'s second half, on the event loop the engines' calls run on: wait
+        for them to load ``due`` (``drain``'s); returns the totals."""
+        for flight in due:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(flight.http), self.timeout_s)
+            except Exception as err:
+                raise WeightSyncError(f"engines rejected {flight.what}: {err}") from err
+            self._count(flight)
         return self.stats
 
     def abandon(self) -> None:
@@ -181,6 +200,9 @@ class Wire:
             flight.http.result(timeout=self.timeout_s)
         except Exception as err:
             raise WeightSyncError(f"engines rejected {flight.what}: {err}") from err
+        self._count(flight)
+
+    def _count(self, flight: _InFlight) -> None:
         self.stats["bytes"] += flight.bucket.nbytes
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(flight.bucket.names)

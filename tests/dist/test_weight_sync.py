@@ -78,7 +78,7 @@ def _trainer(
     bucket_mb: float,
     out: str,
     transport: str,
-    staged: bool = False,
+    mode: str = "push",
 ) -> None:
     from moerl.convert import load_hf
     from moerl.models.gpt import build_model
@@ -99,7 +99,7 @@ def _trainer(
     sync = WeightSync(chunks, model, urls=[url], bucket_mb=bucket_mb, transport=transport)
     sync.connect()
     try:
-        if staged:  # gathered now; the parameters change before and while it is sent
+        if mode == "staged":  # gathered now; the parameters change before and while it is sent
             held = sync.stage()
             with torch.no_grad():
                 for shard in local_shards(chunks):
@@ -107,6 +107,12 @@ def _trainer(
             if held is not None:
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     stats = pool.submit(sync.send_staged, held, version).result()
+        elif mode == "sent":  # the parameters change as soon as it returns, while it lands
+            landing = sync.push_sent(version=version)
+            with torch.no_grad():
+                for shard in local_shards(chunks):
+                    shard.data.mul_(3.0)
+            stats = landing.result(timeout=120)
         else:
             stats = sync.push(version=version)
     finally:
@@ -117,14 +123,14 @@ def _trainer(
 
 def _push(
     engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb, transport="broadcast",
-    staged=False,
+    mode="push",
 ) -> dict:
     from moerl.parallel import parse_layout
 
     out = tmp_path / "stats.json"
     hf = str(tiny_checkpoints["deepseek_moe"])
     _, world = parse_layout(layout)
-    args = (hf, engines[0].url, layout, scale, version, bucket_mb, str(out), transport, staged)
+    args = (hf, engines[0].url, layout, scale, version, bucket_mb, str(out), transport, mode)
     spawn(_trainer, world, *args)
     return json.loads(out.read_text())
 
@@ -166,11 +172,47 @@ def test_a_staged_push_sends_the_weights_as_they_were_when_gathered(
     thread of rank 0 still lands the gathered weights, in many held buckets (a lone
     tensor that is a parameter itself, on one rank, copied too), and the version with
     the last; the next push is a plain one."""
-    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 13, 0.02, transport, True)
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 13, 0.02, transport, "staged")
     _check_pushed(engines, tiny_checkpoints, stats, 13, scaled=True)
     assert stats["buckets"] > 10 and stats.get("borrowed_bytes", 0) == 0
     stats = _push(engines, tiny_checkpoints, tmp_path, layout, 1.0, 14, 64, transport)
     _check_pushed(engines, tiny_checkpoints, stats, 14, scaled=False)
+
+
+@pytest.mark.parametrize("layout, bucket_mb", [("single", 0.02), ("tp2", 64)])
+def test_a_push_sent_lands_the_weights_that_left_the_wire(
+    engines, tiny_checkpoints, tmp_path, layout, bucket_mb
+):
+    """sync.wait_for_load=false's push: push_sent() returns once the last bucket is off
+    the wire, the parameters are tripled at once, and the engine still loads what was
+    sent (many buckets, two requests deep, or one; tp2: rank 1 takes part in the
+    export), with the version, when the landing completes on the loop; the stats come
+    with it. The next push is a plain one."""
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, SCALE, 15, bucket_mb, mode="sent")
+    _check_pushed(engines, tiny_checkpoints, stats, 15, scaled=True)
+    assert (stats["buckets"] > 10) == (bucket_mb < 1) and stats["seconds"] > 0
+    stats = _push(engines, tiny_checkpoints, tmp_path, layout, 1.0, 16, 64)
+    _check_pushed(engines, tiny_checkpoints, stats, 16, scaled=False)
+
+
+def test_a_push_sent_that_the_engine_refuses_fails_in_its_landing(engines, tiny_checkpoints):
+    """A bucket the engine refuses after receiving it (a name it does not have): push_sent
+    returns, its landing holds the engine's words, the engines' session is closed and the
+    group intact, so the next push (the checkpoint's own final norm) goes through."""
+    from safetensors.torch import load_file
+
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    a, _, _ = engines
+    hf = load_file(str(tiny_checkpoints["deepseek_moe"] / "model.safetensors"))
+    good = ("model.norm.weight", hf["model.norm.weight"])
+    with WeightSync([], None, urls=[a.url], bucket_mb=64) as sync:
+        landing = sync.push_sent(5, named=[good, ("model.nope.weight", torch.zeros(2))])
+        with pytest.raises(WeightSyncError) as info:
+            landing.result(timeout=60)
+        assert "model.nope.weight" in str(info.value) and "model unchanged" in str(info.value)
+        assert sync.push(6, named=[good])["tensors"] == 1
+    assert httpx.get(f"{a.url}/model_info", timeout=10).json()["weight_version"] == "6"
 
 
 def _stage_two_stages(hf_dir: str, out: str) -> None:
