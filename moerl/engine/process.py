@@ -49,6 +49,7 @@ class EngineProcess:
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         args = [sys.executable, "-m", "moerl.engine", "--model-path", str(model_path)]
         args += ["--port", str(self.port), "--num-threads", str(threads)]
+        self._temp_log = log_path is None  # ours to remove once the engine stopped cleanly
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="moerl-engine-", suffix=".log")
             os.close(fd)
@@ -125,7 +126,7 @@ class EngineProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        self.close()
+        self.close(keep_log=True)
         raise RuntimeError(
             f"engine did not become healthy within {timeout_s:.0f} s; log: {self.log_path}"
         )
@@ -141,8 +142,12 @@ class EngineProcess:
             return "an unknown code (it was started by another process)"
         return f"code {self.proc.poll()}"
 
-    def close(self) -> None:
-        if self.alive():
+    def close(self, keep_log: bool = False) -> None:
+        """Stop the engine. A log of its own in the temporary directory (no ``log_path``
+        given) is removed when the engine was still running, so nothing went wrong that
+        the log would explain; an engine that exited first keeps it, as ``keep_log`` does."""
+        stopped_here = self.alive()
+        if stopped_here:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=20)
@@ -151,6 +156,9 @@ class EngineProcess:
                 self.proc.wait()
         if self._log is not None:
             self._log.close()
+            self._log = None
+        if self._temp_log and stopped_here and not keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -80,18 +80,23 @@ def test_sigterm_stops_an_engine_with_a_request_in_flight(launched):
 def test_an_engine_started_without_waiting_is_waited_for_later(tmp_path, tiny_checkpoints):
     """The launcher starts its engines without waiting (the trainer builds meanwhile):
     ``wait_healthy`` then returns once /health answers, and an engine that exits at
-    start-up raises there with its log's tail."""
+    start-up raises there with its log's tail. A log of its own in the temporary
+    directory goes with a clean stop and stays after a failed start (its error names it)."""
     from moerl.engine.process import EngineProcess
 
     with EngineProcess(tiny_checkpoints["deepseek_moe"], wait=False) as engine:
         engine.wait_healthy()
         assert httpx.get(f"{engine.url}/health", timeout=5).status_code in (200, 401)
+        assert engine.log_path.exists()
+    assert not engine.log_path.exists()
     broken = EngineProcess(tmp_path / "no-such-model", wait=False, startup_timeout_s=60)
     try:
-        with pytest.raises(RuntimeError, match="engine exited with code"):
+        with pytest.raises(RuntimeError, match="engine exited with code") as info:
             broken.wait_healthy()
     finally:
         broken.close()
+    assert str(broken.log_path) in str(info.value) and broken.log_path.exists()
+    broken.log_path.unlink()
 
 
 def test_an_engine_handed_to_another_process_is_watched_restarted_and_stopped(tiny_checkpoints):
@@ -115,8 +120,7 @@ def test_an_engine_handed_to_another_process_is_watched_restarted_and_stopped(ti
         try:
             assert isinstance(handle.proc, subprocess.Popen) and handle.restarts == 1
             assert httpx.get(f"{handle.url}/health", timeout=5).status_code == 200
+            assert "engine restarted (1)" in handle.log_path.read_text()
         finally:
             handle.close()
         assert handle.proc.returncode is not None
-        log = handle.log_path.read_text()
-        assert "engine restarted (1)" in log
