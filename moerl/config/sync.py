@@ -55,7 +55,7 @@ class SyncConfig:
     only where the push would otherwise leave devices idle. On the 2-core CPU recipe
     (async) it made steps slower, 67 -> 75-87 ms: the push competes with the engine for
     the same cores and the engine gets each version later."""
-    wait_for_load: bool | None = None
+    wait_for_load: bool = True
     """Whether the trainer waits, after each push, for the engines to have loaded it.
     False: the trainer goes on once the last bucket has left its buffers (a broadcast
     push; the tensor path and adapters land first anyway); the engines' loading, the
@@ -63,11 +63,12 @@ class SyncConfig:
     side's event loop, and the next push (an eval, a checkpoint, the end) first waits
     for them. A failure then surfaces at that wait, handled as the push's own would be
     (an engine restarted meanwhile: the next push repeats it; anything else stops the
-    run). The push's metrics come with the next step's line. None (auto): false when
-    generation overlaps training (max_staleness >= 1), true when it does not, where the
-    next batch needs the landing anyway and the trainer's work beside it would only
-    compete with the rollout loop for the interpreter. On the 2-core CPU recipe (async)
-    it took the wait for the engines' answers, 5-7 ms, off each step."""
+    run). The push's metrics come with the next step's line. On by default: on the
+    2-core CPU recipe (async) false took the 5-7 ms wait for the engines' answers off
+    the trainer's step, but the landing then waited for the interpreter beside the
+    trainer's forward pass, generation resumed later, and over 9 alternating pairs of
+    runs the step was not faster (README "Weight sync"). It pays where the engines'
+    load is long against the trainer's Python work (large models)."""
     adapter_transport: str = "tensors"
     """With LoRA, how each adapter version reaches the engines: 'tensors' (in the request,
     /load_lora_adapter_from_tensors; no shared storage needed) or 'directory' (written as
@@ -90,10 +91,8 @@ class SyncConfig:
             raise ValueError(f"{key}.tensor_min_mb={self.tensor_min_mb} must be >= 0 (MB)")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"{key}.overlap={self.overlap!r}: choose true or false")
-        if self.wait_for_load is not None and not isinstance(self.wait_for_load, bool):
-            raise ValueError(
-                f"{key}.wait_for_load={self.wait_for_load!r}: choose true, false or null (auto)"
-            )
+        if not isinstance(self.wait_for_load, bool):
+            raise ValueError(f"{key}.wait_for_load={self.wait_for_load!r}: choose true or false")
 
 
 def check_overlap(sync: SyncConfig, *, pp: int, lora: bool) -> None:
@@ -103,13 +102,6 @@ def check_overlap(sync: SyncConfig, *, pp: int, lora: bool) -> None:
             f"sync.overlap=true needs one pipeline stage and full weights (parallel.pp={pp}, "
             f"LoRA {'on' if lora else 'off'}): set sync.overlap=false"
         )
-
-
-def waits_for_load(sync: SyncConfig, generation_overlaps: bool) -> bool:
-    """``sync.wait_for_load``, or the default its docstring states."""
-    if sync.wait_for_load is not None:
-        return sync.wait_for_load
-    return not generation_overlaps
 
 
 def sync_backend(sync: SyncConfig, engine_kind: str, has_cuda: bool) -> str:

@@ -13,20 +13,12 @@ def test_embedded_engines_sync_over_gloo_even_with_cuda():
     assert sync_backend(SyncConfig(backend="nccl"), "embedded", has_cuda=True) == "nccl"
 
 
-def test_the_trainer_waits_for_a_push_to_load_only_when_generation_waits_too():
-    """sync.wait_for_load's auto (null): the trainer goes on beside a landing push when
-    generation overlaps training, and waits for it with staleness=sync; a choice wins;
-    anything else is refused naming the choices."""
+def test_wait_for_load_is_a_choice_of_true_or_false():
+    """sync.wait_for_load: on by default (the trainer waits for every push to land);
+    anything but a bool is refused naming the choices."""
     import pytest
 
-    from moerl.config.buffer import StalenessConfig
-    from moerl.config.sync import waits_for_load
-    from moerl.config.threads import overlapped
-
-    sync_run, async_run = StalenessConfig(max_staleness=0), StalenessConfig(max_staleness=1)
-    assert waits_for_load(SyncConfig(), overlapped(sync_run))
-    assert not waits_for_load(SyncConfig(), overlapped(async_run))
-    assert not waits_for_load(SyncConfig(wait_for_load=False), overlapped(sync_run))
-    assert waits_for_load(SyncConfig(wait_for_load=True), overlapped(async_run))
-    with pytest.raises(ValueError, match=r"sync.wait_for_load='yes': choose true, false or null"):
+    assert SyncConfig().wait_for_load is True
+    SyncConfig(wait_for_load=False).validate()
+    with pytest.raises(ValueError, match=r"sync.wait_for_load='yes': choose true or false"):
         SyncConfig(wait_for_load="yes").validate()  # type: ignore[arg-type]
