@@ -91,3 +91,20 @@ def test_placements_run_side_by_side_with_their_own_override(tmp_path):
         ("1.20×", "met"),
         ("1.30×", "met"),
     ]
+
+
+def test_each_repetition_is_compared_with_the_trl_run_beside_it():
+    """The per-repeat ratios pair the i-th moerl run with the i-th TRL run (adjacent in
+    the rotation), skip a run without a step time, and the results page shows their
+    spread beside the ratio of medians."""
+    bench = _bench()
+    trl = [{"s_step": 0.10}, {"s_step": 0.20}, {"s_step": None}]
+    sync = [{"s_step": 0.12}, {"s_step": 0.20}, {"s_step": 0.5}]
+    assert bench.paired_ratios(sync, trl) == pytest.approx([1.2, 1.0])
+    result = {"ratio_sync": 1.1, "ratio_sync_per_repeat": [1.2, 1.0], "ratio_async": 0.7,
+              "ratio_async_per_repeat": [0.7], "targets": bench.TARGETS, "trl": {},
+              "steps": 5, "repeats": 2}  # fmt: skip
+    results = {"benches": {"vs_trl": {"status": "ok", "result": result}}}
+    rows = {r.metric: r.ours for r in _bench("report").headlines(results) if "s/step" in r.metric}
+    assert rows["s/step, moerl sync / TRL"].endswith("; per repeat 1.00–1.20×)")
+    assert "per repeat" not in rows["s/step, moerl async (recipe as shipped) / TRL"]

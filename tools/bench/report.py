@@ -391,12 +391,19 @@ def _vs_trl(r: dict[str, Any]) -> list[Row]:
         v = _num((r.get(run) or {}).get(key))
         return "n/a" if v is None else f"{v:.{digits}f}"
 
+    def spread(key: str) -> str:
+        """Each repetition's ratio against its own TRL run, lowest to highest."""
+        each = [v for v in r.get(f"{key}_per_repeat") or [] if _num(v) is not None]
+        return f"; per repeat {min(each):.2f}–{max(each):.2f}×" if len(each) > 1 else ""
+
     steps = f"steps={r.get('steps', '?')}, repeats={r.get('repeats', '?')}"
     return [
         row("s/step, moerl sync / TRL", "ratio_sync",
-            f"{s('moerl_sync', 's_step', 3)} s vs {s('trl', 's_step', 3)} s; {steps}"),
+            f"{s('moerl_sync', 's_step', 3)} s vs {s('trl', 's_step', 3)} s; {steps}"
+            f"{spread('ratio_sync')}"),
         row("s/step, moerl async (recipe as shipped) / TRL", "ratio_async",
-            f"{s('moerl_async', 's_step', 3)} s vs {s('trl', 's_step', 3)} s"),
+            f"{s('moerl_async', 's_step', 3)} s vs {s('trl', 's_step', 3)} s"
+            f"{spread('ratio_async')}"),
         row("startup (process start to the training loop), moerl / TRL", "startup_ratio",
             f"{s('moerl', 'startup_s', 1)} s vs {s('trl', 'startup_s', 1)} s"),
         row("peak RSS of the process tree, moerl / TRL", "memory_ratio",

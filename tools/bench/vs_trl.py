@@ -33,7 +33,9 @@ over the repeats, then one line
     ratio_async=… startup_ratio=… memory_ratio=…
 
 ratios = moerl / TRL: ratio_sync and ratio_async of s/step, startup_ratio of the median
-startup over all moerl runs, memory_ratio of the larger of the two moerl peaks. Targets
+startup over all moerl runs, memory_ratio of the larger of the two moerl peaks. A line
+`vs_trl per_repeat ratio_sync=a,b,… ratio_async=…` follows with each repetition's runs
+over its own TRL run (next to each other in time: their spread is the machine's). Targets
 (printed beside, not asserted): ratio_sync <= 1.0, ratio_async <= 0.8, startup_ratio <=
 1.5, memory_ratio <= 1.5.
 
@@ -343,6 +345,15 @@ def median(values: list[Any]) -> float | None:
     return float(np.median(kept)) if kept else None
 
 
+def paired_ratios(moerl: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[float]:
+    """s/step of each repetition's moerl run over its own TRL run, run next to it in the
+    rotation: the load of that minute hits both (the machine's speed drifts by tens of
+    percent within an hour, which a ratio of medians over the whole rotation mixes in)."""
+    return [
+        m["s_step"] / t["s_step"] for m, t in zip(moerl, trl) if m.get("s_step") and t.get("s_step")
+    ]
+
+
 def report(
     runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, skip: int
 ) -> dict[str, Any]:
@@ -373,6 +384,8 @@ def report(
     }
     result["ratio_sync"] = sync["s_step"] / trl["s_step"]
     result["ratio_async"] = asyn["s_step"] / trl["s_step"]
+    for key, name in (("ratio_sync", RUNS[1]), ("ratio_async", RUNS[2])):
+        result[f"{key}_per_repeat"] = paired_ratios(runs[name], runs["trl"])
     result["startup_ratio"] = result["moerl"]["startup_s"] / trl["startup_s"]
     result["memory_ratio"] = result["moerl"]["peak_rss_mb"] / trl["peak_rss_mb"]
     print(
@@ -385,6 +398,12 @@ def report(
         f"<= {TARGETS['memory_ratio']}; steps={args.steps}, repeats={args.repeats})",
         flush=True,
     )
+    print(
+        "vs_trl per_repeat "
+        + " ".join(f"{k}={','.join(f'{v:.2f}' for v in result[f'{k}_per_repeat'])}"
+                   for k in ("ratio_sync", "ratio_async")),
+        flush=True,
+    )  # fmt: skip
     print(
         "vs_trl time_to_reward_s "
         + " ".join(f"{n}={fmt(result[n]['time_to_reward_s'], 1)}" for n in RUNS)
