@@ -178,6 +178,7 @@ def test_kill_after_checkpoint_and_resume(tmp_path):
     "way",
     ["sync", pytest.param("depth", marks=pytest.mark.slow),
      pytest.param("depth_overlap", marks=pytest.mark.slow),
+     pytest.param("depth_detached", marks=pytest.mark.slow),
      pytest.param("sync_torchrun_ep2", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
@@ -192,20 +193,23 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
     Under torchrun (EP=2) both ranks take part: rank 0's "no batch yet" reaches rank 1
     and both push. With sync.overlap a push that was on the wire when the engine died
     fails on rank 0's push thread; the next push (after the restart) is a synchronous
-    one that rebuilds the group."""
+    one that rebuilds the group. With sync.wait_for_load=false a push whose landing
+    meets the dead engine fails on the rollout loop and is handled the same way."""
     import psutil
 
     run = tmp_path / "fault"
     run.mkdir()
     staleness, _, how = way.partition("_")
     torchrun, overlap = how == "torchrun_ep2", how == "overlap"
+    wait = how != "detached"
     prefix = [sys.executable, "-m", "moerl.launch"]
     if torchrun:
         prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                   "-m", "moerl.launch", "parallel=ep2"]  # fmt: skip
     args = [*prefix, "+recipe=deepseek_moe", *QUIET,
             f"hydra.run.dir={run}", "trainer.train_iters=10", "telemetry.flip_every=0",
-            f"staleness={staleness}", f"sync.overlap={str(overlap).lower()}"]  # fmt: skip
+            f"staleness={staleness}", f"sync.overlap={str(overlap).lower()}",
+            f"sync.wait_for_load={str(wait).lower()}"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 300
