@@ -26,6 +26,12 @@ class TelemetryConfig:
     decompose_every: int = 10
     """Split trainer-vs-rollout mismatch into routing / sampling mask / staleness /
     numerics (four forwards of a sample) every this many steps; 0 = never."""
+    stall_warn_steps: int = 5
+    """Warn once this many steps in a row had no group with any spread of rewards (every
+    sample of each group scored alike: the advantages and the policy gradient are 0, the
+    policy stops learning), naming the likely cause (every response cut at
+    rollout.max_new_tokens, every reward 0); again after it recovers and stalls anew.
+    0 = never."""
     timeline: bool = True
     """Record generation / training / sync spans per process (timeline.*.jsonl) for
     tools/plot_run.py."""
@@ -41,6 +47,10 @@ class TelemetryConfig:
             raise ValueError(
                 f"{key}.console_level={self.console_level!r} is not a log level; choose "
                 f"one of {', '.join(CONSOLE_LEVELS)}"
+            )
+        if self.stall_warn_steps < 0:
+            raise ValueError(
+                f"{key}.stall_warn_steps={self.stall_warn_steps} must be >= 0 (0: never)"
             )
         if self.flip_every < 0 or self.flip_sample < 1 or self.decompose_every < 0:
             raise ValueError(

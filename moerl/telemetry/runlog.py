@@ -7,6 +7,7 @@ the same methods, so the loop calls them unconditionally.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -16,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from moerl.config.schema import MoerlConfig
+
+log = logging.getLogger(__name__)
 
 
 def step_metrics(trajs: list[Any], version: int, wall_s: float, wait_s: float) -> dict[str, float]:
@@ -77,6 +80,45 @@ def zero_reward_metrics(trajs: list[Any]) -> dict[str, float]:
     return out
 
 
+ZERO_SPREAD = "advantage/adv/zero_std_group_frac"
+
+
+class StallWatch:
+    """telemetry.stall_warn_steps: counts the steps in a row whose every group had no
+    spread of rewards (``ZERO_SPREAD`` 1: the advantages, so the policy gradient, are 0)
+    and says why once the count reaches ``steps``."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.run = steps, 0
+
+    def update(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The warning to give after ``step`` (its metrics line), or None."""
+        spread = metrics.get(ZERO_SPREAD)
+        if not self.steps or spread is None:
+            return None
+        if spread < 1.0:
+            self.run = 0
+            return None
+        self.run += 1
+        if self.run != self.steps:
+            return None
+        reward = float(metrics.get("reward_mean", float("nan")))
+        if metrics.get("response_truncated_frac", 0.0) >= 1.0:
+            why = ("every response was cut at rollout.max_new_tokens (a verifier that needs "
+                   "the stop scores it 0): raise rollout.max_new_tokens, or lower trainer.lr "
+                   "if the policy stopped emitting its stop token")  # fmt: skip
+        elif metrics.get("reward_zero_frac", 0.0) >= 1.0:
+            why = "every reward was 0 (reward_zero/* in metrics.jsonl gives the verifiers' reasons)"
+        else:
+            why = "every sample of each group scored the same: the task is too easy or too hard"
+        return (
+            f"steps {step - self.steps + 1}-{step}: no group had any spread of rewards "
+            f"(reward_mean {reward:.3g}), so the advantages and the policy gradient were 0 "
+            f"and the policy did not learn; {why} (telemetry.stall_warn_steps="
+            f"{self.steps}; 0 turns this off)"
+        )
+
+
 class RunLog:
     """Rank 0's metrics writer, progress bar, batch log and timeline for one run."""
 
@@ -95,6 +137,7 @@ class RunLog:
         self.batches = BatchLog(run_dir, resume_step=start_step)
         self.timeline = Timeline(run_dir, "trainer", enabled=tel.timeline)
         self.last: dict[str, float] = {}
+        self.stall = StallWatch(tel.stall_warn_steps)
         self._t0 = time.time()
 
     def span(self, kind: str, **attrs: Any) -> AbstractContextManager[Any]:
@@ -120,6 +163,9 @@ class RunLog:
         self.batches.log(step, trajs)
         self.bar.update(step + 1, metrics)
         self.last = metrics
+        stalled = self.stall.update(step, metrics)
+        if stalled:
+            log.warning(stalled)
 
     def close(self) -> None:
         self.writer.close()

@@ -235,3 +235,68 @@ def test_plot_run_skips_absent_data(tmp_path):
     assert messages[1].startswith("skipped timeline.png")
     for path in written:
         _assert_png(path)
+
+
+def test_a_stall_of_zero_reward_spread_is_named_once_with_its_cause():
+    """telemetry.stall_warn_steps: the warning comes at the N-th step in a row whose every
+    group had no reward spread, not before and not again while it lasts; a step with
+    spread starts the count over; the cause follows the metrics (all truncated, all
+    zero, all alike); 0 never warns; a run without the metric is left alone."""
+    from moerl.telemetry.runlog import ZERO_SPREAD, StallWatch
+
+    cut = {ZERO_SPREAD: 1.0, "reward_mean": 0.0, "response_truncated_frac": 1.0,
+           "reward_zero_frac": 1.0}  # fmt: skip
+    watch = StallWatch(3)
+    said = [watch.update(step, cut) for step in range(5)]
+    assert said[:2] == [None, None] and said[3:] == [None, None]
+    assert said[2] is not None and said[2].startswith("steps 0-2: no group had any spread")
+    assert "rollout.max_new_tokens" in said[2] and "telemetry.stall_warn_steps=3" in said[2]
+    assert watch.update(5, {**cut, ZERO_SPREAD: 0.75}) is None  # learning again
+    zero = {**cut, "response_truncated_frac": 0.5}
+    said = [watch.update(step, zero) for step in range(6, 9)]
+    assert said[:2] == [None, None] and "every reward was 0" in said[2]
+    alike = {ZERO_SPREAD: 1.0, "reward_mean": 1.0, "reward_zero_frac": 0.0}
+    fresh = StallWatch(1)
+    assert "scored the same" in fresh.update(0, alike)
+    assert StallWatch(0).update(0, cut) is None
+    assert StallWatch(1).update(0, {"reward_mean": 0.0}) is None
+
+
+def test_the_run_log_warns_of_a_stall_on_the_console(tmp_path, caplog):
+    """RunLog (the loop's writer) feeds every metrics line to the StallWatch and logs its
+    warning; the lines are written as ever."""
+    import logging
+
+    import numpy as np
+    from hydra import compose, initialize_config_module
+
+    from moerl.common.trajectory import Trajectory
+    from moerl.config.store import register_configs
+    from moerl.telemetry.runlog import ZERO_SPREAD, RunLog
+    from moerl.validate import validate_config
+
+    register_configs()
+    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
+        dc = compose(config_name="config", overrides=["telemetry.stall_warn_steps=2"])
+    cfg = validate_config(dc, world_size=1)
+    cut = [
+        Trajectory(
+            np.array([1, 2]),
+            np.array([3]),
+            np.array([-1.0], np.float32),
+            np.array([0]),
+            finish_reason="length",
+            reward=0.0,
+        )  # fmt: skip
+        for _ in range(4)
+    ]
+    run_log = RunLog(cfg, tmp_path, 0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="moerl.telemetry.runlog"):
+            for step in range(2):
+                run_log.log(step, cut, {ZERO_SPREAD: 1.0}, version=1, wall_s=0.1, wait_s=0.0)
+    finally:
+        run_log.close()
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("steps 0-1: no group had any spread") and "max_new_tokens" in said
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
