@@ -288,8 +288,7 @@ class RolloutService:
                 # the trainer may already have asked for its next batch (buffer version)
                 await self._after(version - 1, paused=paused, buffer=False)
                 raise
-            adapter = getattr(pub, "adapter", None)
-            await self._after(version, paused=paused, adapter=adapter, rejoined=rejoined)
+            await self._after(version, paused=paused, adapter=pub.adapter, rejoined=rejoined)
             return pub
 
         return self.aio.submit(after())

@@ -461,13 +461,29 @@ class WeightSync:
     def _end_session(self, quiet: bool = False) -> None:
         """Close the engines' weight-update session; ``quiet`` (a push already failed):
         a failure to close is logged, not raised over the push's own error."""
-        assert self.client is not None and self._run is not None
+        assert self._run is not None
+        self._run(self._ending(quiet)).result()
+
+    async def _ending(self, quiet: bool = False) -> None:
+        """``_end_session`` on the engines' loop."""
+        assert self.client is not None
         try:
-            self._run(self.client.end_weight_update()).result(self.timeout_s)
+            await asyncio.wait_for(self.client.end_weight_update(), self.timeout_s)
         except Exception as err:
             if not quiet:
                 raise
             log.warning("could not close the engines' weight-update session: %s", err)
+
+    async def _closing(self, version: int, sent_version: bool) -> None:
+        """On the engines' loop, after every bucket loaded: the session's end, and the
+        version alone when the last stage exported nothing."""
+        assert self.client is not None
+        try:
+            await self._ending()
+            if not sent_version:  # the last stage exported nothing: bump the version alone
+                await asyncio.wait_for(self.client.update_weight_version(str(version)), 60)
+        except EngineError as err:  # an engine died at the end: the push is repeated
+            raise WeightSyncError(f"closing the push of version {version}: {err}") from err
 
     def _staging_on(self, where: torch.device, hold: bool = False) -> Staging:
         key = (where, hold)
@@ -593,31 +609,17 @@ class WeightSync:
         if due is not None:
             assert isinstance(wire, Wire)
             return self._run(self._land(wire, due, version, sent_version, start))
-        try:
-            self._end_session()
-            if not sent_version:  # the last stage exported nothing: bump the version alone
-                self._run(self.client.update_weight_version(str(version))).result(60)
-        except EngineError as err:  # an engine died at the end: the push is repeated
-            raise WeightSyncError(f"closing the push of version {version}: {err}") from err
+        self._run(self._closing(version, sent_version)).result()
         return stats
 
     async def _land(
         self, wire: Wire, due: list[Any], version: int, sent_version: bool, start: float
     ) -> dict[str, float]:
         """On the engines' loop: the rest of a detached push (``_forward``'s end)."""
-        assert self.client is not None
         try:
             stats = await wire.landed(due)
-        except Exception:
-            try:  # the push's own error goes on; the session is closed as after any failure
-                await asyncio.wait_for(self.client.end_weight_update(), self.timeout_s)
-            except Exception as err:
-                log.warning("could not close the engines' weight-update session: %s", err)
+        except Exception:  # the push's own error goes on, the session closed as after any
+            await self._ending(quiet=True)
             raise
-        try:
-            await asyncio.wait_for(self.client.end_weight_update(), self.timeout_s)
-            if not sent_version:  # the last stage exported nothing: bump the version alone
-                await asyncio.wait_for(self.client.update_weight_version(str(version)), 60)
-        except EngineError as err:  # an engine died at the end: the push is repeated
-            raise WeightSyncError(f"closing the push of version {version}: {err}") from err
+        await self._closing(version, sent_version)
         return {**stats, "seconds": time.perf_counter() - start}
