@@ -163,7 +163,10 @@ def test_small_buckets(engines, tiny_checkpoints, tmp_path):
     assert stats["buckets"] > 10
 
 
-@pytest.mark.parametrize("layout, transport", [("tp2", "broadcast"), ("single", "tensor")])
+@pytest.mark.parametrize(
+    "layout, transport",
+    [pytest.param("tp2", "broadcast", marks=pytest.mark.slow), ("single", "tensor")],
+)
 def test_a_staged_push_sends_the_weights_as_they_were_when_gathered(
     engines, tiny_checkpoints, tmp_path, layout, transport
 ):
@@ -179,7 +182,9 @@ def test_a_staged_push_sends_the_weights_as_they_were_when_gathered(
     _check_pushed(engines, tiny_checkpoints, stats, 14, scaled=False)
 
 
-@pytest.mark.parametrize("layout, bucket_mb", [("single", 0.02), ("tp2", 64)])
+@pytest.mark.parametrize(
+    "layout, bucket_mb", [("single", 0.02), pytest.param("tp2", 64, marks=pytest.mark.slow)]
+)
 def test_a_push_sent_lands_the_weights_that_left_the_wire(
     engines, tiny_checkpoints, tmp_path, layout, bucket_mb
 ):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tiny_hf_for_tests import hf_dir as _hf_dir
@@ -135,30 +136,36 @@ def test_the_launcher_sets_the_openmp_spin_count_before_torch_loads(tmp_path) ->
     glibc's malloc tuning (launcher.malloc_keep_mb) is in the environment by then too, for
     the processes the run starts."""
 
-    def at_torch(*args: str, **env: str) -> str:
+    def at_torch(case: tuple[tuple[str, ...], dict[str, str]]) -> tuple[str, str]:
+        """(GOMP_SPINCOUNT, MALLOC_TRIM_THRESHOLD_) as torch loaded in a dry run."""
+        args, env = case
         clean = {
             k: v
             for k, v in os.environ.items()
             if k not in ("WORLD_SIZE", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", *MALLOC_ENV)
         }
+        run = tmp_path / f"run{cases.index(case)}"
         out = subprocess.run(
-            [sys.executable, "-c", _FIRST_TORCH_IMPORT, f"hydra.run.dir={tmp_path / 'run'}",
+            [sys.executable, "-c", _FIRST_TORCH_IMPORT, f"hydra.run.dir={run}",
              "+recipe=deepseek_moe", "launcher.dry_run=true", *args],
             cwd=tmp_path, env={**clean, **env}, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         lines = out.stdout.strip().splitlines()
-        malloc[args] = lines[-2].rsplit(": ", 1)[1]
-        return lines[-1].rsplit(": ", 1)[1]
+        return lines[-1].rsplit(": ", 1)[1], lines[-2].rsplit(": ", 1)[1]
 
-    malloc: dict[tuple[str, ...], str] = {}
-
-    assert at_torch() == "50000"
-    assert at_torch("launcher.omp_spincount=2000") == "2000"
-    assert at_torch(GOMP_SPINCOUNT="7") == "7"
-    assert at_torch(OMP_WAIT_POLICY="passive") == "None"
-    assert at_torch("launcher.omp_spincount=null") == "None"
+    cases: list[tuple[tuple[str, ...], dict[str, str]]] = [
+        ((), {}),
+        (("launcher.omp_spincount=2000",), {}),
+        ((), {"GOMP_SPINCOUNT": "7"}),
+        ((), {"OMP_WAIT_POLICY": "passive"}),
+        (("launcher.omp_spincount=null",), {}),
+        (("launcher.malloc_keep_mb=0",), {}),
+    ]
+    with ThreadPoolExecutor(3) as pool:  # six dry runs, each a process of its own
+        (spin, malloc), *others = pool.map(at_torch, cases)
+    assert spin == "50000"
+    assert [s for s, _ in others] == ["2000", "7", "None", "None", "50000"]
     if sys.platform.startswith("linux"):  # glibc
-        assert malloc[()] == str(256 << 20)
-        at_torch("launcher.malloc_keep_mb=0")
-        assert malloc[("launcher.malloc_keep_mb=0",)] == "None"
+        assert malloc == str(256 << 20)
+        assert others[-1][1] == "None"

@@ -51,6 +51,31 @@ def _compose(*overrides: str) -> DictConfig:
 # --- composition ---------------------------------------------------------------
 
 
+def test_hydras_repository_copies_share_the_config_store() -> None:
+    """Hydra copies its repository for every composition and every group `--help` lists;
+    a copy of the ConfigStore singleton is the singleton (moerl.config.store.
+    share_config_store), and what a composition reads from it is still its own copy."""
+    import copy
+
+    from hydra._internal.config_repository import CachingConfigRepository
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
+        loader = GlobalHydra.instance().hydra.config_loader  # type: ignore[union-attr]
+        copied = CachingConfigRepository(loader.repository)
+    store.store(group="model", name="stored_after_the_copy", node={"num_experts": 2})
+    try:  # a node stored after the copy is found through it, as a copy of its own
+        loaded = copied.load_config("model/stored_after_the_copy")
+        assert loaded is not None and loaded.config.num_experts == 2
+        loaded.config.num_experts = 3
+        assert store.load("model/stored_after_the_copy.yaml").node.num_experts == 2
+    finally:
+        del store.repo["model"]["stored_after_the_copy.yaml"]
+
+
 def test_base_config_composes_to_schema() -> None:
     cfg = _compose()
     assert cfg.model.num_experts == 4
