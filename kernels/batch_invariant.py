@@ -124,7 +124,11 @@ def linear(
     pad = (-m) % ROWS
     if pad or m == 0:
         rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
-    out = _split_tiles(rows, weight, splits)[:m].view(*x.shape[:-1], weight.shape[0])
+    if splits == 1 and weight.dim() == 2 and weight.shape[0] > 1:
+        product = torch.mm(rows, weight.t())  # _tiles' one product, without the calls to it
+    else:
+        product = _split_tiles(rows, weight, splits)
+    out = product[:m].view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -213,7 +217,7 @@ def mean(
 def _finite_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The max over ``dim`` (kept; a max is exact), 0 for a row of all −inf."""
     top = x.amax(dim, keepdim=True)
-    return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return top.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # every non-finite max → 0
 
 
 def _shifted(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -281,9 +285,27 @@ def rms_norm(
 def row_sums(x: torch.Tensor) -> torch.Tensor:
     """Σ over the last axis [.., 1] of an fp32 tensor as one fixed-shape tile product
     with ones ([ROWS, K] × [K, ROWS], first column): one kernel call instead of a tree's
-    log₂ K adds, for the short axes (hidden sizes) it serves."""
-    ones = torch.ones(x.shape[-1], ROWS, dtype=x.dtype, device=x.device)
-    return linear(x, ones.t())[..., :1]
+    log₂ K adds, for the short axes (hidden sizes) it serves. ``linear``'s product of
+    whole tiles, without its generality: every norm of a step calls it."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    pad = (-m) % ROWS
+    if pad or m == 0:
+        rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
+    return torch.mm(rows, _ones(k, x.dtype, x.device))[:m, :1].view(*x.shape[:-1], 1)
+
+
+_ONES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _ones(k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [K, ROWS] matrix of ones (``row_sums``'s right factor), made once per shape."""
+    key = (k, dtype, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones(k, ROWS, dtype=dtype, device=device)
+    return ones
 
 
 @_plain

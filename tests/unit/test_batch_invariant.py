@@ -81,6 +81,16 @@ def test_softmaxes_match_torch_and_a_row_alone(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_softmax_shift_is_the_max_or_zero_where_the_max_is_not_finite(dtype):
+    x = torch.tensor(
+        [[1.0, 3.0, -2.0], [-math.inf] * 3, [0.5, math.inf, 1.0], [math.nan, 1.0, 2.0]]
+    ).to(dtype)
+    got = bi._finite_max(x, -1)
+    assert got.dtype == dtype and got.shape == (4, 1)
+    assert got[:, 0].tolist() == [3.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_ops_do_not_depend_on_the_position_in_the_buffer(dtype):
     """torch's fp32 sigmoid/silu and bf16 rsqrt take a vector path or a scalar one by an
     element's position; these do not."""
@@ -308,6 +318,9 @@ def test_row_sums_give_a_row_the_same_bits_in_any_batch(k):
     x = torch.randn(40, k, generator=_gen(12))
     whole = bi.row_sums(x)
     torch.testing.assert_close(whole[:, 0], x.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
+    # linear's tile product with ones, its first column (row_sums skips linear's generality)
+    assert torch.equal(whole, bi.linear(x, torch.ones(k, bi.ROWS).t())[..., :1])
+    assert torch.equal(bi.row_sums(x.view(8, 5, k)), whole.view(8, 5, 1))
     for start in (0, 5, 23):
         for n in (1, 3, 17):
             assert torch.equal(bi.row_sums(x[start : start + n]), whole[start : start + n])
