@@ -118,18 +118,24 @@ def linear(
     """``F.linear`` as a batch of fixed-shape [ROWS, K] × [K, N] products; with ``splits``
     (``K_SPLITS`` for a row-parallel weight), the sum of that many K-chunks' products,
     added pairwise in order."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    pad = (-m) % ROWS
-    if pad or m == 0:
-        rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
+    rows, m = _whole_tiles(x)
     if splits == 1 and weight.dim() == 2 and weight.shape[0] > 1:
         product = torch.mm(rows, weight.t())  # _tiles' one product, without the calls to it
     else:
         product = _split_tiles(rows, weight, splits)
     out = product[:m].view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
+
+
+def _whole_tiles(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x's rows [M, K] zero-padded to whole ROWS tiles, at least one; M)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    pad = (-m) % ROWS
+    if pad or m == 0:
+        rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
+    return rows, m
 
 
 def _split_tiles(rows: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -287,13 +293,8 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
     with ones ([ROWS, K] × [K, ROWS], first column): one kernel call instead of a tree's
     log₂ K adds, for the short axes (hidden sizes) it serves. ``linear``'s product of
     whole tiles, without its generality: every norm of a step calls it."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    pad = (-m) % ROWS
-    if pad or m == 0:
-        rows = torch.cat([rows, rows.new_zeros(pad or ROWS, k)])
-    return torch.mm(rows, _ones(k, x.dtype, x.device))[:m, :1].view(*x.shape[:-1], 1)
+    rows, m = _whole_tiles(x)
+    return torch.mm(rows, _ones(x.shape[-1], x.dtype, x.device))[:m, :1].view(*x.shape[:-1], 1)
 
 
 _ONES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
