@@ -105,6 +105,41 @@ def test_model_compute_runs_without_the_mode_and_cuda_helpers_get_it_back(monkey
         assert _mode_on()
 
 
+def test_the_fp32_optimizers_gradient_loops_run_without_the_mode(monkeypatch):
+    """FP32Optimizer.prepare_grads (grad ← main_grad) and get_main_grads_for_grad_norm
+    name no CUDA device: they run without the per-op Python mode, and do their work."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    seen: list[bool] = []
+
+    class Watched(torch.nn.Parameter):
+        @property
+        def main_grad(self) -> torch.Tensor:  # read by prepare_grads
+            seen.append(_mode_on())
+            return self._main_grad
+
+    param = Watched(torch.zeros(3))
+    param._main_grad = torch.ones(3)
+    param.tensor_model_parallel = True  # a TP shard: counted without the TP group's rank
+    shared = megatron_optimizer.param_is_not_shared
+    monkeypatch.setattr(
+        megatron_optimizer,
+        "param_is_not_shared",
+        lambda p: seen.append(_mode_on()) or shared(p),  # read by the norm's list
+    )
+    opt = megatron_optimizer.FP32Optimizer(
+        torch.optim.SGD([param], lr=0.1), OptimizerConfig(lr=0.1), init_state_fn=None
+    )
+    assert _mode_on()
+    assert opt.prepare_grads() is False
+    assert torch.equal(param.grad, torch.ones(3))
+    grads = opt.get_main_grads_for_grad_norm()
+    assert len(grads) == 1 and torch.equal(grads[0], torch.ones(3))
+    assert seen and not any(seen)
+    assert _mode_on()
+
+
 def _suspend_resume_on_this_thread() -> tuple[bool, bool]:
     from moerl.compat import device_mode
 
