@@ -165,19 +165,23 @@ def optimizer_without_mode() -> None:
 
 
 def optimizer_grads_without_mode() -> None:
-    """Site: before each step megatron-core's fp32 optimizer points every parameter's
-    ``grad`` at its ``main_grad`` (``FP32Optimizer.prepare_grads``) and lists the
-    gradients its norm counts (``get_main_grads_for_grad_norm``): a loop over the
-    parameters whose every ``.grad`` read and write went through the mode's Python
-    ``__torch_function__`` (0.62 ms of a tiny model's step, 0.11 without). Neither names a
-    CUDA device, so both run without the mode; the mixed-precision optimizers'
-    ``prepare_grads``, which does (its inf check), keeps it."""
-    from megatron.core.optimizer import optimizer
+    """Site: every step megatron-core's optimizers clear each parameter's ``grad``
+    (``_zero_grad_group_helper``), and the fp32 one points it at its ``main_grad``
+    (``FP32Optimizer.prepare_grads``) and lists the gradients its norm counts
+    (``get_main_grads_for_grad_norm``): loops over the parameters whose every ``.grad``
+    read and write went through the mode's Python ``__torch_function__`` (300 calls, about
+    1 ms of a tiny model's step). None names a CUDA device, so they run without the mode;
+    the mixed-precision optimizers' ``prepare_grads``, which does (its inf check), keeps
+    it."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
 
     fp32, base = optimizer.FP32Optimizer, optimizer.MegatronOptimizer
     _patch(fp32, "prepare_grads", _inside("suspended", vars(fp32)["prepare_grads"]))
     name = "get_main_grads_for_grad_norm"
     _patch(base, name, _inside("suspended", vars(base)[name]))
+    clear = _inside("suspended", optimizer._zero_grad_group_helper)
+    for owner in (optimizer, distrib_optimizer):  # the second imported it by name
+        _patch(owner, "_zero_grad_group_helper", clear)
 
 
 def _foreach_l2_norm(

@@ -26,6 +26,7 @@ from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
 from moerl.common.trajectory import Trajectory
+from moerl.compat import device_mode
 from moerl.device import all_reduce_host
 from moerl.trainer.batch import Advantage, MicroBatch, schedule_shape, step_microbatches
 from moerl.trainer.fused_head import FusedHead, logprobs_of
@@ -261,6 +262,7 @@ def rl_train_step(
     outputs = [o for o in outputs or [] if o]  # padding-only micro-batches report nothing
     metrics: dict[str, float] = {}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and outputs:
-        metrics = _reduce_metrics(outputs, parallel_state.get_data_parallel_group())
+        with device_mode.suspended():  # host floats and tensors only: no CUDA device named
+            metrics = _reduce_metrics(outputs, parallel_state.get_data_parallel_group())
     metrics = {**_from_last_stage(metrics), **replay_metrics}
     return RLStepResult(loss=metrics.get("loss"), grad_norm=grad_norm, metrics=metrics)

@@ -16,6 +16,7 @@ import torch
 
 from moerl.algo.replay import check_replay_spec, is_none
 from moerl.common.trajectory import Trajectory
+from moerl.compat import device_mode
 from moerl.config.model import ModelConfig
 from moerl.config.parallel import ParallelConfig
 from moerl.config.trainer import TrainerConfig
@@ -169,9 +170,10 @@ class Trainer:
                 f"trajectories {missing[:5]} have no reward: score them before training"
             )
         rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
-        adv = assign_credit(
-            trajs, self.advantage_fn, credit=self.credit, discount=self.turn_discount
-        )
+        with device_mode.suspended():  # host tensors only: no op needs the CPU mode
+            adv = assign_credit(
+                trajs, self.advantage_fn, credit=self.credit, discount=self.turn_discount
+            )
         advantages = adv.advantages
         old, fuse = None, False
         if needs_old_policy(self.old_policy, self.correction_cfg):

@@ -106,8 +106,9 @@ def test_model_compute_runs_without_the_mode_and_cuda_helpers_get_it_back(monkey
 
 
 def test_the_fp32_optimizers_gradient_loops_run_without_the_mode(monkeypatch):
-    """FP32Optimizer.prepare_grads (grad ← main_grad) and get_main_grads_for_grad_norm
-    name no CUDA device: they run without the per-op Python mode, and do their work."""
+    """FP32Optimizer.prepare_grads (grad ← main_grad), get_main_grads_for_grad_norm and
+    the optimizers' zero_grad loop name no CUDA device: they run without the per-op
+    Python mode, and do their work."""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
@@ -136,7 +137,15 @@ def test_the_fp32_optimizers_gradient_loops_run_without_the_mode(monkeypatch):
     assert torch.equal(param.grad, torch.ones(3))
     grads = opt.get_main_grads_for_grad_norm()
     assert len(grads) == 1 and torch.equal(grads[0], torch.ones(3))
-    assert seen and not any(seen)
+    assert len(seen) >= 2 and not any(seen)  # main_grad read, then param_is_not_shared
+    # zero_grad's loop is wrapped the same way, where distrib_optimizer imported it too
+    from megatron.core.optimizer import distrib_optimizer
+
+    clear = megatron_optimizer._zero_grad_group_helper
+    assert clear.__wrapped__.__module__ == megatron_optimizer.__name__
+    assert distrib_optimizer._zero_grad_group_helper is clear
+    opt.zero_grad()
+    assert param.grad is None
     assert _mode_on()
 
 
