@@ -402,8 +402,11 @@ def cached_router_walks() -> None:
         for expert_bias, new in zip(expert_bias_list, updated):
             expert_bias.copy_(new)
 
-    _patch(site, "reset_model_temporary_tensors", reset_model_temporary_tensors)
-    _patch(site, "_update_router_expert_bias", _update_router_expert_bias)
+    # neither names a CUDA device: both run without the CPU mode's per-op Python
+    _patch(
+        site, "reset_model_temporary_tensors", _inside("suspended", reset_model_temporary_tensors)
+    )
+    _patch(site, "_update_router_expert_bias", _inside("suspended", _update_router_expert_bias))
 
 
 def install() -> None:
