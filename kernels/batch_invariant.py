@@ -119,10 +119,7 @@ def linear(
     (``K_SPLITS`` for a row-parallel weight), the sum of that many K-chunks' products,
     added pairwise in order."""
     rows, m = _whole_tiles(x)
-    if splits == 1 and weight.dim() == 2 and weight.shape[0] > 1:
-        product = torch.mm(rows, weight.t())  # _tiles' one product, without the calls to it
-    else:
-        product = _split_tiles(rows, weight, splits)
+    product = _tiles(rows, weight) if splits == 1 else _split_tiles(rows, weight, splits)
     out = product[:m].view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
@@ -292,9 +289,10 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
     """Σ over the last axis [.., 1] of an fp32 tensor as one fixed-shape tile product
     with ones ([ROWS, K] × [K, ROWS], first column): one kernel call instead of a tree's
     log₂ K adds, for the short axes (hidden sizes) it serves. ``linear``'s product of
-    whole tiles, without its generality: every norm of a step calls it."""
+    whole tiles, without its bias and splits: every norm of a step calls it."""
     rows, m = _whole_tiles(x)
-    return torch.mm(rows, _ones(x.shape[-1], x.dtype, x.device))[:m, :1].view(*x.shape[:-1], 1)
+    ones = _ones(x.shape[-1], x.dtype, x.device)
+    return _tiles(rows, ones.t())[:m, :1].view(*x.shape[:-1], 1)
 
 
 _ONES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
