@@ -136,15 +136,15 @@ def test_the_launcher_sets_the_openmp_spin_count_before_torch_loads(tmp_path) ->
     glibc's malloc tuning (launcher.malloc_keep_mb) is in the environment by then too, for
     the processes the run starts."""
 
-    def at_torch(case: tuple[tuple[str, ...], dict[str, str]]) -> tuple[str, str]:
-        """(GOMP_SPINCOUNT, MALLOC_TRIM_THRESHOLD_) as torch loaded in a dry run."""
+    def at_torch(n: int, case: tuple[tuple[str, ...], dict[str, str]]) -> tuple[str, str]:
+        """(GOMP_SPINCOUNT, MALLOC_TRIM_THRESHOLD_) as torch loaded in dry run ``n``."""
         args, env = case
         clean = {
             k: v
             for k, v in os.environ.items()
             if k not in ("WORLD_SIZE", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", *MALLOC_ENV)
         }
-        run = tmp_path / f"run{cases.index(case)}"
+        run = tmp_path / f"run{n}"
         out = subprocess.run(
             [sys.executable, "-c", _FIRST_TORCH_IMPORT, f"hydra.run.dir={run}",
              "+recipe=deepseek_moe", "launcher.dry_run=true", *args],
@@ -163,7 +163,7 @@ def test_the_launcher_sets_the_openmp_spin_count_before_torch_loads(tmp_path) ->
         (("launcher.malloc_keep_mb=0",), {}),
     ]
     with ThreadPoolExecutor(3) as pool:  # six dry runs, each a process of its own
-        (spin, malloc), *others = pool.map(at_torch, cases)
+        (spin, malloc), *others = pool.map(at_torch, range(len(cases)), cases)
     assert spin == "50000"
     assert [s for s, _ in others] == ["2000", "7", "None", "None", "50000"]
     if sys.platform.startswith("linux"):  # glibc
