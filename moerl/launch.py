@@ -163,10 +163,11 @@ def engine_flags(engine: Any) -> list[str]:
 
 
 def start_engines(
-    cfg: Any, hf_dir: Path, run_dir: Path, wait: bool = True
+    cfg: Any, hf_dir: Path, run_dir: Path, wait: bool = True, warm: Sequence[Any] = ()
 ) -> tuple[list[str], list[Any]]:
     """Engine URLs and the processes moerl owns (embedded engines only; a colocated
-    engine is built by trainer rank 0, ``start_colocated``)."""
+    engine is built by trainer rank 0, ``start_colocated``); engine i starts in
+    ``warm[i]`` where there is one (``warm_engines``)."""
     if cfg.engine.kind == "sglang" or cfg.launcher.placement == "colocated":
         return list(cfg.engine.urls), []
     import secrets
@@ -190,6 +191,7 @@ def start_engines(
                 log_path=log_dir(run_dir) / f"engine{i}.log",
                 startup_timeout_s=cfg.engine.startup_timeout_s,
                 wait=wait,
+                warm=warm[i] if i < len(warm) else None,
             )  # fmt: skip
         )
     return [p.url for p in procs], procs
@@ -231,12 +233,12 @@ Prepared = tuple[Path, list[str], list[Any]]
 """The initial HF checkpoint, the policy engines' URLs and the embedded ones' processes."""
 
 
-def prepare(cfg: Any, run_dir: Path) -> Prepared:
-    """The initial checkpoint, and the policy's engines started on it without waiting:
-    they load while the trainer ranks start and build their models (run_training waits
-    for them before the first request)."""
+def prepare(cfg: Any, run_dir: Path, warm: Sequence[Any] = ()) -> Prepared:
+    """The initial checkpoint, and the policy's engines started on it without waiting
+    (in the ``warm`` processes where given): they load while the trainer ranks start and
+    build their models (run_training waits for them before the first request)."""
     hf_dir = prepare_checkpoint(cfg, run_dir)
-    urls, engines = start_engines(cfg, hf_dir, run_dir, wait=False)
+    urls, engines = start_engines(cfg, hf_dir, run_dir, wait=False, warm=warm)
     return hf_dir, urls, engines
 
 
@@ -444,7 +446,6 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from moerl._version import shadowing
-    from moerl.telemetry.logs import hold_console
 
     # before the preflight imports torch: libgomp reads it once, as it loads
     set_omp_spincount(OmegaConf.select(cfg, "launcher.omp_spincount", default=None))
@@ -458,6 +459,52 @@ def main(cfg: DictConfig) -> None:
     if (shadow := shadowing()) is not None:
         print(f"moerl: warning: {shadow}", file=sys.stderr, flush=True)
     hydra_cfg = HydraConfig.get()
+    warm = warm_engines(cfg, Path(hydra_cfg.runtime.output_dir))
+    try:
+        run_checked(cfg, hydra_cfg, warm)
+    finally:
+        for engine in warm:  # those that did not become engines
+            engine.close()
+
+
+def warm_engines(cfg: DictConfig, run_dir: Path) -> list[Any]:
+    """The policy's embedded engines, started with the flags the config asks for and
+    ``--await-start``, so that their imports overlap the launcher's checks (which import
+    torch): once the config passes, ``start_engines`` tells each to go on, or closes it
+    and starts a fresh one where the checked config asks for other flags. None for a
+    dry run, torchrun, a colocated or external engine, LoRA (its flags need the model's
+    modules), a GPU build of torch (the engines' threads depend on CUDA, and torch is
+    not imported yet to ask) or a config that does not convert (the checks say why)."""
+    from moerl.common.torch_build import cpu_only_build
+    from moerl.config.threads import resolve_threads
+
+    if OmegaConf.select(cfg, "launcher.dry_run", default=False) is True:
+        return []
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return []
+    try:
+        typed: Any = OmegaConf.to_object(cfg)
+        engine = typed.engine
+        if engine.kind != "embedded" or typed.launcher.placement == "colocated":
+            return []
+        if typed.lora.enabled:
+            return []
+        threads = resolve_threads(typed, typed.launcher.world_size(), has_cuda=False).engine
+        count, flags = engine.count(), policy_engine_flags(typed)
+        hf_dir = Path(typed.model.path) if typed.model.path else run_dir / "init_hf"
+    except Exception:  # the preflight reports what is wrong with the config
+        return []
+    if not cpu_only_build():
+        return []
+    from moerl.engine.process import WarmEngine
+
+    return [WarmEngine(hf_dir, *flags, threads=threads) for _ in range(count)]
+
+
+def run_checked(cfg: DictConfig, hydra_cfg: Any, warm: list[Any]) -> None:
+    """``main`` once Hydra composed ``cfg``: check it, then run (or report a dry run)."""
+    from moerl.telemetry.logs import hold_console
+
     typed = checked(cfg, list(hydra_cfg.overrides.task))
     hold_console(typed.telemetry.console_level)
     run_dir = hydra_cfg.runtime.output_dir
@@ -483,7 +530,7 @@ def main(cfg: DictConfig) -> None:
 
     # Started here, before the ranks: an engine's start overlaps theirs (rank 0 takes the
     # handles over, restarting and stopping them; these die with this process anyway).
-    prepared = prepare(typed, Path(run_dir))
+    prepared = prepare(typed, Path(run_dir), warm)
     try:
         if world == 1:
             # the launcher is the only rank (no second process importing torch and

@@ -6,12 +6,45 @@ and exits.
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
+import sys
 from typing import Any
 
 from moerl.common.gc_freeze import freeze_gc
+from moerl.engine import API_KEY_ENV
 from moerl.engine.cli import parse_args
-from moerl.engine.launch import build_state
+from moerl.engine.launch import build_state, preload
+
+
+def read_order(line: str) -> dict[str, Any] | None:
+    """``--await-start``'s order: {"log": file, "api_key": key or absent}; None for an
+    empty line (end of input); ValueError for a malformed one."""
+    if not line.strip():
+        return None
+    order = json.loads(line)
+    if not isinstance(order, dict) or not isinstance(order.get("log"), str):
+        raise ValueError(f"--await-start: the order needs its log file; got {line[:200]!r}")
+    return order
+
+
+def await_start() -> bool:
+    """``--await-start``: import what the engine needs (``launch.PRELOADED``), then wait
+    for the order on stdin; from it on, stdout and stderr go to its log and its API key
+    is this process's ``MOERL_API_KEY``. False (exit quietly) for no order: before it,
+    the process has loaded no model, opened no port and written nothing."""
+    preload()
+    order = read_order(sys.stdin.readline())
+    if order is None:
+        return False
+    fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if order.get("api_key"):
+        os.environ[API_KEY_ENV] = str(order["api_key"])
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    if args.await_start and not await_start():
+        return
     app = build_state(args)
     # what loaded lives as long as the engine: out of the collector's scans from here on
     # (moerl/common/gc_freeze.py; SGLang's /freeze_gc does the same on request)

@@ -12,20 +12,28 @@ reads its state from /proc; a restart makes the new engine that process's own ch
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from moerl.common.children import die_with_parent, free_port
 from moerl.engine import API_KEY_ENV
-from moerl.parallel.spawn import die_with_parent, free_port
+
+
+def engine_argv(model_path: str | Path, port: int, threads: int, extra: Sequence[str]) -> list[str]:
+    """The command line of ``python -m moerl.engine`` on ``model_path`` and ``port``."""
+    args = [sys.executable, "-m", "moerl.engine", "--model-path", str(model_path)]
+    return [*args, "--port", str(port), "--num-threads", str(threads), *extra]
 
 
 class EngineProcess:
@@ -41,14 +49,16 @@ class EngineProcess:
         log_path: str | Path | None = None,
         startup_timeout_s: float = 120.0,
         wait: bool = True,
+        warm: WarmEngine | None = None,
     ) -> None:
         """``wait`` False: return once the process is started; ``wait_healthy()`` later
-        (the launcher builds the trainer meanwhile)."""
-        self.port = port or free_port()
+        (the launcher builds the trainer meanwhile). ``warm``: the process started for this
+        engine before the config was checked (``WarmEngine``; its port is the engine's
+        unless ``port`` says otherwise); it becomes the engine where its command line and
+        environment are this one's, and is closed otherwise. Restarts start fresh ones."""
+        self.port = port or (warm.port if warm is not None else free_port())
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
-        args = [sys.executable, "-m", "moerl.engine", "--model-path", str(model_path)]
-        args += ["--port", str(self.port), "--num-threads", str(threads)]
         self._temp_log = log_path is None  # ours to remove once the engine stopped cleanly
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="moerl-engine-", suffix=".log")
@@ -58,12 +68,13 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log: Any = None
         self.proc: subprocess.Popen[bytes] | Adopted
-        self._argv = [*args, *extra]
+        self._argv = engine_argv(model_path, self.port, threads, extra)
         self._env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if self.api_key:  # in the environment, not the command line that `ps` shows
             self._env[API_KEY_ENV] = self.api_key
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
+        self._warm = warm
         self._spawn()
         if wait:
             self._wait_healthy(startup_timeout_s)
@@ -74,17 +85,23 @@ class EngineProcess:
         self._wait_healthy(self.startup_timeout_s)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("proc", "_log")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("proc", "_log", "_warm")}
         return {**state, "_pid": self.proc.pid}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pid = state.pop("_pid")
-        self.__dict__.update(state, _log=None)
+        self.__dict__.update(state, _log=None, _warm=None)
         self.proc = Adopted(pid)
 
     def _spawn(self) -> None:
         if self._log is None:
             self._log = self.log_path.open("ab")
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            proc = warm.take(self._argv, self.log_path, self.api_key, self._env)
+            if proc is not None:
+                self.proc = proc
+                return
         self.proc = subprocess.Popen(
             self._argv,
             env=self._env,
@@ -165,6 +182,56 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WarmEngine:
+    """An engine started before its run's config is checked: ``python -m moerl.engine``
+    with the flags the launcher expects to give it and ``--await-start``, so it imports
+    what it needs, then waits on its stdin for the order to go on (``take``). Until then
+    its output goes nowhere; ``close`` ends it where it got no order."""
+
+    def __init__(self, model_path: str | Path, *extra: str, threads: int = 1) -> None:
+        self.port, self.threads = free_port(), threads
+        self.argv = engine_argv(model_path, self.port, threads, extra)
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen(
+            [*self.argv, "--await-start"],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=partial(die_with_parent, os.getpid()),
+        )
+
+    def take(
+        self, argv: list[str], log_path: Path, api_key: str | None, env: dict[str, str]
+    ) -> subprocess.Popen[bytes] | None:
+        """The process, told to go on as the engine ``argv`` and ``env`` (without the API
+        key) describe, with its output in ``log_path`` and ``api_key`` as its key; None
+        where it cannot be that engine (it exited, or was started with other flags or
+        another environment: the checked config differs from the one it was started
+        for), in which case it is closed."""
+        unkeyed = {k: v for k, v in env.items() if k != API_KEY_ENV}
+        same = argv == self.argv and unkeyed == self.env
+        if not same or self.proc.poll() is not None or self.proc.stdin is None:
+            self.close()
+            return None
+        order = {"log": str(log_path), "api_key": api_key}
+        try:
+            self.proc.stdin.write(json.dumps(order).encode() + b"\n")
+            self.proc.stdin.close()
+        except OSError:  # it died between the check and the write
+            self.close()
+            return None
+        return self.proc
+
+    def close(self) -> None:
+        """End the process unless it was told to go on (SIGKILL: it has done nothing)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Adopted:

@@ -8,38 +8,23 @@ process dies (``die_with_parent``), and a failed rank leaves no error file in /t
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
-import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-_PR_SET_PDEATHSIG = 1
-# Loaded here, in the parent: a child between fork and exec only calls it.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+from moerl.common.children import die_with_parent, free_port
 
-
-def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send ``sig`` to this process when its parent exits, even by
-    SIGKILL (Linux; a no-op elsewhere). ``parent``: the pid the caller expects as its
-    parent; if that one is already gone, the signal comes at once.
-
-    SIGKILL by default: torch's spawn arms SIGINT, which a process started from a
-    non-interactive shell's background job ignores, so ranks outlived a killed launcher.
-    Linux ties the signal to the *thread* that started the child: start children from
-    a thread that lives as long as they should."""
-    if _LIBC is None:
-        return
-    if _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        os.kill(os.getpid(), sig)
+__all__ = [
+    "die_with_parent",
+    "free_port",
+    "run_here",
+    "single_process_world",
+    "spawn",
+    "stop_ranks",
+]
 
 
 def stop_ranks(processes: list[Any], grace_s: float = 10.0) -> None:
@@ -54,12 +39,6 @@ def stop_ranks(processes: list[Any], grace_s: float = 10.0) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def single_process_world(backend: str | None = None) -> None:

@@ -101,6 +101,35 @@ def test_launch_refuses_before_any_rank_starts(tmp_path) -> None:
     assert time.time() - t0 < 60
 
 
+def test_a_refused_launch_stops_the_engine_it_started_to_wait_for_the_checks(tmp_path) -> None:
+    """The launcher starts its engine with --await-start before the checks import torch
+    (moerl.launch.warm_engines); a config the checks refuse stops it, unstarted."""
+    import psutil
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moerl.launch", f"hydra.run.dir={run}", "trainer.global_batch_size=12"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    waiting: list[tuple[psutil.Process, list[str]]] = []
+    launcher = psutil.Process(proc.pid)
+    while proc.poll() is None and not waiting:
+        try:
+            children = [(c, c.cmdline()) for c in launcher.children()]
+            waiting = [(c, cmd) for c, cmd in children if "--await-start" in cmd]
+        except psutil.Error:  # a child that came and went, or the launcher itself
+            pass
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "invalid config: trainer.global_batch_size=12" in err
+    assert waiting, "the launcher started no engine before its checks"
+    engine, cmdline = waiting[0]
+    assert str(run / "init_hf") in cmdline  # the engine it would have started
+    assert not engine.is_running()
+    assert not (run / "init_hf").exists() and not list(run.rglob("engine*.log"))
+
+
 def test_dry_run_reads_the_checkpoints_config(tmp_path) -> None:
     ckpt = _hf_dir(tmp_path / "hf", num_experts=6, moe_router_num_groups=2)
     proc = _launch(

@@ -7,8 +7,8 @@ from importlib import resources
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import DictConfig, OmegaConf
+from configs_for_tests import compose_config
+from omegaconf import OmegaConf
 
 from moerl.algo.advantages import ADVANTAGES, build_advantage
 from moerl.algo.config import (
@@ -177,11 +177,6 @@ def _registered() -> None:
     register_configs()
 
 
-def _compose(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 def _yaml_options(folder: str) -> list[str]:
     root = resources.files("moerl.conf").joinpath(folder)
     return sorted(e.name[: -len(".yaml")] for e in root.iterdir() if e.name.endswith(".yaml"))
@@ -197,14 +192,14 @@ OVERRIDES = (
 
 @pytest.mark.parametrize("override", OVERRIDES)
 def test_option_composes_validates_and_builds(override: str) -> None:
-    typed = validate_config(_compose(override), world_size=1)
+    typed = validate_config(compose_config(override), world_size=1)
     build_advantage(typed.algo.advantage)
     build_policy_loss(typed.algo.loss)
     build_correction(typed.correction)
 
 
 def test_base_config_objective() -> None:
-    typed = validate_config(_compose(), world_size=1)
+    typed = validate_config(compose_config(), world_size=1)
     assert (typed.algo.advantage.name, typed.algo.loss.name, typed.correction.name) == (
         "grpo",
         "ppo_clip",
@@ -213,16 +208,18 @@ def test_base_config_objective() -> None:
 
 
 def test_presets_set_their_knobs() -> None:
-    dapo = validate_config(_compose("algo=dapo"), world_size=1).algo.loss
+    dapo = validate_config(compose_config("algo=dapo"), world_size=1).algo.loss
     assert (dapo.eps_low, dapo.eps_high, dapo.agg) == (0.2, 0.28, "token_mean")
-    tis = validate_config(_compose("correction=tis", "correction.cap=3"), world_size=1).correction
+    tis = validate_config(
+        compose_config("correction=tis", "correction.cap=3"), world_size=1
+    ).correction
     assert tis == TISConfig(cap=3.0)
 
 
 def test_norm_length_from_the_generation_budget() -> None:
     # Dr. GRPO's L_max is the generation budget: interpolate it rather than repeat it.
     typed = validate_config(
-        _compose(
+        compose_config(
             "rollout.max_new_tokens=512",
             "algo.loss.agg=seq_mean_token_sum_norm",
             "algo.loss.norm_length=${rollout.max_new_tokens}",
@@ -234,7 +231,7 @@ def test_norm_length_from_the_generation_budget() -> None:
 
 
 def test_custom_correction_from_the_command_line() -> None:
-    cfg = _compose(
+    cfg = compose_config(
         "correction=custom", f"correction._target_={TARGET}", "+correction.options.scale=3"
     )
     typed = validate_config(cfg, world_size=1)
@@ -269,7 +266,7 @@ def test_custom_correction_from_the_command_line() -> None:
 )
 def test_bad_objective_fails_validation(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError) as info:
-        validate_config(_compose(*overrides), world_size=1)
+        validate_config(compose_config(*overrides), world_size=1)
     assert message in str(info.value)
 
 
@@ -297,7 +294,7 @@ def test_bad_objective_fails_validation(overrides: list[str], message: str) -> N
 )
 def test_correction_reweights(override, reweights: bool) -> None:
     overrides = [override] if isinstance(override, str) else override
-    typed = validate_config(_compose(*overrides), world_size=1)
+    typed = validate_config(compose_config(*overrides), world_size=1)
     assert typed.correction.reweights is reweights
 
 
@@ -335,7 +332,7 @@ def test_custom_reweights_is_not_passed_to_the_function() -> None:
     ],
 )
 def test_policy_loss_ratio_loss(overrides: list[str], ratio_loss: bool) -> None:
-    typed = validate_config(_compose(*overrides), world_size=1)
+    typed = validate_config(compose_config(*overrides), world_size=1)
     assert typed.algo.loss.ratio_loss is ratio_loss
 
 

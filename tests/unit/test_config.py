@@ -6,9 +6,10 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from configs_for_tests import compose_config
+from hydra import initialize_config_module
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from moerl.config import MoerlConfig, ParallelConfig
 from moerl.config.recipe import package_header
@@ -43,11 +44,6 @@ def _registered() -> None:
     register_configs()
 
 
-def _compose(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="moerl.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
 # --- composition ---------------------------------------------------------------
 
 
@@ -77,7 +73,7 @@ def test_hydras_repository_copies_share_the_config_store() -> None:
 
 
 def test_base_config_composes_to_schema() -> None:
-    cfg = _compose()
+    cfg = compose_config()
     assert cfg.model.num_experts == 4
     assert cfg.parallel.tp == 1
     assert cfg.engine.kind == "embedded"
@@ -93,7 +89,7 @@ def test_layout_options_are_the_shipped_set() -> None:
 
 @pytest.mark.parametrize("layout", PARALLEL_OPTIONS)
 def test_parallel_option_composes_and_validates(layout: str) -> None:
-    cfg = _compose(f"parallel={layout}")
+    cfg = compose_config(f"parallel={layout}")
     parallel = OmegaConf.to_object(cfg.parallel)
     assert isinstance(parallel, ParallelConfig)
     if layout != "dp2ep2":  # same layout as ep2, on twice the ranks
@@ -114,7 +110,7 @@ def test_recipe_composes_and_validates(recipe: str, tmp_path, monkeypatch) -> No
         subprocess.run(
             [sys.executable, str(tool), "--out", "data/word_problems"], check=True, timeout=120
         )
-    cfg = _compose(f"+recipe={recipe}")
+    cfg = compose_config(f"+recipe={recipe}")
     world = cfg.launcher.nproc or 1
     validate_config(cfg, world_size=world)
 
@@ -130,7 +126,7 @@ def test_recipe_composes_and_validates(recipe: str, tmp_path, monkeypatch) -> No
 )
 def test_typo_override_fails(override: str, key: str) -> None:
     with pytest.raises(ConfigCompositionException) as info:
-        _compose(override)
+        compose_config(override)
     text = str(info.value) + str(info.value.__cause__)
     assert key in text
 
@@ -141,13 +137,13 @@ def test_added_key_is_rejected(override: str) -> None:
     key = override[1:].split("=")[0].split(".")
     shown = ".".join(key[:2]) if len(key) > 1 else key[0]
     with pytest.raises(ValueError, match=f"{shown} is not a config key"):
-        validate_config(_compose(override), world_size=1)
+        validate_config(compose_config(override), world_size=1)
 
 
 def test_unknown_recipe_is_rejected() -> None:
     # With recipes shipped Hydra rejects the name; with none, validation does.
     with pytest.raises((ConfigCompositionException, ValueError), match="no_such_recipe"):
-        validate_config(_compose("+recipe=no_such_recipe"), world_size=1)
+        validate_config(compose_config("+recipe=no_such_recipe"), world_size=1)
 
 
 def testpackage_header() -> None:
@@ -238,7 +234,7 @@ def testpackage_header() -> None:
 def test_validate_names_key_value_and_fix(
     overrides: list[str], world: int, fragments: list[str]
 ) -> None:
-    cfg = _compose(*overrides)
+    cfg = compose_config(*overrides)
     with pytest.raises(ValueError) as info:
         validate_config(cfg, world_size=world)
     for fragment in fragments:
@@ -257,7 +253,7 @@ def test_engine_config_becomes_engine_flags(overrides: list[str], flags: list[st
     from moerl.engine.cli import parse_args
     from moerl.launch import engine_flags
 
-    cfg = _compose(
+    cfg = compose_config(
         *overrides, "engine.max_prefill_tokens=999", "engine.chunked_prefill_size=-1",
         "engine.admission_wait_ms=2.5", "engine.admission_quiet_ms=0.5",
         "engine.decode_share=0.25", "engine.shared_prompt_min_tokens=-1",
@@ -277,8 +273,8 @@ def test_deterministic_inference_reaches_the_policy_engines() -> None:
     from moerl.engine.cli import parse_args
     from moerl.launch import policy_engine_flags
 
-    assert "--enable-deterministic-inference" not in policy_engine_flags(_compose())
-    flags = policy_engine_flags(_compose("engine.deterministic_inference=true"))
+    assert "--enable-deterministic-inference" not in policy_engine_flags(compose_config())
+    flags = policy_engine_flags(compose_config("engine.deterministic_inference=true"))
     assert parse_args(["--model-path", "m", *flags]).enable_deterministic_inference
 
 
@@ -297,7 +293,7 @@ def test_engine_cuda_graph_becomes_engine_flags(
     from moerl.engine.cli import parse_args
     from moerl.launch import engine_flags
 
-    cfg = _compose(*overrides)
+    cfg = compose_config(*overrides)
     validate_config(cfg, world_size=1)
     args = parse_args(["--model-path", "m", *engine_flags(cfg.engine)])
     assert (args.enable_cuda_graph, args.cuda_graph_max_bs) == (enabled, max_bs)
@@ -318,21 +314,21 @@ MODEL_OPTIONS = _options("moerl.conf", "model")
 
 @pytest.mark.parametrize("name", MODEL_OPTIONS)
 def test_every_model_option_composes_and_validates(name: str) -> None:
-    cfg = _compose(f"model={name}")
+    cfg = compose_config(f"model={name}")
     typed = validate_config(cfg, world_size=1)
     assert typed.model.num_layers >= 2
 
 
 def test_unknown_family_is_rejected() -> None:
     with pytest.raises(ValueError, match="model.family='llama'"):
-        validate_config(_compose("model.family=llama"), world_size=1)
+        validate_config(compose_config("model.family=llama"), world_size=1)
 
 
 def test_trainer_replay_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="trainer.replay: unknown replay policy 'sometimes'"):
-        validate_config(_compose("trainer.replay=sometimes"), world_size=1)
+        validate_config(compose_config("trainer.replay=sometimes"), world_size=1)
     # a policy of one's own by _target_ (here any importable function) is accepted
-    validate_config(_compose("trainer.replay={_target_:torch.clone}"), world_size=1)
+    validate_config(compose_config("trainer.replay={_target_:torch.clone}"), world_size=1)
 
 
 @pytest.mark.parametrize(
@@ -353,18 +349,18 @@ def test_trainer_replay_policy_is_checked() -> None:
 )
 def test_optimizer_keys_are_checked(override: str, fragments: list[str]) -> None:
     with pytest.raises(ValueError) as info:
-        validate_config(_compose(override), world_size=1)
+        validate_config(compose_config(override), world_size=1)
     for fragment in fragments:
         assert fragment in str(info.value)
 
 
 def test_warmup_is_checked_against_decay_steps() -> None:
-    cfg = _compose("trainer.lr_warmup_steps=10", "trainer.lr_decay_steps=10")
+    cfg = compose_config("trainer.lr_warmup_steps=10", "trainer.lr_decay_steps=10")
     with pytest.raises(ValueError, match="trainer.lr_decay_steps=10"):
         validate_config(cfg, world_size=1)
     # 6 batches × 2 minibatches = 12 optimizer steps: a 10-step warmup fits
     overrides = ["trainer.lr_warmup_steps=10", "trainer.train_iters=6", "trainer.minibatches=2"]
-    typed = validate_config(_compose(*overrides), world_size=1)
+    typed = validate_config(compose_config(*overrides), world_size=1)
     assert typed.trainer.minibatches == 2
 
 
@@ -381,7 +377,7 @@ def test_off_policy_composition_is_checked_at_start_up(overrides, fragments) -> 
     """The shipped recipe (ppo_clip + tis) under bypass double-counts the IS weight; the
     batch must split into whole minibatches."""
     with pytest.raises(ValueError) as info:
-        validate_config(_compose("+recipe=deepseek_moe", *overrides), world_size=1)
+        validate_config(compose_config("+recipe=deepseek_moe", *overrides), world_size=1)
     for fragment in fragments:
         assert fragment in str(info.value)
 
@@ -399,17 +395,17 @@ def test_micro_batching_is_checked_at_start_up(overrides, fragments) -> None:
     """A sequence count per micro-batch next to the token budget would do nothing: refused
     with both fixes; a negative budget and an unknown old-policy pass are named."""
     with pytest.raises(ValueError) as info:
-        validate_config(_compose("+recipe=deepseek_moe", *overrides), world_size=1)
+        validate_config(compose_config("+recipe=deepseek_moe", *overrides), world_size=1)
     for fragment in fragments:
         assert fragment in str(info.value)
-    cfg = _compose("+recipe=deepseek_moe", "parallel.micro_batch_size=2",
+    cfg = compose_config("+recipe=deepseek_moe", "parallel.micro_batch_size=2",
                    "trainer.max_tokens_per_microbatch=0")  # fmt: skip
     assert validate_config(cfg, world_size=1).parallel.micro_batch_size == 2
 
 
 def test_dr_grpo_takes_the_rollout_length_as_its_normaliser() -> None:
     cfg = validate_config(
-        _compose("+recipe=deepseek_moe", "algo=dr_grpo", "rollout.max_new_tokens=12"), 1
+        compose_config("+recipe=deepseek_moe", "algo=dr_grpo", "rollout.max_new_tokens=12"), 1
     )
     assert (cfg.algo.loss.agg, cfg.algo.loss.norm_length) == ("seq_mean_token_sum_norm", 12)
     assert cfg.algo.old_policy == "recompute"
@@ -424,7 +420,7 @@ def test_engine_device_reaches_the_engine_flags(device: str) -> None:
     from moerl.engine.cli import parse_args
     from moerl.launch import engine_flags
 
-    cfg = validate_config(_compose(f"engine.device={device}"), world_size=1)
+    cfg = validate_config(compose_config(f"engine.device={device}"), world_size=1)
     flags = engine_flags(cfg.engine)
     assert flags[flags.index("--device") + 1] == device
     if device in ("auto", "cpu"):  # parse_args checks the device exists on this machine
@@ -432,13 +428,13 @@ def test_engine_device_reaches_the_engine_flags(device: str) -> None:
 
 
 def test_engine_device_defaults_to_auto() -> None:
-    assert _compose().engine.device == "auto"
+    assert compose_config().engine.device == "auto"
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:0"])
 def test_a_bad_engine_device_names_the_key_and_the_choices(device: str) -> None:
     with pytest.raises(ValueError, match=rf"engine.device='{device}' .*'auto', 'cpu', 'cuda'"):
-        validate_config(_compose(f"engine.device={device}"), world_size=1)
+        validate_config(compose_config(f"engine.device={device}"), world_size=1)
 
 
 @pytest.mark.parametrize(
