@@ -34,12 +34,13 @@ PRELOADED = (
     "transformers.integrations.moe",
 )
 """The modules ``build_state`` and the server import: torch, transformers' model stack
-and the app's, most of an engine's start on a laptop (4 of its 4.7 s)."""
+and the app's: on a laptop all of an engine's start but the 0.5–0.7 s its model and
+server take."""
 
 
 def preload() -> None:
     """Import ``PRELOADED``, for a process that knows it will be an engine before it
-    knows its flags (moerl/engine/warm.py)."""
+    knows its flags (``--await-start``: moerl/engine/__main__.py)."""
     for name in PRELOADED:
         importlib.import_module(name)
 
