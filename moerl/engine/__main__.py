@@ -19,20 +19,24 @@ from moerl.engine.launch import build_state, preload
 
 
 def read_order(line: str) -> dict[str, Any] | None:
-    """``--await-start``'s order: {"log": file, "api_key": key or absent}; None for an
-    empty line (end of input); ValueError for a malformed one."""
+    """``--await-start``'s order: {"log": file, "api_key": key (optional), "env": the
+    variables to set (optional)}; None for an empty line (end of input); ValueError for
+    a malformed one."""
     if not line.strip():
         return None
     order = json.loads(line)
     if not isinstance(order, dict) or not isinstance(order.get("log"), str):
         raise ValueError(f"--await-start: the order needs its log file; got {line[:200]!r}")
+    if not isinstance(order.get("env", {}), dict):
+        raise ValueError(f"--await-start: the order's env must be an object; got {line[:200]!r}")
     return order
 
 
 def await_start() -> bool:
     """``--await-start``: import what the engine needs (``launch.PRELOADED``), then wait
-    for the order on stdin; from it on, stdout and stderr go to its log and its API key
-    is this process's ``MOERL_API_KEY``. False (exit quietly) for no order: before it,
+    for the order on stdin; from it on, stdout and stderr go to its log, its API key is
+    this process's ``MOERL_API_KEY`` and its ``env`` is set (the variables read only
+    after this: moerl/engine/process.py ``LATE_ENV``). False (exit quietly) for no order: before it,
     the process has loaded no model, opened no port and written nothing."""
     preload()
     order = read_order(sys.stdin.readline())
@@ -44,6 +48,7 @@ def await_start() -> bool:
     os.close(fd)
     if order.get("api_key"):
         os.environ[API_KEY_ENV] = str(order["api_key"])
+    os.environ.update({str(k): str(v) for k, v in order.get("env", {}).items()})
     return True
 
 

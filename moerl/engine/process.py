@@ -184,6 +184,12 @@ class EngineProcess:
         self.close()
 
 
+LATE_ENV = frozenset({API_KEY_ENV, "TORCHINDUCTOR_CACHE_DIR"})
+"""Environment variables an engine reads only after its start's imports, which a warm
+engine's order passes on: the API key, and torch's compile cache directory (torch sets
+it in the launcher itself when its checks import torch's compile stack)."""
+
+
 class WarmEngine:
     """An engine started before its run's config is checked: ``python -m moerl.engine``
     with the flags the launcher expects to give it and ``--await-start``, so it imports
@@ -206,17 +212,21 @@ class WarmEngine:
     def take(
         self, argv: list[str], log_path: Path, api_key: str | None, env: dict[str, str]
     ) -> subprocess.Popen[bytes] | None:
-        """The process, told to go on as the engine ``argv`` and ``env`` (without the API
-        key) describe, with its output in ``log_path`` and ``api_key`` as its key; None
-        where it cannot be that engine (it exited, or was started with other flags or
-        another environment: the checked config differs from the one it was started
-        for), in which case it is closed."""
-        unkeyed = {k: v for k, v in env.items() if k != API_KEY_ENV}
-        same = argv == self.argv and unkeyed == self.env
+        """The process, told to go on as the engine ``argv`` and ``env`` describe, with
+        its output in ``log_path``, ``api_key`` as its key and ``env``'s ``LATE_ENV``;
+        None where it cannot be that engine (it exited, or was started with other flags
+        or another environment: the checked config differs from the one it was started
+        for, or a variable it read as it started changed since), in which case it is
+        closed."""
+        early = {k: v for k, v in env.items() if k not in LATE_ENV}
+        same = argv == self.argv and early == {
+            k: v for k, v in self.env.items() if k not in LATE_ENV
+        }
         if not same or self.proc.poll() is not None or self.proc.stdin is None:
             self.close()
             return None
-        order = {"log": str(log_path), "api_key": api_key}
+        late = {k: env[k] for k in sorted(LATE_ENV - {API_KEY_ENV}) if k in env}
+        order = {"log": str(log_path), "api_key": api_key, "env": late}
         try:
             self.proc.stdin.write(json.dumps(order).encode() + b"\n")
             self.proc.stdin.close()

@@ -219,6 +219,8 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path, way):
     engines = [p for p in psutil.process_iter(["cmdline"])
                if "moerl.engine" in (p.info["cmdline"] or []) and str(run / "init_hf") in p.info["cmdline"]]  # fmt: skip
     assert len(engines) == 1
+    if not torchrun:  # the launcher started it before its checks (moerl.launch.warm_engines)
+        assert "--await-start" in engines[0].cmdline()
     killed_after = len(read_metrics(run))
     engines[0].kill()
     out, err = proc.communicate(timeout=300)

@@ -24,11 +24,15 @@ def _proc_file(pid: int, name: str) -> bytes:
     return Path(f"/proc/{pid}/{name}").read_bytes()
 
 
-def test_a_warm_process_becomes_the_engine_its_order_names(tiny_checkpoints, tmp_path):
+def test_a_warm_process_becomes_the_engine_its_order_names(tiny_checkpoints, tmp_path, monkeypatch):
+    """Also where the launcher's own imports set a variable the engine reads only later
+    (torch's compile cache directory, ``LATE_ENV``) after the warm process started."""
     key = secrets.token_urlsafe(32)
     model = tiny_checkpoints["deepseek_moe"]
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     warm = WarmEngine(model, "--enable-return-routed-experts", threads=1)
     assert b"--await-start" in _proc_file(warm.proc.pid, "cmdline")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     log = tmp_path / "engine.log"
     with EngineProcess(
         model, "--enable-return-routed-experts", api_key=key,
