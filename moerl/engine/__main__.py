@@ -36,8 +36,9 @@ def await_start() -> bool:
     """``--await-start``: import what the engine needs (``launch.PRELOADED``), then wait
     for the order on stdin; from it on, stdout and stderr go to its log, its API key is
     this process's ``MOERL_API_KEY`` and its ``env`` is set (the variables read only
-    after this: moerl/engine/process.py ``LATE_ENV``). False (exit quietly) for no order: before it,
-    the process has loaded no model, opened no port and written nothing."""
+    after this: moerl/engine/process.py ``LATE_ENV``). False (exit quietly) for no
+    order: before it, the process has loaded no model, opened no port and written
+    nothing."""
     preload()
     order = read_order(sys.stdin.readline())
     if order is None:

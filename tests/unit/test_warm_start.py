@@ -19,7 +19,7 @@ from moerl.launch import policy_engine_flags, warm_engines
 
 VERSION_PY = {
     "cpu": "__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n",
-    "cuda": "__version__ = '2.13.0+cu128'\ncuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n",
+    "cuda": "__version__ = '2.13.0+cu128'\ncuda = '12.8'\nhip: Optional[str] = None\n",
     "rocm": "__version__ = '2.13.0+rocm6.4'\ncuda = None\nhip = '6.4.1'\n",
     "old": "__version__ = '1.0'\ncuda = None\n",  # no hip field: not told
 }
