@@ -40,11 +40,17 @@ from moerl.validate import resolve_checkpoint_dir, validate_config
 register_configs()
 
 
+def checkpoint_path(cfg: Any, run_dir: Path) -> Path:
+    """Where the HF checkpoint the run starts from is: ``model.path``, else the run
+    directory's ``init_hf`` (``prepare_checkpoint`` writes it)."""
+    return Path(cfg.model.path) if cfg.model.path else run_dir / "init_hf"
+
+
 def prepare_checkpoint(cfg: Any, run_dir: Path) -> Path:
     """The HF checkpoint the run starts from: ``model.path``, else a random model from
     the config (seeded by trainer.seed), written once into the run directory."""
+    path = checkpoint_path(cfg, run_dir)
     if cfg.model.path:
-        path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"model.path={path} has no config.json: point it at a local Hugging Face "
@@ -53,11 +59,10 @@ def prepare_checkpoint(cfg: Any, run_dir: Path) -> Path:
         return path
     from moerl.models.hf_tiny import save_tiny_checkpoint
 
-    out = run_dir / "init_hf"
-    if not (out / "config.json").is_file():
-        print(f"moerl: writing a random {cfg.model.family} model to {out}", flush=True)
-        save_tiny_checkpoint(cfg.model, out, seed=cfg.trainer.seed)
-    return out
+    if not (path / "config.json").is_file():
+        print(f"moerl: writing a random {cfg.model.family} model to {path}", flush=True)
+        save_tiny_checkpoint(cfg.model, path, seed=cfg.trainer.seed)
+    return path
 
 
 def model_from_checkpoint(model: Any) -> Any:
@@ -491,7 +496,7 @@ def warm_engines(cfg: DictConfig, run_dir: Path) -> list[Any]:
             return []
         threads = resolve_threads(typed, typed.launcher.world_size(), has_cuda=False).engine
         count, flags = engine.count(), policy_engine_flags(typed)
-        hf_dir = Path(typed.model.path) if typed.model.path else run_dir / "init_hf"
+        hf_dir = checkpoint_path(typed, run_dir)
     except Exception:  # the preflight reports what is wrong with the config
         return []
     if not cpu_only_build():
