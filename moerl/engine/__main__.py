@@ -13,14 +13,13 @@ import sys
 from typing import Any
 
 from moerl.common.gc_freeze import freeze_gc
-from moerl.engine import API_KEY_ENV
 from moerl.engine.cli import parse_args
 from moerl.engine.launch import build_state, preload
 
 
 def read_order(line: str) -> dict[str, Any] | None:
-    """``--await-start``'s order: {"log": file, "api_key": key (optional), "env": the
-    variables to set (optional)}; None for an empty line (end of input); ValueError for
+    """``--await-start``'s order: {"log": file, "env": the variables to set (optional:
+    the API key, ``MOERL_API_KEY``, among them)}; None for an empty line (end of input); ValueError for
     a malformed one."""
     if not line.strip():
         return None
@@ -34,9 +33,9 @@ def read_order(line: str) -> dict[str, Any] | None:
 
 def await_start() -> bool:
     """``--await-start``: import what the engine needs (``launch.PRELOADED``), then wait
-    for the order on stdin; from it on, stdout and stderr go to its log, its API key is
-    this process's ``MOERL_API_KEY`` and its ``env`` is set (the variables read only
-    after this: moerl/engine/process.py ``LATE_ENV``). False (exit quietly) for no
+    for the order on stdin; from it on, stdout and stderr go to its log and its ``env``
+    is set (the variables read only after this, the API key among them:
+    moerl/engine/process.py ``LATE_ENV``). False (exit quietly) for no
     order: before it, the process has loaded no model, opened no port and written
     nothing."""
     preload()
@@ -47,8 +46,6 @@ def await_start() -> bool:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    if order.get("api_key"):
-        os.environ[API_KEY_ENV] = str(order["api_key"])
     os.environ.update({str(k): str(v) for k, v in order.get("env", {}).items()})
     return True
 

@@ -165,9 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--await-start",
         action="store_true",
         help="after the imports, wait for one line on stdin before loading the model: a JSON "
-        "object with the log file the output goes to from then on ('log'), and optionally "
-        "the API key ('api_key') and environment variables to set ('env'); an empty line or "
-        "the end of input exits. The launcher starts its engines so while it checks the "
+        "object with the log file the output goes to from then on ('log') and, optionally, "
+        "environment variables to set ('env': the API key, MOERL_API_KEY, among them); an "
+        "empty line or the end of input exits. The launcher starts its engines so while it checks the "
         "config (moerl/engine/process.py WarmEngine; moerl's own)",
     )
     p.add_argument(

@@ -98,7 +98,7 @@ class EngineProcess:
             self._log = self.log_path.open("ab")
         warm, self._warm = self._warm, None
         if warm is not None:
-            proc = warm.take(self._argv, self.log_path, self.api_key, self._env)
+            proc = warm.take(self._argv, self.log_path, self._env)
             if proc is not None:
                 self.proc = proc
                 return
@@ -210,10 +210,10 @@ class WarmEngine:
         )
 
     def take(
-        self, argv: list[str], log_path: Path, api_key: str | None, env: dict[str, str]
+        self, argv: list[str], log_path: Path, env: dict[str, str]
     ) -> subprocess.Popen[bytes] | None:
         """The process, told to go on as the engine ``argv`` and ``env`` describe, with
-        its output in ``log_path``, ``api_key`` as its key and ``env``'s ``LATE_ENV``;
+        its output in ``log_path`` and ``env``'s ``LATE_ENV`` (the API key among them);
         None where it cannot be that engine (it exited, or was started with other flags
         or another environment: the checked config differs from the one it was started
         for, or a variable it read as it started changed since), in which case it is
@@ -225,8 +225,7 @@ class WarmEngine:
         if not same or self.proc.poll() is not None or self.proc.stdin is None:
             self.close()
             return None
-        late = {k: env[k] for k in sorted(LATE_ENV - {API_KEY_ENV}) if k in env}
-        order = {"log": str(log_path), "api_key": api_key, "env": late}
+        order = {"log": str(log_path), "env": {k: env[k] for k in sorted(LATE_ENV) if k in env}}
         try:
             self.proc.stdin.write(json.dumps(order).encode() + b"\n")
             self.proc.stdin.close()

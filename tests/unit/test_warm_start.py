@@ -108,13 +108,13 @@ def test_no_warm_engine_under_torchrun_or_for_a_config_the_preflight_refuses(mon
 
 
 def test_an_awaiting_engine_reads_one_order_line():
-    order = {"log": "/tmp/e.log", "api_key": "k"}
+    order = {"log": "/tmp/e.log", "env": {"MOERL_API_KEY": "k"}}
     assert read_order(json.dumps(order) + "\n") == order
     assert read_order(json.dumps({"log": "/tmp/e.log"})) == {"log": "/tmp/e.log"}
     assert read_order("") is None and read_order("\n") is None  # end of input: quietly
     with_env = {"log": "/tmp/e.log", "env": {"TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}}
     assert read_order(json.dumps(with_env)) == with_env
-    for bad in ('{"api_key": "k"}', '{"log": 3}', "[]"):
+    for bad in ('{"env": {}}', '{"log": 3}', "[]"):
         with pytest.raises(ValueError, match="the order needs its log file"):
             read_order(bad)
     with pytest.raises(ValueError, match="env must be an object"):
