@@ -334,6 +334,107 @@ def skip_identity_sorts() -> None:
     )
 
 
+def _plain_linear(original: Any) -> Any:
+    import functools
+
+    import torch.nn.functional as F
+
+    @functools.wraps(original)
+    def linear(
+        input: Any,  # noqa: A002 (megatron-core's names, passed as keywords)
+        weight: Any,
+        bias: Any,
+        gradient_accumulation_fusion: bool,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+        grad_output_buffer: Any = None,
+        wgrad_deferral_limit: Any = 0,
+        async_grad_allreduce: Any = None,
+        tp_group: Any = None,
+    ) -> Any:
+        plain = bias is None and grad_output_buffer is None
+        if plain and not (gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel):
+            return F.linear(input, weight)
+        return original(
+            input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+            sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
+            async_grad_allreduce, tp_group,
+        )  # fmt: skip
+
+    return linear
+
+
+def plain_linears() -> None:
+    """Site: ``ColumnParallelLinear`` and ``RowParallelLinear`` compute their local
+    product through ``linear_with_grad_accumulation_and_async_allreduce``, a Python
+    autograd function (forward ~25 µs, backward ~60 µs of Python per linear at a tiny
+    model's sizes, 29 linears a step) also where it does nothing but the product: no
+    bias, no gradient all-reduce, no sequence parallelism, no fused weight-gradient
+    accumulation, no deferred weight gradients. There torch's own ``F.linear`` (a
+    ``matmul`` by the transposed weight, as the function's) runs instead, its backward
+    in C++; outputs and gradients are bit for bit the function's
+    (tests/unit/test_compat_plain_linears.py). Anything else goes to the original."""
+    from megatron.core.tensor_parallel import layers
+
+    name = "linear_with_grad_accumulation_and_async_allreduce"
+    _patch(layers, name, _plain_linear(getattr(layers, name)))
+
+
+def _alone(group: Any) -> bool:
+    return group is not None and group.size() == 1
+
+
+def _skipped_when_alone(original: Any) -> Any:
+    import functools
+
+    @functools.wraps(original)
+    def mapping(input_: Any, group: Any = None) -> Any:
+        return input_ if _alone(group) else original(input_, group)
+
+    return mapping
+
+
+def _all_to_all_skipped_when_alone(original: Any) -> Any:
+    import functools
+
+    @functools.wraps(original)
+    def all_to_all(
+        group: Any, input_: Any, output_split_sizes_: Any = None, input_split_sizes: Any = None
+    ) -> Any:
+        if _alone(group):
+            return input_
+        return original(group, input_, output_split_sizes_, input_split_sizes)
+
+    return all_to_all
+
+
+def single_rank_mappings() -> None:
+    """Site: the linears, the shared experts and the alltoall dispatcher call megatron-
+    core's tensor-parallel mappings (copy to / reduce from the region, ``all_to_all``)
+    through Python autograd functions also for a group of one rank, where each returns
+    its input and its gradient unchanged (``_CopyToModelParallelRegion``,
+    ``_ReduceFromModelParallelRegion``, ``_AllToAll``: 27 calls a step on the tiny
+    model). With an explicit group of size 1 the input comes back as it is, without the
+    function; a larger group, or none given (megatron then looks up its default), goes
+    to the original."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import shared_experts, token_dispatcher
+
+    for site in (layers, shared_experts):
+        for name in (
+            "copy_to_tensor_model_parallel_region",
+            "reduce_from_tensor_model_parallel_region",
+        ):
+            if hasattr(site, name):
+                _patch(site, name, _skipped_when_alone(getattr(site, name)))
+    if hasattr(token_dispatcher, "all_to_all"):
+        _patch(
+            token_dispatcher,
+            "all_to_all",
+            _all_to_all_skipped_when_alone(token_dispatcher.all_to_all),
+        )
+
+
 _ROUTER_ATTRS = ("expert_bias", "reset_global_aux_loss_tracker")
 
 
@@ -419,6 +520,8 @@ def install() -> None:
     foreach_grad_norm_and_scale()
     skip_identity_sorts()
     cached_router_walks()
+    plain_linears()
+    single_rank_mappings()
     from megatron.core.transformer.moe import token_dispatcher
 
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _move_tensor_to_host)
