@@ -210,7 +210,23 @@ PEFT_CONFIG: dict[str, Kind] = {
 
 
 def check_finite(value: Any, root: str = "") -> None:
-    """Refuse NaN and ±inf anywhere in a parsed JSON value (iteratively: any depth)."""
+    """Refuse NaN and ±inf anywhere in a parsed JSON value (iteratively: any depth). The
+    values are looked at first without their paths (a weight push names every tensor);
+    only a refusal walks again to name where the bad number is."""
+    stack: list[Any] = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                _refuse_nonfinite(value, root)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def _refuse_nonfinite(value: Any, root: str) -> None:
+    """``check_finite``'s refusal: the path of the first NaN or ±inf, in its walk's order."""
     stack: list[tuple[str, Any]] = [(root, value)]
     while stack:
         path, v = stack.pop()

@@ -65,3 +65,34 @@ def test_a_control_body_names_the_type_before_the_number():
     with pytest.raises(RequestError, match="config_dict.lora_alpha: must be a finite number"):
         body = {"lora_name": "a", "config_dict": {"r": 4, "lora_alpha": math.nan}}
         check_control("/load_lora_adapter_from_tensors", body)
+
+
+def test_a_large_body_is_checked_and_a_bad_number_deep_in_it_named():
+    """A weight push's body names every tensor: the walk looks at every value, and a
+    refusal names where the bad number is, however deep."""
+    body = {
+        "names": [f"model.layers.{i}.w" for i in range(200)],
+        "dtypes": ["float32"] * 200,
+        "shapes": [[64, 32]] * 200,
+        "group_name": "g",
+        "extra": [{"a": [0.5, 1.0]}] * 50,
+    }
+    check_control("/update_weights_from_distributed", body)  # finite: nothing raised
+    for bad in (math.nan, math.inf, -math.inf):
+        body["extra"] = [{"a": [0.5, 1.0]}] * 40 + [{"a": [0.5, {"b": [2.0, bad]}]}]
+        with pytest.raises(RequestError, match=r"extra\[40\].a\[1\].b\[1\]: must be a finite"):
+            check_control("/update_weights_from_distributed", body)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+     torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn],
+)  # fmt: skip
+@pytest.mark.parametrize("shape", [[], [0], [7], [3, 5], [2, 3, 4]])
+def test_a_buckets_byte_count_is_torchs(dtype, shape):
+    from moerl.engine.weights.bucket import dtype_of, nbytes
+
+    want = torch.empty(shape, dtype=dtype).numel() * torch.empty(0, dtype=dtype).element_size()
+    assert nbytes(dtype, shape) == want
+    assert dtype_of(str(dtype)) is dtype and dtype_of(str(dtype).removeprefix("torch.")) is dtype

@@ -7,11 +7,14 @@ from ``names``, ``dtypes`` (torch attribute names such as "bfloat16") and ``shap
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import torch
 
 
+@functools.lru_cache(maxsize=64)
 def dtype_of(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -26,7 +29,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -209,6 +209,7 @@ def register_weight_routes(
     # why); up to three times this model's bytes: its parameters plus staging buckets
     model_bytes = sum(p.numel() * p.element_size() for p in runner.params.values())
     mapped = MappedStorages(3 * model_bytes)
+    most_bytes = 8 * sum(t.numel() for t in runner.params.values())  # fp64, every parameter
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: HTTPRequest) -> Any:
@@ -323,7 +324,7 @@ def register_weight_routes(
         if not names or not (len(names) == len(dtypes or []) == len(shapes or [])):
             return fail("names, dtypes and shapes must be non-empty lists of equal length")
         stated = sum(nbytes(dtype_of(d), s) for d, s in zip(dtypes, shapes))
-        if stated > 8 * sum(t.numel() for t in runner.params.values()):
+        if stated > most_bytes:
             return fail(f"the push states {stated} bytes, more than this model could hold")
         load_format = body.get("load_format")
         if load_format not in (None, "direct", "flattened_bucket"):
