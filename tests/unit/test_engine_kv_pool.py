@@ -255,3 +255,42 @@ def test_slots_reading_held_prefixes_equal_the_full_forward(runner):
     pool.attach(owners[2].slot, Prefix(*wave.export(rows[1].slot, 6), 6))  # type: ignore[arg-type]
     assert pool.prefix(owners[0].slot) is held and pool.tokens == 8 + 2 * 4 + 6  # type: ignore[arg-type]
     _decode_as_full_forward(runner, pool, owners, seqs, rng)
+
+
+def test_export_many_equals_each_export_and_loads_back(runner):
+    """A decode step's finished requests are exported together (moerl/engine/core/scheduler.py
+    ``_keep``): slots of different lengths holding their own tokens, one reading a prefix,
+    one asked for fewer tokens than it holds and one for none: every export equals the
+    slot's own ``export``, bit for bit, and one loaded into a fresh slot decodes as its
+    sequence."""
+    rng = np.random.default_rng(5)
+    pool = runner.new_pool(8)
+    owners = allocated(pool, 4)
+    seqs = [rng.integers(3, 100, n).tolist() for n in (5, 13, 8, 3)]
+    runner.extend(pool, [o.slot for o in owners], seqs)
+    wave = runner.new_pool(1, slots=1, tokens=6)
+    lead = Owner()
+    wave.alloc(lead)
+    prompt = rng.integers(3, 100, 6).tolist()
+    runner.extend(wave, [lead.slot], [prompt])
+    reader = Owner()
+    pool.alloc(reader)
+    pool.attach(reader.slot, Prefix(*wave.export(lead.slot, 6), 6))  # type: ignore[arg-type]
+    runner.extend(pool, [reader.slot], [[7, 8]])  # type: ignore[list-item]
+    wanted = [(owners[0].slot, 5), (owners[1].slot, 10), (reader.slot, 8), (owners[2].slot, 8),
+              (owners[3].slot, 0), (owners[3].slot, 3)]  # fmt: skip
+    got = pool.export_many(wanted)  # type: ignore[arg-type]
+    assert len(got) == len(wanted)
+    for (slot, n), (keys, values) in zip(wanted, got):
+        want_keys, want_values = pool.export(slot, n)  # type: ignore[arg-type]
+        assert len(keys) == len(want_keys) == len(values)
+        for a, b in zip(keys + values, want_keys + want_values):
+            assert a.shape == b.shape and torch.equal(a, b), (slot, n)
+    fresh = Owner()
+    pool.alloc(fresh)
+    keys, values = got[1]
+    pool.load(fresh.slot, keys, values)  # type: ignore[arg-type]
+    logits_BV, _ = runner.decode(pool, [fresh.slot], [seqs[1][10]])  # type: ignore[list-item]
+    want, _ = full_forward(runner, seqs[1][:11])
+    torch.testing.assert_close(logits_BV[0], want[-1], rtol=1e-4, atol=1e-4)
+    assert pool.export_many([]) == []

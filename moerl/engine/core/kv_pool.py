@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -398,6 +399,36 @@ class KVPool:
             if source.prefixes[s] is not None:
                 self.attached += 1
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+
+    def export_many(
+        self, wanted: list[tuple[int, int]]
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """``export`` of each (slot, n), equal to it, in fewer ops: the slots that read no
+        prefix are gathered in one indexed copy per pool tensor and split into per-layer
+        [H, n, D] views of it (a decode step's finished requests share one allocation per
+        layer, freed once none of them is kept); the others are exported one by one."""
+        out: list[Any] = [None] * len(wanted)
+        alone = [i for i, (slot, n) in enumerate(wanted) if self.prefixes[slot] is None and n]
+        if len(alone) > 1:
+            counts = [wanted[i][1] for i in alone]
+            n_S = np.asarray(counts)
+            starts_S = np.cumsum(n_S) - n_S
+            # each token's (slot, position): slot s's positions 0..n_s-1, slot after slot
+            rows = torch.from_numpy(np.repeat([wanted[i][0] for i in alone], n_S))
+            at = torch.from_numpy(np.arange(n_S.sum()) - np.repeat(starts_S, n_S))
+            rows, at = rows.to(self.device), at.to(self.device)
+
+            def parts(pool: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+                # [H, sum(n), D]: the slots' tokens back to back, then one view each
+                return [t.transpose(0, 1)[:, rows, at].split(counts, dim=1) for t in pool]
+
+            keys, values = parts(self.keys), parts(self.values)
+            for j, i in enumerate(alone):
+                out[i] = ([k[j] for k in keys], [v[j] for v in values])
+        for i, (slot, n) in enumerate(wanted):
+            if out[i] is None:
+                out[i] = self.export(slot, n)
+        return out
 
     def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of positions 0..n-1 of ``slot`` (its prefix's first): per-layer [H, n, D]."""

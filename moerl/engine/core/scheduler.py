@@ -341,11 +341,10 @@ class Scheduler:
     def _settle(self) -> None:
         """The KV of the requests a decode step finished: to the prefix cache, then free."""
         settling, self._settling = self._settling or [], None
-        for request in settling:
-            try:
-                self._keep(request)
-            except Exception:  # a cache that cannot take it: the request is answered
-                log.exception("caching request %s failed", request.rid)
+        try:
+            self._keep(*settling)
+        except Exception:  # a cache that cannot take them: the requests are answered
+            log.exception("caching %d finished requests failed", len(settling))
         # the highest slot first: a freed slot takes the last used one's KV, and a step
         # that finishes the whole batch (a group's samples end together) then moves none
         # (each free in step order moved a finishing request's KV into a finishing slot)
@@ -943,28 +942,29 @@ class Scheduler:
         req.cached_tokens = n
         return n
 
-    def _keep(self, req: Request) -> None:
-        """Hand a finished request's processed tokens (all but the last sampled one), their
-        KV and routes to the prefix cache."""
+    def _keep(self, *requests: Request) -> None:
+        """Hand finished requests' processed tokens (all but the last sampled one), their
+        KV and routes to the prefix cache (the KV of all of them exported together)."""
         cache = self.prefix_cache
-        if cache is None or req.cache_epoch is None or req.slot is None:
+        if cache is None:
             return
-        n = self.pool.length(req.slot)
-        if not n:
-            return
-        tokens = (req.input_ids + req.output_ids)[:n]
-        routes_TLK = np.concatenate(req.routes, axis=0) if req.routes else None
-        if routes_TLK is None or len(routes_TLK) != n or len(tokens) != n:
-            log.warning("request %s: KV and routes disagree; not cached", req.rid)
-            return
-        keys, values = self.pool.export(req.slot, n)
-        seq = Sequence(
-            tokens_T=np.asarray(tokens, dtype=np.int64),
-            keys=keys,
-            values=values,
-            routes_TLK=routes_TLK,
-        )
-        cache.insert(req.lora, seq, req.cache_epoch)
+        kept: list[tuple[Request, list[int], np.ndarray]] = []
+        for req in requests:
+            if req.cache_epoch is None or req.slot is None:
+                continue
+            n = self.pool.length(req.slot)
+            if not n:
+                continue
+            tokens = (req.input_ids + req.output_ids)[:n]
+            routes_TLK = np.concatenate(req.routes, axis=0) if req.routes else None
+            if routes_TLK is None or len(routes_TLK) != n or len(tokens) != n:
+                log.warning("request %s: KV and routes disagree; not cached", req.rid)
+                continue
+            kept.append((req, tokens, routes_TLK))
+        exported = self.pool.export_many([(req.slot, len(t)) for req, t, _ in kept])  # type: ignore[misc]
+        for (req, tokens, routes_TLK), (keys, values) in zip(kept, exported):
+            seq = Sequence(np.asarray(tokens, dtype=np.int64), keys, values, routes_TLK)
+            cache.insert(req.lora, seq, req.cache_epoch)  # type: ignore[arg-type]
 
     def _shared(self, wave: KVPool, row: _Row) -> Prefix:
         """The copy of a shared row's prompt (its row of ``wave``) that its group reads and
