@@ -373,7 +373,7 @@ def plain_linears() -> None:
     accumulation, no deferred weight gradients. There torch's own ``F.linear`` (a
     ``matmul`` by the transposed weight, as the function's) runs instead, its backward
     in C++; outputs and gradients are bit for bit the function's
-    (tests/unit/test_compat_plain_linears.py). Anything else goes to the original."""
+    (tests/dist/test_plain_linears.py). Anything else goes to the original."""
     from megatron.core.tensor_parallel import layers
 
     name = "linear_with_grad_accumulation_and_async_allreduce"
