@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moerl.engine.weights.bucket import dtype_of
+from moerl.engine.weights.bucket import dtype_of, nbytes
 from moerl.sync.stream import Bucket, Staging, bucketize
 
 
@@ -195,7 +195,7 @@ def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _nbytes(piece: _Piece, dtype: str) -> int:
-    return torch.Size(piece.size).numel() * dtype_of(dtype).itemsize
+    return nbytes(dtype_of(dtype), piece.size)
 
 
 def _used(planned: list[_PlannedBucket]) -> dict[int, torch.Tensor]:

@@ -69,23 +69,18 @@ def _compare(family: str, dtype: str, out: str) -> None:
         return logits.detach(), [p.main_grad.clone() for p in params], _nodes(logits.grad_fn)
 
     patched = run()
+    replaced = {}  # (module, name) -> the patched function, put back after the reference
     for module, names in SITES.items():
         site = importlib.import_module(module)
         for name in names:
-            now = getattr(site, name)
-            record["patched"].append(now is not originals[(module, name)])
+            replaced[(module, name)] = getattr(site, name)
+            record["patched"].append(replaced[(module, name)] is not originals[(module, name)])
             setattr(site, name, originals[(module, name)])
     try:
         reference = run()
     finally:
-        for module, names in SITES.items():
-            site = importlib.import_module(module)
-            for name in names:
-                setattr(site, name, megatron_patches._plain_linear(originals[(module, name)])
-                        if name.startswith("linear_with") else
-                        (megatron_patches._all_to_all_skipped_when_alone
-                         if name == "all_to_all" else megatron_patches._skipped_when_alone)(
-                             originals[(module, name)]))  # fmt: skip
+        for (module, name), fn in replaced.items():
+            setattr(importlib.import_module(module), name, fn)
     record["logits_equal"] = torch.equal(patched[0], reference[0])
     record["grads"] = len(patched[1])
     record["grads_equal"] = all(torch.equal(a, b) for a, b in zip(patched[1], reference[1]))

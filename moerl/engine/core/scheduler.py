@@ -948,7 +948,7 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is None:
             return
-        kept: list[tuple[Request, list[int], np.ndarray]] = []
+        kept: list[tuple[Request, int, tuple[int, int], list[int], np.ndarray]] = []
         for req in requests:
             if req.cache_epoch is None or req.slot is None:
                 continue
@@ -960,11 +960,11 @@ class Scheduler:
             if routes_TLK is None or len(routes_TLK) != n or len(tokens) != n:
                 log.warning("request %s: KV and routes disagree; not cached", req.rid)
                 continue
-            kept.append((req, tokens, routes_TLK))
-        exported = self.pool.export_many([(req.slot, len(t)) for req, t, _ in kept])  # type: ignore[misc]
-        for (req, tokens, routes_TLK), (keys, values) in zip(kept, exported):
+            kept.append((req, req.slot, req.cache_epoch, tokens, routes_TLK))
+        exported = self.pool.export_many([(slot, len(t)) for _, slot, _, t, _ in kept])
+        for (req, _, epoch, tokens, routes_TLK), (keys, values) in zip(kept, exported):
             seq = Sequence(np.asarray(tokens, dtype=np.int64), keys, values, routes_TLK)
-            cache.insert(req.lora, seq, req.cache_epoch)  # type: ignore[arg-type]
+            cache.insert(req.lora, seq, epoch)
 
     def _shared(self, wave: KVPool, row: _Row) -> Prefix:
         """The copy of a shared row's prompt (its row of ``wave``) that its group reads and
