@@ -11,6 +11,7 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
+from engine_slots_for_tests import allocated
 from test_engine_shared_prompt import _run
 
 from moerl.engine.core.model_runner import ModelRunner
@@ -166,3 +167,61 @@ def test_a_router_that_computes_otherwise_keeps_the_mode():
 
     assert invariant._router_twin(Qwen3MoeTopKRouter()) is None
     assert invariant._router_twin(torch.nn.Linear(4, 4)) is None  # no twin for the class
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mla_caches_expanded_keys_with_transformers_bits(tiny_checkpoints, dtype):
+    """In the mode, DeepSeek's MLA caches each token's expanded keys and values
+    (moerl/engine/core/invariant.py ``_mla_forward``): the pool holds heads × head dims
+    per token, not the latent, and every scenario's tokens, logprobs and routes equal
+    those of a runner whose attention is transformers' own forward (latent cache, every
+    cached token expanded again at each step)."""
+    import torch
+
+    path = tiny_checkpoints["deepseek_moe"]
+    runner = ModelRunner(path, dtype=dtype, deterministic=True)
+    own = ModelRunner(path, dtype=dtype, deterministic=True)
+    attention = [m for m in own.model.modules() if type(m).__name__ == "DeepseekV3Attention"]
+    assert attention and all(m.forward.func.__name__ == "_mla_forward" for m in attention)
+    for module in attention:
+        module.forward = module.forward.args[1]  # transformers' forward, as loaded
+    twin, reference = _scenarios(runner), _scenarios(own)
+    for name, got in twin.items():
+        want = reference[name]
+        assert got.output_ids == want.output_ids, name
+        assert got.logprobs == want.logprobs, name
+        np.testing.assert_array_equal(np.concatenate(got.routes), np.concatenate(want.routes))
+    module = attention[0]
+    pools = []
+    for each in (runner, own):
+        pool = each.new_pool(2)
+        each.extend(pool, [allocated(pool, 1)[0].slot], [TARGET])
+        pools.append(pool)
+    heads = module.num_heads
+    assert pools[0].keys[0].shape[1:] == (heads, pools[0].capacity, module.qk_head_dim)
+    assert pools[0].values[0].shape[1:] == (heads, pools[0].capacity, module.v_head_dim)
+    assert pools[1].keys[0].shape[1] == 1  # transformers' latent
+    assert pools[0].keys[0].dtype == getattr(torch, dtype)
+
+
+def test_an_mla_forward_that_computes_otherwise_keeps_transformers_forward(tiny_checkpoints):
+    """The expanded-cache twin replaces an attention's forward only where it gives that
+    forward's bits on the probe: one that computes otherwise (another release), or
+    another class, keeps its own."""
+    import torch
+
+    from moerl.engine.core import invariant
+
+    runner = ModelRunner(tiny_checkpoints["deepseek_moe"], deterministic=True)
+    module = next(m for m in runner.model.modules() if type(m).__name__ == "DeepseekV3Attention")
+    own = module.forward.args[1]
+    module.forward = own
+    assert invariant._mla_twin(runner.model, module) is not None
+
+    def other(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out, weights = own(*args, **kwargs)
+        return out * 2, weights
+
+    module.forward = other
+    assert invariant._mla_twin(runner.model, module) is None
+    assert invariant._mla_twin(runner.model, torch.nn.Linear(4, 4)) is None

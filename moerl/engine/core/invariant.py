@@ -16,6 +16,12 @@ them into transformers' model where its own are not invariant:
   linear, softmax/sigmoid and sums; DeepSeek-V3's and Qwen3-MoE's routers run a twin
   here instead that calls those ops directly (``_ROUTER_TWINS``; the mode's per-op
   dispatch doubled their time), used only where it gives the mode's bits on a probe;
+- DeepSeek-V3's multi-head latent attention caches each token's expanded keys and
+  values rather than its latent (``_mla_forward``, where its bits equal transformers'
+  forward on a probe): a step expands its new tokens only, where transformers' forward
+  expands every cached token again (the trainer's order, so not the engine's absorbed
+  decode); the KV pool then holds heads × (key + value dims) per token and layer instead
+  of the latent's rank + rotary dims (10× on the mid shape, some 70× on DeepSeek-V3);
 - everything else the forward does is exact as torch runs it (embedding lookups,
   residual adds, the rotary tables' products, views) and runs as it is.
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -107,6 +114,92 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+EXPANDED_MLA = frozenset({"DeepseekV3Attention"})
+"""transformers' MLA attention classes whose keys and values the mode caches expanded
+(their forward's op order checked on a probe at load, ``_mla_twin``)."""
+
+
+def _mla_forward(
+    module: Any,
+    original: Callable[..., Any],
+    rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """transformers' ``DeepseekV3Attention.forward`` with the cache holding each token's
+    expanded keys and values (``kv_b_proj`` of its latent, the rotary key per head)
+    instead of the latent: a forward expands its new tokens only, where transformers'
+    expands every cached token again at every step. ``bi.linear`` gives a row the same
+    bits wherever and whenever it is computed, so the keys and values are those bits.
+    No cache (or an unexpected call): transformers' own forward."""
+    cache = kwargs.pop("cache", kwargs.pop("past_key_values", None))
+    if args or cache is None or position_embeddings is None:
+        if cache is not None:
+            kwargs["cache"] = cache
+        return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    batch, length = hidden_states.shape[:-1]
+    nope, rope, rank = module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank
+    if module.q_lora_rank is None:
+        q = module.q_proj(hidden_states)
+    else:
+        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+    q = q.view(batch, length, -1, module.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_nope, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    kv_nope = module.kv_a_layernorm(kv_nope).view(batch, 1, length, rank)
+    k_rot = k_rot.view(batch, 1, length, rope)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    keys, values = module.expand_kv(kv_nope, k_rot)  # the new tokens' only
+    keys, values = cache.update(keys, values, module.layer_idx, kwargs=kwargs)
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    out, _ = attention_forward(
+        module, query, keys, values, attention_mask, scaling=module.scaling, **kwargs
+    )
+    return module.o_proj(out.reshape(batch, length, -1).contiguous()), None
+
+
+def _mla_twin(model: torch.nn.Module, module: torch.nn.Module) -> Callable[..., Any] | None:
+    """``_mla_forward`` bound to ``module`` if its class is one of ``EXPANDED_MLA`` and it
+    gives the bits of the module's own forward on a probe (a prefill of 5 tokens, then a
+    decode step, each with its own cache); else None (transformers' forward stays)."""
+    expand = getattr(module, "expand_kv", None)
+    if type(module).__name__ not in EXPANDED_MLA or not callable(expand):
+        return None
+    from transformers.cache_utils import DynamicCache
+
+    modeling = sys.modules[type(module).__module__]
+    interleave = getattr(module.config, "rope_interleave", False)
+    rotate = getattr(
+        modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb", None
+    )
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    if rotate is None or rotary is None:
+        return None
+    original = module.forward
+    twin = functools.partial(_mla_forward, module, original, rotate)
+    weight = cast(torch.nn.Linear, module.o_proj).weight
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, weight.shape[0], generator=gen).to(weight.device, weight.dtype)
+    positions = torch.arange(6, device=weight.device)[None].expand(2, -1)
+    try:
+        with torch.no_grad():
+            pe = rotary(hidden, positions)
+            out = []
+            for forward in (original, twin):
+                cache = DynamicCache()
+                first = forward(hidden[:, :5], tuple(t[:, :5] for t in pe), None, cache=cache)
+                step = forward(hidden[:, 5:], tuple(t[:, 5:] for t in pe), None, cache=cache)
+                out.append((first[0], step[0]))
+    except Exception:  # attributes of another release: transformers' forward
+        return None
+    same = all(torch.equal(a, b) for a, b in zip(out[0], out[1], strict=True))
+    return twin if same else None
+
+
 def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [
         (name, m)
@@ -178,6 +271,10 @@ def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
     if getattr(config, "_experts_implementation", None) is not None:
         model.set_experts_implementation(NAME)  # type: ignore[operator]
     model.set_attn_implementation(NAME)  # type: ignore[operator]
+    for module in list(model.modules()):
+        twin = _mla_twin(model, module)
+        if twin is not None:
+            module.forward = twin  # type: ignore[method-assign]
 
 
 def _deepseek_v3_gate(

@@ -21,7 +21,8 @@ of slots up to ``max_slots``, the capacity up to ``max_tokens``), so a pool size
 longest request is reallocated a logarithmic number of times and holds at most a quarter
 more than it needs (doubling held up to twice: a group's KV then missed the 1.3 x bound
 of issue 29's target). The layer shapes (H, D) are read from the first forward:
-transformers' MLA caches its compressed latent, not per-head keys.
+transformers' MLA caches its compressed latent, not per-head keys (the
+batch-invariant mode caches MLA's expanded keys and values: ``moerl.engine.core.invariant``).
 
 ``SlotCache`` is the ``transformers.Cache`` a forward gets: it routes each layer's
 ``update`` to the pool. The forward also gets the 4D attention mask from ``attention_mask``
