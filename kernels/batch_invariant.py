@@ -490,16 +490,15 @@ def _tiled_attention(
         scores = torch.bmm(q_part.reshape(b * h, n_pad, d), keys_t)  # [B·h, n_pad, T]
         scores = scores.view(b, h, n_pad, k_pad)[..., :n, :] * factor
         seen = counts if isinstance(counts, int) else counts[..., first : first + n, None]
-        scores = scores.masked_fill(key_ids >= seen, -math.inf)
+        scores.masked_fill_(key_ids >= seen, -math.inf)
         p = torch.exp(_shifted(scores, -1))  # [B, h, n, T]
         total = fold_sum(p, -1)[..., None]
-        if n_pad != n:
-            p = torch.cat([p, p.new_zeros(b, h, n_pad - n, k_pad)], dim=-2)
-        # [B, h, n_pad, Tt, keys] → one [n_pad, keys] block per key tile
-        p_tiles = p.view(b, h, n_pad, tiles, ATTENTION_KEYS).transpose(2, 3)
-        parts = torch.bmm(p_tiles.reshape(-1, n_pad, ATTENTION_KEYS), v_tiles)
-        weighted = fold_sum(parts.view(b, h, tiles, n_pad, dv), 2)[..., :n, :]
-        outs.append(torch.where(total > 0, weighted / total, torch.zeros_like(weighted)))
+        # one [n_pad, keys] block per key tile, the padding rows zero: [B, h, Tt, n_pad, keys]
+        p_tiles = p.new_zeros(b, h, tiles, n_pad, ATTENTION_KEYS)
+        p_tiles[..., :n, :] = p.view(b, h, n, tiles, ATTENTION_KEYS).transpose(2, 3)
+        parts = torch.bmm(p_tiles.view(-1, n_pad, ATTENTION_KEYS), v_tiles)
+        weighted = fold_sum(parts.view(b, h, tiles, n_pad, dv)[..., :n, :], 2)
+        outs.append(torch.where(total > 0, weighted / total, 0.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
