@@ -29,10 +29,12 @@ sqrt, cos, sin; fp32 rsqrt) are used as they are; sigmoid and silu are built fro
 (``F.linear``, softmax, mean, sdpa, ...) to these ops inside its ``with`` block, and
 refuses a matrix product it has no rule for rather than let it through.
 
-These rules were measured on the CPU (MKL). On CUDA they do not all hold: on an H200,
-in fp32, a batch of 16 or more fixed-shape tiles gives a row other bits than a shorter
-batch (``tools/gpu/probe_invariance.py`` checks each op on a device); a tile product of
-one fixed batch shape, or batch-invariant Triton kernels, are the GPU path's work.
+These rules were measured on the CPU (MKL). On CUDA torch's products do not keep them:
+on an H200, in fp32, a batch of 16 or more fixed-shape tiles gave a row other bits than
+a shorter batch (``tools/gpu/probe_invariance.py`` checks each op on a device). Every
+product here therefore goes through ``tile_product``: torch's own on the CPU, on CUDA
+one Triton kernel of one fixed configuration whose element sums do not depend on the
+batch or the shapes (checked in Triton's interpreter; not yet run on a GPU).
 """
 
 # B batch, h heads, Q query tokens, T key tokens, D head dim, E experts, K top-k
@@ -49,6 +51,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from moerl.kernels import tile_product
 
 ROWS = 16
 """Rows of each fixed-shape product in ``linear``."""
@@ -487,7 +491,7 @@ def _tiled_attention(
         q_part = q[..., first : first + n, :]
         if n_pad != n:
             q_part = torch.cat([q_part, q_part.new_zeros(b, h, n_pad - n, d)], dim=-2)
-        scores = torch.bmm(q_part.reshape(b * h, n_pad, d), keys_t)  # [B·h, n_pad, T]
+        scores = tile_product.bmm(q_part.reshape(b * h, n_pad, d), keys_t)  # [B·h, n_pad, T]
         scores = scores.view(b, h, n_pad, k_pad)[..., :n, :] * factor
         seen = counts if isinstance(counts, int) else counts[..., first : first + n, None]
         scores.masked_fill_(key_ids >= seen, -math.inf)
@@ -496,7 +500,7 @@ def _tiled_attention(
         # one [n_pad, keys] block per key tile, the padding rows zero: [B, h, Tt, n_pad, keys]
         p_tiles = p.new_zeros(b, h, tiles, n_pad, ATTENTION_KEYS)
         p_tiles[..., :n, :] = p.view(b, h, n, tiles, ATTENTION_KEYS).transpose(2, 3)
-        parts = torch.bmm(p_tiles.view(-1, n_pad, ATTENTION_KEYS), v_tiles)
+        parts = tile_product.bmm(p_tiles.view(-1, n_pad, ATTENTION_KEYS), v_tiles)
         weighted = fold_sum(parts.view(b, h, tiles, n_pad, dv)[..., :n, :], 2)
         outs.append(torch.where(total > 0, weighted / total, 0.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
@@ -636,10 +640,10 @@ def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     products by tests/unit/test_batch_invariant.py). A single output column (a GEMV
     path) does not, nor do fewer than 4 rows: those keep the tiles."""
     if weight.dim() == 2 and weight.shape[0] > 1:
-        return torch.mm(rows, weight.t())
+        return tile_product.mm(rows, weight.t())
     tiles = rows.reshape(-1, ROWS, rows.shape[-1])
     per_tile = weight.expand(tiles.shape[0], *weight.shape[-2:])
-    return torch.bmm(tiles, per_tile.transpose(1, 2)).view(-1, weight.shape[-2])
+    return tile_product.bmm(tiles, per_tile.transpose(1, 2)).view(-1, weight.shape[-2])
 
 
 _ROUTES: dict[Any, Callable[..., Any]] = {}
