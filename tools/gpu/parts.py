@@ -248,7 +248,8 @@ def _true_on_policy_results(work: Path, log: Path) -> dict[str, Any]:
 
 def _probe_results(work: Path, log: Path) -> dict[str, Any]:
     found = json.loads((work / "probe.json").read_text())
-    return {"device": found["device"], "invariant": f"{found['invariant']}/{found['total']}",
+    return {"device": found["device"], "products": found.get("products", "torch"),
+            "invariant": f"{found['invariant']}/{found['total']}",
             "differs": {k: len(v) for k, v in found["ops"].items() if v}}  # fmt: skip
 
 

@@ -16,7 +16,7 @@ asks whether a weight's first 64 outputs keep their bits inside a wider product 
 weights in the trainer, separate ones in the engine).
 
 Prints one line per (op, dtype): ``probe <op> <dtype> invariant=<bool> differs=<placements>``
-and a last line ``probe device=… invariant=N/M``; ``--out`` writes the same as JSON.
+and a last line ``probe device=… products=torch|triton invariant=N/M``; ``--out`` writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = devices.resolve(args.device)
     found: dict[str, Any] = {"ops": {}}
     found["device"] = devices.name() if device.type == "cuda" else "cpu"
+    from moerl.kernels.dispatch import use_triton
+
+    # who runs the ops' products here (kernels/tile_product.py): torch, or the Triton kernel
+    probe_tensor = torch.zeros(1, device=device)
+    found["products"] = "triton" if use_triton(probe_tensor) else "torch"
     for name in args.dtypes:
         dtype = getattr(torch, name)
         for op, (fn, row, make_other) in cases(device, dtype).items():
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ours = {k: v for k, v in found["ops"].items() if not k.startswith("torch_")}
     found["invariant"] = sum(not v for v in ours.values())
     found["total"] = len(ours)
-    print(f"probe device={found['device']} invariant={found['invariant']}/{found['total']}")
+    print(f"probe device={found['device']} products={found['products']} "
+          f"invariant={found['invariant']}/{found['total']}")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(found, indent=1))
     return found
