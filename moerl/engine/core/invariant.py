@@ -135,11 +135,11 @@ def _mla_forward(
     expands every cached token again at every step. ``bi.linear`` gives a row the same
     bits wherever and whenever it is computed, so the keys and values are those bits.
     No cache (or an unexpected call): transformers' own forward."""
-    cache = kwargs.pop("cache", kwargs.pop("past_key_values", None))
+    key = "cache" if "cache" in kwargs else "past_key_values"  # transformers 5 renamed it
+    cache = kwargs.get(key)
     if args or cache is None or position_embeddings is None:
-        if cache is not None:
-            kwargs["cache"] = cache
         return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    del kwargs[key]
     batch, length = hidden_states.shape[:-1]
     nope, rope, rank = module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank
     if module.q_lora_rank is None:
@@ -166,8 +166,7 @@ def _mla_twin(model: torch.nn.Module, module: torch.nn.Module) -> Callable[..., 
     """``_mla_forward`` bound to ``module`` if its class is one of ``EXPANDED_MLA`` and it
     gives the bits of the module's own forward on a probe (a prefill of 5 tokens, then a
     decode step, each with its own cache); else None (transformers' forward stays)."""
-    expand = getattr(module, "expand_kv", None)
-    if type(module).__name__ not in EXPANDED_MLA or not callable(expand):
+    if type(module).__name__ not in EXPANDED_MLA or not callable(getattr(module, "expand_kv", 0)):
         return None
     from transformers.cache_utils import DynamicCache
 
