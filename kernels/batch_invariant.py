@@ -263,12 +263,22 @@ def logsumexp(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
 @_plain
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(−x)), computed in fp32 for fp16/bf16."""
-    return (1.0 / (1.0 + torch.exp(-_wide(x)))).to(x.dtype)
+    return _sigmoid(_wide(x)).to(x.dtype)
+
+
+def _sigmoid(w: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(−w)) of an fp32 (or fp64) tensor; without autograd in one buffer,
+    each op in place (the same ops, the same bits, no temporaries)."""
+    if torch.is_grad_enabled() and w.requires_grad:
+        return 1.0 / (1.0 + torch.exp(-w))
+    out = torch.neg(w)
+    return torch.reciprocal(out.exp_().add_(1.0), out=out)
 
 
 @_plain
 def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    return (_wide(x) * sigmoid(_wide(x))).to(x.dtype)
+    w = _wide(x)
+    return (w * _sigmoid(w)).to(x.dtype)
 
 
 @_plain
