@@ -214,14 +214,15 @@ def test_an_mla_forward_that_computes_otherwise_keeps_transformers_forward(tiny_
 
     runner = ModelRunner(tiny_checkpoints["deepseek_moe"], deterministic=True)
     module = next(m for m in runner.model.modules() if type(m).__name__ == "DeepseekV3Attention")
+    rotary = runner.model.model.rotary_emb
     own = module.forward.args[1]
     module.forward = own
-    assert invariant._mla_twin(runner.model, module) is not None
+    assert invariant._mla_twin(module, rotary) is not None
 
     def other(*args, **kwargs):  # type: ignore[no-untyped-def]
         out, weights = own(*args, **kwargs)
         return out * 2, weights
 
     module.forward = other
-    assert invariant._mla_twin(runner.model, module) is None
-    assert invariant._mla_twin(runner.model, torch.nn.Linear(4, 4)) is None
+    assert invariant._mla_twin(module, rotary) is None
+    assert invariant._mla_twin(torch.nn.Linear(4, 4), rotary) is None

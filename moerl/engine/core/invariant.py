@@ -40,12 +40,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
+from moerl.engine.core import mla
 from moerl.kernels import batch_invariant as bi
 
 NAME = "moerl_batch_invariant"
@@ -162,29 +162,20 @@ def _mla_forward(
     return module.o_proj(out.reshape(batch, length, -1).contiguous()), None
 
 
-def _mla_twin(model: torch.nn.Module, module: torch.nn.Module) -> Callable[..., Any] | None:
-    """``_mla_forward`` bound to ``module`` if its class is one of ``EXPANDED_MLA`` and it
-    gives the bits of the module's own forward on a probe (a prefill of 5 tokens, then a
-    decode step, each with its own cache); else None (transformers' forward stays)."""
-    if type(module).__name__ not in EXPANDED_MLA or not callable(getattr(module, "expand_kv", 0)):
-        return None
+def _mla_twin(module: torch.nn.Module, rotary: torch.nn.Module) -> Callable[..., Any] | None:
+    """``_mla_forward`` bound to ``module`` (an ``EXPANDED_MLA`` attention; ``rotary``:
+    its model's rotary embedding) if it gives the bits of the module's own forward on a
+    probe (a prefill of 5 tokens, then a decode step, each with its own cache); else
+    None (transformers' forward stays)."""
     from transformers.cache_utils import DynamicCache
 
-    modeling = sys.modules[type(module).__module__]
-    interleave = getattr(module.config, "rope_interleave", False)
-    rotate = getattr(
-        modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb", None
-    )
-    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
-    if rotate is None or rotary is None:
-        return None
     original = module.forward
-    twin = functools.partial(_mla_forward, module, original, rotate)
-    weight = cast(torch.nn.Linear, module.o_proj).weight
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2, 6, weight.shape[0], generator=gen).to(weight.device, weight.dtype)
-    positions = torch.arange(6, device=weight.device)[None].expand(2, -1)
     try:
+        twin = functools.partial(_mla_forward, module, original, mla.rotary_function(module))
+        weight = cast(torch.nn.Linear, module.o_proj).weight
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(2, 6, weight.shape[0], generator=gen).to(weight.device, weight.dtype)
+        positions = torch.arange(6, device=weight.device)[None].expand(2, -1)
         with torch.no_grad():
             pe = rotary(hidden, positions)
             out = []
@@ -197,6 +188,22 @@ def _mla_twin(model: torch.nn.Module, module: torch.nn.Module) -> Callable[..., 
         return None
     same = all(torch.equal(a, b) for a, b in zip(out[0], out[1], strict=True))
     return twin if same else None
+
+
+def _expand_mla(model: torch.nn.Module) -> None:
+    """Give each ``EXPANDED_MLA`` attention of ``model`` its ``_mla_twin`` where the probe
+    passes (the model's rotary embedding looked up once)."""
+    attention = [
+        m for m in model.modules()
+        if type(m).__name__ in EXPANDED_MLA and callable(getattr(m, "expand_kv", None))
+    ]  # fmt: skip
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    if not attention or rotary is None:
+        return
+    for module in attention:
+        twin = _mla_twin(module, rotary)
+        if twin is not None:
+            module.forward = twin  # type: ignore[method-assign]
 
 
 def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -270,10 +277,7 @@ def enable(model: torch.nn.Module, routers: dict[int, torch.nn.Module]) -> None:
     if getattr(config, "_experts_implementation", None) is not None:
         model.set_experts_implementation(NAME)  # type: ignore[operator]
     model.set_attn_implementation(NAME)  # type: ignore[operator]
-    for module in list(model.modules()):
-        twin = _mla_twin(model, module)
-        if twin is not None:
-            module.forward = twin  # type: ignore[method-assign]
+    _expand_mla(model)
 
 
 def _deepseek_v3_gate(

@@ -63,18 +63,22 @@ def install(model: torch.nn.Module, enabled: Callable[[], bool]) -> int:
     count = 0
     for module in model.modules():
         if absorbable(module):
-            # the rotary function of the module's own modeling file, as its forward picks it
-            modeling = sys.modules[type(module).__module__]
-            interleave = getattr(module.config, "rope_interleave", False)
-            rotate = getattr(
-                modeling,
-                "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb",
-            )
             module.forward = functools.partial(  # type: ignore[method-assign]
-                _forward, module, module.forward, enabled, rotate
+                _forward, module, module.forward, enabled, rotary_function(module)
             )
             count += 1
     return count
+
+
+def rotary_function(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The rotary function of ``module``'s own modeling file, as its forward picks it
+    (interleaved or not, by ``config.rope_interleave``)."""
+    modeling = sys.modules[type(module).__module__]
+    interleave = getattr(module.config, "rope_interleave", False)
+    rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]] = getattr(
+        modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
+    )
+    return rotate
 
 
 def _forward(
