@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 
 _PR_SET_PDEATHSIG = 1
 # Loaded here, in the parent: a child between fork and exec only calls it.
@@ -34,6 +36,28 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
     if os.getppid() != parent:  # the parent died before the signal was armed
         os.kill(os.getpid(), sig)
+
+
+def die_with(pid: int, sig: int = signal.SIGKILL) -> bool:
+    """Have this process receive ``sig`` when process ``pid`` exits, any process (not
+    only its parent, which ``die_with_parent`` covers): a daemon thread waits on a
+    descriptor of that process (``os.pidfd_open``, Linux 5.3+). If ``pid`` is already
+    gone, the signal comes at once. Returns False where the system cannot watch
+    another process (nothing is done)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), sig)
+        return True
+    except (AttributeError, OSError):  # not Linux, or a kernel without pidfd
+        return False
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"moerl-die-with-{pid}", daemon=True).start()
+    return True
 
 
 def free_port() -> int:
