@@ -17,7 +17,7 @@ import pytest
 from moerl.checks.parity import FP32_TOL, ParityConfig, run_layout, run_reference
 
 DEFAULT = ["pp2", "tp2ep2"]
-SLOW = ["tp2", "ep2", "etp2ep2", "tp2pp2", "dp2ep2", "tp2etp1ep2", "pp2dp2"]
+OTHER_LAYOUTS = ["tp2", "ep2", "etp2ep2", "tp2pp2", "dp2ep2", "tp2etp1ep2", "pp2dp2"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,13 +43,14 @@ def test_layout_matches_single_process(layout, reference):
     _check(layout, *reference)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", SLOW)
-def test_layout_matches_single_process_slow(layout, reference):
+# every other layout: since ranks fork from a server that imported torch and
+# megatron-core once (moerl/parallel/spawn.py), a layout costs seconds, not a fresh import
+# per rank, and all of them run by default
+@pytest.mark.parametrize("layout", OTHER_LAYOUTS)
+def test_other_layouts_match_single_process(layout, reference):
     _check(layout, *reference)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep2", "tp2ep2", "etp2ep2"])
 def test_allgather_dispatcher_matches_single_process(layout, tmp_path):
     cfg = ParityConfig(dispatcher="allgather")
@@ -57,7 +58,6 @@ def test_allgather_dispatcher_matches_single_process(layout, tmp_path):
     _check(layout, tmp_path, cfg)
 
 
-@pytest.mark.slow
 def test_plain_ddp_matches_single_process(tmp_path):
     cfg = ParityConfig(use_distributed_optimizer=False)
     run_reference(tmp_path, cfg)
@@ -117,7 +117,6 @@ def test_replay_matches_single_process_replayed_run(replay_reference, reference)
     assert abs(replayed["loss1"] - plain["loss1"]) > 1e-5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "etp2ep2", "tp2pp2", "dp2ep2"])
-def test_replay_matches_single_process_replayed_run_slow(layout, replay_reference):
+def test_replay_matches_the_replayed_run_in_other_layouts(layout, replay_reference):
     _check(layout, *replay_reference)
