@@ -1,8 +1,8 @@
 """What the forkserver that starts local ranks imports once (``moerl.parallel.spawn``).
 
-Every rank imports torch and megatron-core before it runs a line of moerl: about three
-seconds of CPU each, so a 4-rank world on a 2-core laptop spent some six seconds of
-wall time importing before its first collective. On a CPU-only torch build the ranks
+Every rank imports torch and megatron-core before it runs a line of moerl: 3–6 s of CPU
+each, so a 4-rank world on a 2-core laptop spent six to ten seconds of wall time
+importing before its first collective. On a CPU-only torch build the ranks
 are forked from a server process that imported these modules once; a rank then starts
 in milliseconds. Only libraries load here, in the order the CPU layer
 (``moerl.compat.activate``) loads them: Triton held back first (megatron-core would map

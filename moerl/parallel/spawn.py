@@ -8,8 +8,8 @@ How a rank starts (``start_method``): with a CUDA (or ROCm) build of torch, as a
 interpreter (multiprocessing's ``spawn``), which never shares a CUDA context. With a
 CPU-only build on Linux, forked from multiprocessing's forkserver, a server process
 that imported torch and megatron-core once (``moerl.parallel.preload``): each rank then
-starts in milliseconds instead of importing for three seconds of CPU (a 4-rank world on
-2 cores: some six seconds of wall time before its first collective). A forked rank
+starts in milliseconds instead of importing for 3–6 s of CPU (a 4-rank world on 2
+cores: six to ten seconds of wall time before its first collective). A forked rank
 gets what a fresh one would have had from its spawner at the moment it starts:
 multiprocessing hands it the spawner's working directory, ``sys.path`` and main module;
 ``spawn`` adds its environment and its stdout/stderr (the server's are those of the
