@@ -30,7 +30,8 @@ directly, no HTTP):
 Then the same in bf16 (engine and trainer; checkpoint weights rounded to bf16 values), in
 the single layout (not with ``--quick``); and the main job (``+recipe=deepseek_moe
 staleness=sync``, ``--run-steps`` steps, 20; not with ``--quick``) with both modes on and
-both off: reward per step, step time, k3 and abs_diff_max from metrics.jsonl.
+both off, two runs of each alternating (``MAIN_JOB_PAIRS``): reward per step, step time, k3
+and abs_diff_max from metrics.jsonl.
 
 Summary line: ``true_on_policy engine_invariant=N/M engine_overhead=… engine_overhead_mid=…
 layouts_exact=… abs_diff_max=… abs_diff_max_off=… trainer_overhead=… trainer_overhead_mid=…
@@ -140,15 +141,32 @@ def trainer_match(
     return out
 
 
-def main_job(tmp: Path, steps: int, timeout_s: int = 1200) -> dict[str, Any]:
+MAIN_JOB_PAIRS = 2
+"""Runs of the main job per mode, alternating (on, off, then off, on): with one run per
+mode the row read 1.16x and 1.64x an hour apart (the off step took 90 ms in one and
+133 ms in the other)."""
+
+
+def main_job(
+    tmp: Path, steps: int, timeout_s: int = 1200, pairs: int = MAIN_JOB_PAIRS
+) -> dict[str, Any]:
     """The main job (``+recipe=deepseek_moe staleness=sync``, the tiny model) for ``steps``
-    steps with both modes on (``RUN_FLAGS``) and with both off: per step the reward, the
-    step time, k3 and max |log π_trainer − log μ| from its metrics.jsonl."""
+    steps with both modes on (``RUN_FLAGS``) and with both off, ``pairs`` runs of each,
+    alternating: per step of each mode's first run the reward, the step time, k3 and max
+    |log π_trainer − log μ| from its metrics.jsonl; ``step_overhead`` is the median step
+    time over every run with the modes on over the same with them off (each run's first
+    step left out: it carries the first forward's warm-up), ``run_medians_s`` each run's
+    median step time."""
     from moerl.telemetry.metrics import read_metrics
 
     out: dict[str, Any] = {}
-    for mode, flags in (("on", RUN_FLAGS), ("off", ())):
-        run = tmp / f"run-{mode}"
+    warm = slice(1, None)
+    steps_s: dict[str, list[float]] = {"on": [], "off": []}
+    medians: dict[str, list[float]] = {"on": [], "off": []}
+    order = [m for i in range(pairs) for m in (("on", "off") if i % 2 == 0 else ("off", "on"))]
+    for i, mode in enumerate(order):
+        flags = RUN_FLAGS if mode == "on" else ()
+        run = tmp / f"run-{mode}-{i}"
         cmd = [sys.executable, "-m", "moerl.launch", "+recipe=deepseek_moe", "staleness=sync",
                f"trainer.train_iters={steps}", "eval.every=0", "trainer.checkpoint_dir=null",
                "telemetry.progress_interval_s=1000", f"hydra.run.dir={run}", *flags]  # fmt: skip
@@ -157,15 +175,17 @@ def main_job(tmp: Path, steps: int, timeout_s: int = 1200) -> dict[str, Any]:
             raise RuntimeError(f"main job ({mode}) exited with {proc.returncode}:\n"
                                f"{proc.stderr[-3000:]}")  # fmt: skip
         rows = read_metrics(run)
-        out[mode] = {
+        data = {
             "reward": [r["reward_mean"] for r in rows],
             "step_s": [r["step_s"] for r in rows],
             "k3": [r["mismatch/k3"] for r in rows],
             "abs_diff_max": [r["mismatch/abs_diff_max"] for r in rows],
         }
-    warm = slice(1, None)  # step 0 carries the first forward's warm-up
-    on, off = (statistics.median(out[m]["step_s"][warm]) for m in ("on", "off"))
-    out["step_overhead"] = on / off
+        out.setdefault(mode, data)
+        steps_s[mode].extend(data["step_s"][warm])
+        medians[mode].append(statistics.median(data["step_s"][warm]))
+    out["step_overhead"] = statistics.median(steps_s["on"]) / statistics.median(steps_s["off"])
+    out["run_medians_s"] = medians
     return out
 
 
@@ -369,7 +389,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"main job {mode}: reward per step {curve}; k3 mean="
                       f"{statistics.mean(job[mode]['k3']):.3g} abs_diff_max="
                       f"{max(job[mode]['abs_diff_max']):.3g}", flush=True)  # fmt: skip
-            print(f"main job step time on/off={job['step_overhead']:.2f}", flush=True)
+            runs = " ".join(
+                f"{m}={','.join(f'{1e3 * x:.0f}' for x in job['run_medians_s'][m])}ms"
+                for m in ("on", "off")
+            )
+            print(f"main job step time on/off={job['step_overhead']:.2f} ({runs})", flush=True)
         if not args.no_mid:
             mid_match = trainer_match("deepseek_moe", Path(tmp), 8, args.new_tokens, ("single",),
                                       shape=_mid_shape(), flags=engine_flags)  # fmt: skip
