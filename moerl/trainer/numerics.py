@@ -15,7 +15,8 @@ What ``enable`` does to the model chunks:
   ``BatchInvariant``, which reroutes megatron-core's ``torch.matmul``, where its own
   function also all-reduces gradients or gathers a sequence-parallel input),
   ``torch.nn.RMSNorm``, SiLU (the MLPs' ``activation_func``), core attention
-  (``LocalCoreAttention.sdpa``) and the routers (inside the mode); the embedding, rotary
+  (``LocalCoreAttention.sdpa``) and the routers' logits and scores (their ``gating`` and
+  routing function inside the mode); the embedding, rotary
   tables, residual adds and the dispatcher's permutations are exact as they are and run
   as they are (a mode around the whole forward cost a dispatch on each of its ops);
 - a softmax router that renormalises its top-k (Qwen3-MoE's ``norm_topk_prob``) takes
@@ -41,6 +42,7 @@ fp32 or bf16 and the torch logprob path only; the preflight refuses the rest (``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -175,7 +177,12 @@ def enable(chunks: list[Any], family: str | None = None) -> None:
             elif isinstance(module, LocalCoreAttention):
                 module.sdpa = bi.attention
             elif isinstance(module, TopKRouter):
-                module.forward = bi.invariant(module.forward)  # type: ignore[method-assign]
+                # the logits' product and the scores' formula in the mode; the rest of the
+                # forward (aux losses, the expert bias's token counts) does not touch the
+                # routing's bits and runs as it is (the mode's per-op dispatch over the
+                # whole forward doubled the router's time)
+                module.gating = bi.invariant(module.gating)
+                module.routing = _matched(module.routing)
             elif isinstance(module, torch.nn.LayerNorm):
                 raise NotImplementedError(
                     "trainer.numerics=batch_invariant: LayerNorm models are not matched "
@@ -305,6 +312,25 @@ class _SumAcross(torch.autograd.Function):
         return grad, None
 
 
+_MATCHED_ROUTING: list[bool] = []
+"""Non-empty while a matched router's ``routing`` runs (``_matched``): its call of
+megatron-core's routing function then computes in the mode (``_routing``)."""
+
+
+def _matched(routing: Callable[..., Any]) -> Callable[..., Any]:
+    """A matched router's ``routing`` method: ``_routing`` knows it is called from it."""
+
+    @functools.wraps(routing)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _MATCHED_ROUTING.append(True)
+        try:
+            return routing(*args, **kwargs)
+        finally:
+            _MATCHED_ROUTING.pop()
+
+    return run
+
+
 def _patch_router() -> None:
     """megatron-core's router takes ``_routing`` (once per process)."""
     import megatron.core.transformer.moe.router as router
@@ -332,12 +358,23 @@ def _routing(
     """megatron-core's ``topk_routing_with_score_function``; inside a matching forward, a
     softmax router that renormalises its top-k computes transformers' way (module
     docstring)."""
-    plain = score_function != "softmax" or use_pre_softmax or num_groups or fused
-    if plain or not bi.in_mode():
-        return original(
-            logits_TE, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-            score_function, expert_bias, fused, router_replay,
-        )  # fmt: skip
+    args = (
+        logits_TE, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+        score_function, expert_bias, fused, router_replay,
+    )  # fmt: skip
+    if not (_MATCHED_ROUTING or bi.in_mode()):
+        return original(*args)
+    with contextlib.nullcontext() if bi.in_mode() else bi.BatchInvariant():
+        if score_function != "softmax" or use_pre_softmax or num_groups or fused:
+            return original(*args)
+        return _softmax_topk(logits_TE, topk, scaling_factor, router_replay)
+
+
+def _softmax_topk(
+    logits_TE: torch.Tensor, topk: int, scaling_factor: float | None, router_replay: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' renormalised softmax top-k (inside the mode: its softmax and sum
+    are the batch-invariant ones)."""
     scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     if router_replay is None:
         probs_TK, top_TK = torch.topk(scores_TE, k=topk, dim=1)
