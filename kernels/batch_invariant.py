@@ -557,10 +557,21 @@ def experts(
     expert's tokens, padded to whole [ROWS, H] tiles, go through ``_tiles`` (one product
     per expert and projection); a token's outputs, scaled by its weights, are summed in
     ascending expert id (a fixed order, not the order tokens reach an expert), in fp32 for
-    fp16/bf16. An id of E (transformers' mark for a dropped slot) adds nothing."""
+    fp16/bf16. An id of E (transformers' mark for a dropped slot) adds nothing. Few
+    tokens of a small model (``DENSE_EXTRA_MACS``) run every expert on every token
+    instead (``_every_expert``: the same bits, fewer and larger products)."""
     tokens, topk = ids_TK.shape
     num = gate_up_E2IH.shape[0]
     device = hidden_TH.device
+    # every expert on every token, where that is at most DENSE_EXTRA_MACS more work than
+    # the tiles of each token's own experts (of which there are at least tokens·topk rows)
+    every_rows = num * -(-max(tokens, 1) // ROWS) * ROWS
+    macs = gate_up_E2IH.shape[1] * gate_up_E2IH.shape[2] + down_EHI.shape[1] * down_EHI.shape[2]
+    if (every_rows - tokens * topk) * macs <= DENSE_EXTRA_MACS:
+        sorted_ids, by_id_t = ids_TK.sort(dim=-1, stable=True)
+        return _every_expert(
+            hidden_TH, sorted_ids, weights_TK.gather(1, by_id_t), gate_up_E2IH, down_EHI, act
+        )
     # the bookkeeping on the host, in numpy (a few small index arrays; the counts are
     # needed there anyway): torch's small ops cost more in dispatch than in work
     ids = ids_TK.cpu().numpy()
@@ -581,6 +592,48 @@ def experts(
     # summed in fp32 for fp16/bf16 and rounded once, as torch's scatter_add (megatron-core's
     # unpermute) accumulates a row's contributions
     slots = out.view(tokens, topk, -1)
+    total = _wide(slots[:, 0])
+    for k in range(1, topk):
+        total = total + _wide(slots[:, k])
+    return total.to(hidden_TH.dtype)
+
+
+DENSE_EXTRA_MACS = 1 << 22
+"""``experts`` runs every expert on every token when that costs at most this many more
+multiply-adds than the tiles of each token's own experts (``_every_expert``): on a small
+model's decode step the number of products, not their size, sets the time (the tiny
+model's 32-token step: 182 → 125 µs a layer in fp32, 268 → 174 in bf16; its 416-token
+prefill, ~10M more, 1.2× slower; the mid shape's decode, 100M more, 1.4× slower)."""
+
+
+def _every_expert(
+    hidden_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``experts``' result (``ids_TK`` ascending per token, ``weights_TK`` in that order)
+    with every expert applied to every token: the gate/up product as one fixed-shape tile
+    product against all experts' weights side by side, the down product one batch entry
+    per expert, then each token's own experts' outputs picked. A token's row meets the
+    same tile product as in its own experts' tiles (a row's bits do not depend on the
+    rows or the other weights' columns beside it: tests/unit/test_batch_invariant.py), and
+    its outputs are scaled and summed in ascending expert id as there, so the bits are
+    ``experts``' own."""
+    tokens, topk = ids_TK.shape
+    num, width, hidden = gate_up_E2IH.shape
+    rows, _ = _whole_tiles(hidden_TH)  # [Tp, H]
+    gate, up = (
+        _tiles(rows, gate_up_E2IH.reshape(num * width, hidden)).view(-1, num, width).chunk(2, -1)
+    )
+    h_ETI = (act(gate) * up).transpose(0, 1).contiguous()  # [E, Tp, I]
+    y_ETH = split_k(lambda x, w: tile_product.bmm(x, w.transpose(1, 2)), h_ETI, down_EHI, K_SPLITS)
+    valid = ids_TK < num  # transformers marks a dropped slot with id E: it adds nothing
+    picked = y_ETH[ids_TK.clamp(max=num - 1), torch.arange(tokens, device=ids_TK.device)[:, None]]
+    slots = (picked * weights_TK.unsqueeze(-1)).to(hidden_TH.dtype)  # [T, K, H]
+    slots = torch.where(valid.unsqueeze(-1), slots, torch.zeros((), dtype=slots.dtype))
     total = _wide(slots[:, 0])
     for k in range(1, topk):
         total = total + _wide(slots[:, k])

@@ -190,8 +190,11 @@ def test_attention_takes_tiles_for_prefix_masks_and_folds_for_others():
     _close(bi.attention(q, k, v, attn_mask=block), ref, torch.float32)
 
 
+@pytest.mark.parametrize("every_expert", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_experts_match_a_loop_and_a_token_alone(dtype):
+def test_experts_match_a_loop_and_a_token_alone(monkeypatch, dtype, every_expert):
+    if not every_expert:  # each token through its own experts' tiles only
+        monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", -1)
     g = _gen(9)
     tokens, hidden, inter, experts, topk = 21, 32, 16, 6, 3
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -222,6 +225,47 @@ def test_experts_match_a_loop_and_a_token_alone(dtype):
     got = bi.experts(x, dropped, weights, gate_up, down, bi.silu)
     partial = bi.experts(x, ids[:, :-1], weights[:, :-1], gate_up, down, bi.silu)
     assert torch.equal(got, partial)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, topk",
+    [(1, 64, 32, 8, 4), (32, 64, 32, 8, 4), (45, 48, 24, 6, 2), (33, 32, 16, 16, 1)],
+)
+def test_every_expert_on_every_token_gives_the_tiles_bits(
+    monkeypatch, dtype, tokens, hidden, inter, experts, topk
+):
+    """``_every_expert`` (one product against all experts' weights) against each token
+    through its own experts' tiles: the same bits, dropped slots included."""
+    g = _gen(14)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    ids[::3, -1] = experts  # dropped
+    weights = torch.rand(tokens, topk, generator=g)
+    taken = []
+    every = bi._every_expert
+    monkeypatch.setattr(bi, "_every_expert", lambda *a: taken.append(1) or every(*a))
+    monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", 1 << 60)
+    dense = bi.experts(x, ids, weights, gate_up, down, bi.silu)
+    monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", -1)
+    tiled = bi.experts(x, ids, weights, gate_up, down, bi.silu)
+    assert taken == [1]
+    assert torch.equal(dense, tiled)
+
+
+def test_every_expert_runs_for_a_small_models_decode_not_its_prefill(monkeypatch):
+    """The tiny engine model's shape (64 wide, 8 experts of 32, top-4): a 32-row decode
+    step takes ``_every_expert``, a 416-token prefill the tiles (~10M more products)."""
+    taken = []
+    every = bi._every_expert
+    monkeypatch.setattr(bi, "_every_expert", lambda *a: taken.append(a[0].shape[0]) or every(*a))
+    gate_up, down = torch.randn(8, 64, 64), torch.randn(8, 64, 32)
+    for tokens in (32, 416):
+        ids = torch.stack([torch.randperm(8)[:4] for _ in range(tokens)])
+        bi.experts(torch.randn(tokens, 64), ids, torch.rand(tokens, 4), gate_up, down, bi.silu)
+    assert taken == [32]
 
 
 def test_the_mode_reroutes_model_code_and_refuses_what_it_cannot_hold():
