@@ -569,9 +569,10 @@ def experts(
     macs = gate_up_E2IH.shape[1] * gate_up_E2IH.shape[2] + down_EHI.shape[1] * down_EHI.shape[2]
     if (every_rows - tokens * topk) * macs <= DENSE_EXTRA_MACS:
         sorted_ids, by_id_t = ids_TK.sort(dim=-1, stable=True)
-        return _every_expert(
-            hidden_TH, sorted_ids, weights_TK.gather(1, by_id_t), gate_up_E2IH, down_EHI, act
+        slots_TKH = _every_expert(
+            hidden_TH, (gate_up_E2IH, down_EHI), act, sorted_ids, weights_TK.gather(1, by_id_t)
         )
+        return _sum_slots(slots_TKH, hidden_TH.dtype)
     # the bookkeeping on the host, in numpy (a few small index arrays; the counts are
     # needed there anyway): torch's small ops cost more in dispatch than in work
     ids = ids_TK.cpu().numpy()
@@ -589,13 +590,17 @@ def experts(
     y = grouped_tiles(h, sizes, down_EHI, K_SPLITS)
     out = hidden_TH.new_zeros(tokens * topk, hidden_TH.shape[-1])
     out[order_t] = (y[dest] * weights_S1[order_t]).to(out.dtype)
-    # summed in fp32 for fp16/bf16 and rounded once, as torch's scatter_add (megatron-core's
-    # unpermute) accumulates a row's contributions
-    slots = out.view(tokens, topk, -1)
-    total = _wide(slots[:, 0])
-    for k in range(1, topk):
-        total = total + _wide(slots[:, k])
-    return total.to(hidden_TH.dtype)
+    return _sum_slots(out.view(tokens, topk, -1), hidden_TH.dtype)
+
+
+def _sum_slots(slots_TKH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A token's expert outputs [T, K, H] (in ascending expert id) summed in that order,
+    in fp32 for fp16/bf16 and rounded once, as torch's scatter_add (megatron-core's
+    unpermute) accumulates a row's contributions."""
+    total = _wide(slots_TKH[:, 0])
+    for k in range(1, slots_TKH.shape[1]):
+        total = total + _wide(slots_TKH[:, k])
+    return total.to(dtype)
 
 
 DENSE_EXTRA_MACS = 1 << 22
@@ -608,21 +613,21 @@ prefill, ~10M more, 1.2× slower; the mid shape's decode, 100M more, 1.4× slowe
 
 def _every_expert(
     hidden_TH: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
     ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    gate_up_E2IH: torch.Tensor,
-    down_EHI: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``experts``' result (``ids_TK`` ascending per token, ``weights_TK`` in that order)
-    with every expert applied to every token: the gate/up product as one fixed-shape tile
-    product against all experts' weights side by side, the down product one batch entry
-    per expert, then each token's own experts' outputs picked. A token's row meets the
-    same tile product as in its own experts' tiles (a row's bits do not depend on the
-    rows or the other weights' columns beside it: tests/unit/test_batch_invariant.py), and
-    its outputs are scaled and summed in ascending expert id as there, so the bits are
-    ``experts``' own."""
-    tokens, topk = ids_TK.shape
+    """Each token's scaled expert outputs [T, K, H] as ``experts`` makes them (``ids_TK``
+    ascending per token, ``weights_TK`` in that order; ``weights``: gate/up [E, 2I, H] and
+    down [E, H, I]), with every expert applied to every token: the gate/up product as one
+    fixed-shape tile product against all experts' weights side by side, the down product
+    one batch entry per expert, then each token's own experts' outputs picked. A token's
+    row meets the same tile product as in its own experts' tiles (a row's bits do not
+    depend on the rows or the other weights' columns beside it:
+    tests/unit/test_batch_invariant.py), so the bits are ``experts``' own."""
+    gate_up_E2IH, down_EHI = weights
+    tokens = ids_TK.shape[0]
     num, width, hidden = gate_up_E2IH.shape
     rows, _ = _whole_tiles(hidden_TH)  # [Tp, H]
     gate, up = (
@@ -633,11 +638,7 @@ def _every_expert(
     valid = ids_TK < num  # transformers marks a dropped slot with id E: it adds nothing
     picked = y_ETH[ids_TK.clamp(max=num - 1), torch.arange(tokens, device=ids_TK.device)[:, None]]
     slots = (picked * weights_TK.unsqueeze(-1)).to(hidden_TH.dtype)  # [T, K, H]
-    slots = torch.where(valid.unsqueeze(-1), slots, torch.zeros((), dtype=slots.dtype))
-    total = _wide(slots[:, 0])
-    for k in range(1, topk):
-        total = total + _wide(slots[:, k])
-    return total.to(hidden_TH.dtype)
+    return torch.where(valid.unsqueeze(-1), slots, torch.zeros((), dtype=slots.dtype))
 
 
 def tile_groups(counts: list[int], device: Any = None) -> tuple[list[int], torch.Tensor]:
