@@ -6,8 +6,13 @@ no TF32); the block is rounded to the inputs' dtype once. Rows past M, columns p
 and the K tail load zeros, which add nothing. No autotuning and no split-K: every
 launch has the same block shape and warps, so an element's sum is the same sequence of
 operations whatever the batch count, M, N or the element's place in its block.
-Triton 3's CPU interpreter miscomputes ``tl.dot`` on bf16 operands, so under
-``TRITON_INTERPRET=1`` they are upcast to fp32 first (exact: a bf16 product fits in fp32).
+Under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, the tests' way to run the kernel
+without a GPU) a block's products are summed without ``tl.dot``: the interpreter hands a
+dot to numpy's BLAS, which on some CPUs gives a row other bits by its place in the block
+(OpenBLAS on an AVX-512 EPYC: 10 of 16 rows of a [16, 32] × [32, 32] product), and it
+miscomputes bf16 operands. There each k-chunk's products are formed elementwise in fp32
+and summed over k in order, so the interpreter keeps the kernel's promise on any CPU;
+on a GPU the MMA units' own order is fixed by the block shape.
 """
 
 # B batch entries, M rows, K inner dim, N columns
@@ -31,7 +36,8 @@ def _bmm_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K, m_blocks, n_blocks,
     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # one flat grid: (batch, m block, n block)
     per_batch = m_blocks * n_blocks
@@ -52,7 +58,9 @@ def _bmm_kernel(
         b = tl.load(
             b_base + k[:, None] * s_bk, mask=(k < K)[:, None] & (cols < N)[None, :], other=0.0
         )
-        if IEEE:  # fp32 operands (or upcast ones): no TF32
+        if EXACT:  # the interpreter: products summed over k in order (module docstring)
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:  # fp32 operands: no TF32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -74,7 +82,8 @@ def bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor) -> torch.Tensor:
     _bmm_kernel[(batch * m_blocks * n_blocks,)](
         a_BMK, b_BKN, out, m, n, k, m_blocks, n_blocks,
         *a_BMK.stride(), *b_BKN.stride(), *out.stride(),
-        IEEE=a_BMK.dtype == torch.float32 or interpreting(), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=a_BMK.dtype == torch.float32, EXACT=interpreting(),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

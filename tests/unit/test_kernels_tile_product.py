@@ -115,7 +115,9 @@ def test_the_batch_invariant_ops_keep_their_promise_through_the_kernel(dtype):
             invariance.test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix(
                 dtype, 40, kv_heads
             )
-        invariance.test_experts_match_a_loop_and_a_token_alone(dtype)
+        for every_expert in (True, False):  # both of the experts' paths
+            with pytest.MonkeyPatch.context() as patch:
+                invariance.test_experts_match_a_loop_and_a_token_alone(patch, dtype, every_expert)
         invariance.test_rms_norm_is_transformers_formula_and_rerouted_from_torch(dtype)
     with backend("triton"):
         invariance.test_row_sums_give_a_row_the_same_bits_in_any_batch(64)
