@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -312,9 +313,14 @@ class _SumAcross(torch.autograd.Function):
         return grad, None
 
 
-_MATCHED_ROUTING: list[bool] = []
-"""Non-empty while a matched router's ``routing`` runs (``_matched``): its call of
-megatron-core's routing function then computes in the mode (``_routing``)."""
+class _Matched(threading.local):
+    depth = 0
+    """How many matched routers' ``routing`` calls this thread is inside (``_matched``):
+    its call of megatron-core's routing function then computes in the mode
+    (``_routing``); another thread's routers are not affected."""
+
+
+_MATCHED_ROUTING = _Matched()
 
 
 def _matched(routing: Callable[..., Any]) -> Callable[..., Any]:
@@ -322,11 +328,11 @@ def _matched(routing: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(routing)
     def run(*args: Any, **kwargs: Any) -> Any:
-        _MATCHED_ROUTING.append(True)
+        _MATCHED_ROUTING.depth += 1
         try:
             return routing(*args, **kwargs)
         finally:
-            _MATCHED_ROUTING.pop()
+            _MATCHED_ROUTING.depth -= 1
 
     return run
 
@@ -362,7 +368,7 @@ def _routing(
         logits_TE, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
         score_function, expert_bias, fused, router_replay,
     )  # fmt: skip
-    if not (_MATCHED_ROUTING or bi.in_mode()):
+    if not (_MATCHED_ROUTING.depth or bi.in_mode()):
         return original(*args)
     with contextlib.nullcontext() if bi.in_mode() else bi.BatchInvariant():
         if score_function != "softmax" or use_pre_softmax or num_groups or fused:

@@ -62,3 +62,24 @@ def test_token_logprobs_are_the_engine_samplers(batched):
                                    mask_ids_N=ids[pos != 2])  # fmt: skip
     assert some[2].item() == full[2].item() and some[0].item() == kept[0].item()
     assert full.tolist() != kept.tolist()
+
+
+def test_a_matched_routing_call_is_seen_on_its_own_thread_only():
+    """``_routing`` computes in the mode inside a matched router's ``routing`` call: the
+    mark is the calling thread's (another thread's default routers are not affected) and
+    is gone after the call, also after one that raised."""
+    import threading
+
+    seen: dict[str, int] = {}
+
+    def routing() -> None:
+        seen["inside"] = numerics._MATCHED_ROUTING.depth
+        other = threading.Thread(target=lambda: seen.update(other=numerics._MATCHED_ROUTING.depth))
+        other.start()
+        other.join()
+        raise RuntimeError("a failed routing")
+
+    with pytest.raises(RuntimeError, match="a failed routing"):
+        numerics._matched(routing)()
+    assert seen == {"inside": 1, "other": 0}
+    assert numerics._MATCHED_ROUTING.depth == 0
