@@ -60,7 +60,23 @@ def die_with(pid: int, sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports ``free_port`` returned in this process: the kernel may offer a port again once
+its probe socket closed, before the first taker bound it (an engine's port and the
+trainer's MASTER_PORT were once the same, and the engine could not start)."""
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port nothing is bound to now and that this process has not been
+    given before (the caller binds it later: a race with other processes remains, which
+    the engine narrows by binding its port as it starts, moerl/engine/__main__.py)."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise OSError("no loopback port left that this process was not given already")

@@ -5,16 +5,15 @@ and exits.
 
 from __future__ import annotations
 
+import argparse
+import errno
 import gc
 import json
 import logging
 import os
+import socket
 import sys
 from typing import Any
-
-from moerl.common.gc_freeze import freeze_gc
-from moerl.engine.cli import parse_args
-from moerl.engine.launch import build_state, preload
 
 
 def read_order(line: str) -> dict[str, Any] | None:
@@ -36,8 +35,10 @@ def await_start() -> bool:
     for the order on stdin; from it on, stdout and stderr go to its log and its ``env``
     is set (the variables read only after this, the API key among them:
     moerl/engine/process.py ``LATE_ENV``). False (exit quietly) for no
-    order: before it, the process has loaded no model, opened no port and written
-    nothing."""
+    order: before it, the process has loaded no model and written nothing (its port is
+    bound, not listened on: ``bind_port``)."""
+    from moerl.engine.launch import preload
+
     preload()
     order = read_order(sys.stdin.readline())
     if order is None:
@@ -50,10 +51,75 @@ def await_start() -> bool:
     return True
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The engine's listening socket, bound now and listened on once the model is
+    loaded, so the port is this engine's from its start: a port the launcher picked for
+    it cannot be taken while the model loads, and a client asking before then is
+    refused at once. Bound without SO_REUSEADDR first, which no other socket can share
+    (two that both set it may, while neither listens); with it where only connections
+    of an engine before this one still linger there (TIME_WAIT), as uvicorn binds.
+    Exits with the fix where the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for reuse in (False, True):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return sock
+        except OSError as err:
+            sock.close()
+            if err.errno != errno.EADDRINUSE or reuse:
+                fix = (
+                    "another process holds it; choose another --port or stop that process"
+                    if err.errno == errno.EADDRINUSE
+                    else "check --host and --port"
+                )
+                raise SystemExit(
+                    f"moerl.engine: cannot listen on {host}:{port} ({err.strerror}): {fix}"
+                ) from err
+    raise AssertionError("unreachable")
+
+
+class _Lenient(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # the full parse reports it
+        raise ValueError(message)
+
+
+def _bind_early(argv: list[str] | None) -> tuple[socket.socket, tuple[str, int]] | None:
+    """The port ``--host`` and ``--port`` name, bound before the imports (the flags' full
+    parser imports torch), with that address; None for ``--help``, for flags this cannot
+    read, or where the bind fails (``main`` binds after the full parse, which then says
+    what is wrong)."""
+    pre = _Lenient(add_help=False, allow_abbrev=False)
+    pre.add_argument("-h", "--help", action="store_true")
+    pre.add_argument("--host", default="127.0.0.1")
+    pre.add_argument("--port", type=int, default=30000)
+    try:
+        known, _ = pre.parse_known_args(argv)
+        if known.help:
+            return None
+        return bind_port(known.host, known.port), (known.host, known.port)
+    except (ValueError, SystemExit):
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
+    early = _bind_early(argv)  # the port is this engine's at once
     import uvicorn
 
+    from moerl.common.gc_freeze import freeze_gc
+    from moerl.engine.cli import parse_args
+    from moerl.engine.launch import build_state
+
     args = parse_args(argv)
+    if early is not None and early[1] == (args.host, args.port):
+        sock = early[0]
+    else:
+        if early is not None:
+            early[0].close()
+        sock = bind_port(args.host, args.port)
+
     gc.disable()  # no full collections over the imports and the model while they load
     logging.basicConfig(level=args.log_level.upper())
     from moerl.config.threads import keep_freed_memory
@@ -97,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
     )
-    Server(config).run()
+    Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

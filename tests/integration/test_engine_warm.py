@@ -6,8 +6,15 @@ key off its command line and environment."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import os
 import secrets
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -84,3 +91,58 @@ def test_a_warm_process_that_gets_no_order_is_stopped_by_close(tiny_checkpoints)
     warm.close()
     assert warm.proc.returncode == -signal.SIGKILL
     warm.close()  # twice is harmless
+
+
+def _bind(port: int) -> OSError | None:
+    """The error of binding ``port`` on loopback as a server would, or None."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            return err
+    return None
+
+
+def _sockets(pid: int) -> list[str]:
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed while listed
+            if os.readlink(fd).startswith("socket:"):
+                found.append(fd.name)
+    return found
+
+
+def test_an_engine_holds_its_port_from_its_start_and_refuses_until_it_serves(tiny_checkpoints):
+    """The port the launcher picked is the engine's before its model loads (a warm
+    process, waiting for its order, has it bound): nothing else can take it meanwhile,
+    and a client asking then is refused at once instead of waiting."""
+    warm = WarmEngine(tiny_checkpoints["qwen3_moe"], threads=1)
+    try:
+        deadline = time.monotonic() + 60
+        # its first socket is the port's, made as it starts, before its imports (probing
+        # the port by binding it meanwhile could take it from the engine: not until then)
+        while not _sockets(warm.proc.pid):
+            assert warm.proc.poll() is None and time.monotonic() < deadline, "no socket"
+        refused = _bind(warm.port)
+        assert refused is not None and refused.errno == errno.EADDRINUSE
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{warm.port}/health", timeout=30)
+    finally:
+        warm.close()
+    assert _bind(warm.port) is None  # given back with the process
+
+
+def test_an_engine_whose_port_is_taken_says_so_before_loading(tiny_checkpoints):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "moerl.engine", "--model-path",
+             str(tiny_checkpoints["qwen3_moe"]), "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "choose another --port" in done.stderr
+    assert "Loading weights" not in done.stderr  # no model was loaded first

@@ -42,3 +42,12 @@ def test_a_process_watching_one_already_gone_dies_at_once() -> None:
     gone.wait()
     watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(gone.pid)])
     assert watcher.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_free_port_never_gives_a_port_twice() -> None:
+    """The kernel may offer a just-probed port again; two callers (an engine and the
+    trainer's MASTER_PORT) must not both get it."""
+    from moerl.common.children import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
