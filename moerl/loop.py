@@ -344,7 +344,8 @@ def _publish(
                 return landed
     detach = inflight is not None and not inflight.staged and not initial
     pauses = publisher.pauses_generation and not initial
-    rejoin = _broadcast(rollout.before_update(pauses) if rollout and not initial else False)
+    atomic = publisher.atomic_push
+    rejoin = _broadcast(rollout.before_update(pauses, atomic) if rollout and not initial else False)
     if rejoin:
         publisher.rejoin()
     for attempt in range(1, PUSH_ATTEMPTS + 1):
@@ -385,7 +386,8 @@ def _send_staged(publisher: Any, rollout: Any, version: int, staged: Any) -> dic
     update bracket. A failed send puts the rollout side back on the version the engines
     had, so generation goes on (with the engines that still serve) until the next push."""
     pauses = publisher.pauses_generation
-    if rollout.before_update(pauses):  # restarted since the trainer looked: no group
+    # restarted since the trainer looked: no group
+    if rollout.before_update(pauses, publisher.atomic_push):
         raise WeightSyncError(f"an engine was restarted before the push of version {version}")
     try:
         pub = publisher.send_staged(staged, version)

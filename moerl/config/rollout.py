@@ -87,11 +87,15 @@ class RolloutConfig:
     'in_place' (they keep going; later tokens carry the new version), 'abort_resume'
     (aborted, then continued from prompt + partial response under the new weights, spliced
     into one trajectory) or 'drain' (no new groups; the update waits for in-flight groups)."""
-    in_place_pause: bool = True
+    in_place_pause: Any = "auto"
     """With partial_rollout=in_place: pause the engines in place (requests and KV caches
     kept) during the push, so no token is sampled from half-loaded weights; SGLang needs it
-    to swap weights under running requests. False: engines decode throughout (moerl.engine
-    only; tokens between buckets see a mix of old and new tensors)."""
+    to swap weights under running requests. 'auto' (default): pause unless the push is
+    atomic, one bucket (as the last push was) to moerl's own engines, which load a bucket
+    whole between two decode steps: generation then goes on through the push (no token
+    sees a mix of versions; each carries the version that sampled it). True: always.
+    False: engines decode throughout (moerl.engine only; tokens between buckets see a mix
+    of old and new tensors)."""
 
     max_retries: int = 3
     """Times one /generate request is re-sent, on another engine when there is one, after
@@ -135,6 +139,10 @@ class RolloutConfig:
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"{key}.min_p={self.min_p} must be in [0, 1)")
         one_of(f"{key}.partial_rollout", self.partial_rollout, PARTIAL_ROLLOUT_MODES)
+        if not (isinstance(self.in_place_pause, bool) or self.in_place_pause == "auto"):
+            raise ValueError(
+                f"{key}.in_place_pause={self.in_place_pause!r}: choose auto, true or false"
+            )
         if self.filter_uniform_groups and self.group_size < 2:
             raise ValueError(
                 f"{key}.filter_uniform_groups=true with {key}.group_size={self.group_size} "

@@ -460,15 +460,17 @@ class Orchestrator:
 
     # ---- weight updates --------------------------------------------------------------
 
-    @property
-    def pauses_in_place(self) -> bool:
-        """Whether a push pauses the engines in place (and a quiet one holds instead)."""
-        return self._gate.pauses_in_place
+    def pauses_in_place(self, atomic: bool = False) -> bool:
+        """Whether a push pauses the engines in place (and a quiet one holds instead);
+        ``atomic``: every engine loads it at once (moerl.rollout.partial.UpdateGate)."""
+        return self._gate.pauses_in_place(atomic)
 
-    async def before_update(self, others_quiet: bool = True) -> None:
+    async def before_update(self, others_quiet: bool = True, atomic: bool = False) -> None:
         """Await before the trainer pushes new weights to the engines. ``others_quiet``:
-        no other request of the run (evaluation) is on the engines either."""
-        await self._gate.before(self._wait_idle, quiet=others_quiet and self._generating == 0)
+        no other request of the run (evaluation) is on the engines either; ``atomic``:
+        every engine loads the push at once, between two of its decode steps."""
+        quiet = others_quiet and self._generating == 0
+        await self._gate.before(self._wait_idle, quiet=quiet, atomic=atomic)
 
     async def after_update(self, version: int) -> None:
         """Await once every engine serves `version`; generation goes on."""

@@ -316,7 +316,7 @@ class UpdateGate:
         self,
         client: EngineClient,
         mode: str,
-        in_place_pause: bool,
+        in_place_pause: bool | str,
         on_control_error: Callable[[], None] | None = None,
     ) -> None:
         self.client, self.mode, self.in_place_pause = client, mode, in_place_pause
@@ -324,23 +324,32 @@ class UpdateGate:
         self.launch_open = asyncio.Event()
         self.engines_open = asyncio.Event()
         self.held = False  # this update closed the gates instead of pausing the engines
+        self.paused = False  # this update paused the engines in place
         self.open()
 
-    @property
-    def pauses_in_place(self) -> bool:
-        """in_place with in_place_pause: the engines pause around a push (unless quiet)."""
-        return self.mode == "in_place" and self.in_place_pause
+    def pauses_in_place(self, atomic: bool = False) -> bool:
+        """in_place with in_place_pause: the engines pause around a push (unless quiet);
+        with in_place_pause='auto' only around a push that is not ``atomic`` (one that
+        every engine loads at once, between two of its decode steps: no token can see
+        half-loaded weights, so generation goes on through it)."""
+        if self.mode != "in_place" or self.in_place_pause is False:
+            return False
+        return self.in_place_pause is True or not atomic
 
     def open(self) -> None:
         self.launch_open.set()
         self.engines_open.set()
 
-    async def before(self, wait_idle: Callable[[], Awaitable[None]], quiet: bool = False) -> None:
+    async def before(
+        self, wait_idle: Callable[[], Awaitable[None]], quiet: bool = False, atomic: bool = False
+    ) -> None:
         """Before the push. wait_idle: returns once no group is generating (drain).
         ``quiet``: no request of this run is on the engines (the synchronous loop's every
         push); in_place then closes both gates instead of pausing the engines, which has
-        nothing to hold (two HTTP round trips less per push)."""
-        if self.pauses_in_place and quiet:
+        nothing to hold (two HTTP round trips less per push). ``atomic``: see
+        ``pauses_in_place``."""
+        pauses = self.pauses_in_place(atomic)
+        if pauses and quiet:
             self.launch_open.clear()
             self.engines_open.clear()
             self.held = True
@@ -351,14 +360,16 @@ class UpdateGate:
             self.launch_open.clear()
             self.engines_open.clear()
             await self._control(self.client.pause_generation("abort"))
-        elif self.in_place_pause:
+        elif pauses:
+            self.paused = True
             await self._control(self.client.pause_generation("in_place"))
 
     async def after(self) -> None:
         """Every engine serves the new weights: requests and launches go on."""
         if self.held:
             self.held = False
-        elif self.mode == "abort_resume" or self.pauses_in_place:
+        elif self.mode == "abort_resume" or self.paused:
+            self.paused = False
             await self._control(self.client.continue_generation())
         self.open()
 

@@ -223,16 +223,17 @@ class RolloutService:
         self._batch = None
         return [t for group in batch.result() for t in group]
 
-    def before_update(self, pauses_generation: bool) -> bool:
+    def before_update(self, pauses_generation: bool, atomic: bool = False) -> bool:
         """Before a push: every engine checked and restarts waited for; generation
-        paused by the partial-rollout policy when the push disturbs requests. True when
-        engines were restarted and the weight group must be built again. One hand-off to
-        the loop."""
+        paused by the partial-rollout policy when the push disturbs requests (``atomic``:
+        every engine loads it at once, between two of its decode steps, which
+        rollout.in_place_pause='auto' does not pause for). True when engines were
+        restarted and the weight group must be built again. One hand-off to the loop."""
 
         async def before() -> bool:
             rejoin = bool(await self.supervisor.before_push())
             if pauses_generation:
-                await self._before_update()
+                await self._before_update(atomic)
             return rejoin
 
         return self.aio.run(before())
@@ -250,15 +251,15 @@ class RolloutService:
         unseen fails that push, and the next one rejoins."""
         return self.supervisor.needs_reconnect or self.supervisor.restarting
 
-    async def _before_update(self) -> None:
+    async def _before_update(self, atomic: bool = False) -> None:
         """On the loop, so nothing starts between the look and the gates: with no request
         on the engines (the synchronous loop) the gates close and the engines are not
         paused; else no eval request starts first, then generation pauses."""
         evals_quiet = self.evals is None or self.evals.quiet()
         if self.evals is not None:
-            hold = evals_quiet and self.orchestrator.pauses_in_place
+            hold = evals_quiet and self.orchestrator.pauses_in_place(atomic)
             await self.evals.before_update(hold=hold)
-        await self.orchestrator.before_update(others_quiet=evals_quiet)
+        await self.orchestrator.before_update(others_quiet=evals_quiet, atomic=atomic)
 
     def after_update(
         self, version: int, *, paused: bool, adapter: str | None = None, rejoined: bool = False

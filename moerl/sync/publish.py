@@ -15,6 +15,10 @@ The loop sees only :class:`Publisher`:
 - ``pauses_generation`` — whether the rollout side brackets a push with its
   partial-rollout policy (a weight broadcast does; loading an adapter disturbs no
   request);
+- ``atomic_push`` — whether the next push lands on every engine at once, between two
+  of its decode steps, so no token can see half-loaded weights (rollout.in_place_pause
+  'auto' then lets generation go on through it): one bucket, as the last push was, to
+  moerl's own engines, which load a bucket whole on their scheduler thread;
 - ``rejoin()`` — collective: engines restarted since the last push are no longer in the
   weight group, build it again (a no-op for adapters, which need no group);
 - ``restore(url)`` — rank 0, on the rollout loop: bring one restarted engine to the
@@ -53,6 +57,9 @@ class Publication:
 class Publisher(Protocol):
     pauses_generation: bool
 
+    @property
+    def atomic_push(self) -> bool: ...
+
     def push(self, version: int) -> Publication: ...
 
     def push_sent(self, version: int) -> concurrent.futures.Future[Publication]: ...
@@ -75,14 +82,29 @@ class FullWeights:
 
     pauses_generation = True
 
-    def __init__(self, make_sync: Any) -> None:
-        """make_sync(): a new, unconnected WeightSync (called again on each rejoin)."""
+    def __init__(self, make_sync: Any, own_engines: bool = False) -> None:
+        """make_sync(): a new, unconnected WeightSync (called again on each rejoin).
+        ``own_engines``: the engines are moerl's (engine.kind=embedded), which load each
+        bucket between two decode steps (SGLang's need generation paused)."""
         self._make = make_sync
+        self.own_engines = own_engines
+        self._buckets: float | None = None  # the last push's, on rank 0
         self.sync = make_sync()
         self.sync.connect()
 
+    @property
+    def atomic_push(self) -> bool:
+        """One bucket (as the last push had; unknown before the first: False) to
+        moerl's own engines."""
+        return self.own_engines and self._buckets == 1
+
+    def _counted(self, stats: dict[str, float]) -> dict[str, float]:
+        if "buckets" in stats:
+            self._buckets = stats["buckets"]
+        return stats
+
     def push(self, version: int) -> Publication:
-        return Publication(version, self.sync.push(version))
+        return Publication(version, self._counted(self.sync.push(version)))
 
     def push_sent(self, version: int) -> concurrent.futures.Future[Publication]:
         sent = self.sync.push_sent(version)
@@ -91,7 +113,7 @@ class FullWeights:
         def landed(done: concurrent.futures.Future[dict[str, float]]) -> None:
             error = done.exception()
             if error is None:
-                out.set_result(Publication(version, done.result()))
+                out.set_result(Publication(version, self._counted(done.result())))
             else:
                 out.set_exception(error)
 
@@ -116,7 +138,7 @@ class FullWeights:
         return self.sync.stage()
 
     def send_staged(self, staged: Any, version: int) -> Publication:
-        return Publication(version, self.sync.send_staged(staged, version))
+        return Publication(version, self._counted(self.sync.send_staged(staged, version)))
 
 
 class Adapters:
@@ -124,6 +146,7 @@ class Adapters:
     (``moerl.sync.adapters.AdapterSync``)."""
 
     pauses_generation = False
+    atomic_push = True  # an adapter is loaded whole, in one call
 
     def __init__(self, sync: Any) -> None:
         self.sync = sync
@@ -200,7 +223,7 @@ def build_publisher(
             keep_dtype=keep,
         )  # fmt: skip
 
-    return FullWeights(make_sync)
+    return FullWeights(make_sync, own_engines=cfg.engine.kind == "embedded")
 
 
 def _close_quietly(sync: Any) -> None:

@@ -122,7 +122,14 @@ def _trainer(
 
 
 def _push(
-    engines, tiny_checkpoints, tmp_path, layout, scale, version, bucket_mb, transport="broadcast",
+    engines,
+    tiny_checkpoints,
+    tmp_path,
+    layout,
+    scale,
+    version,
+    bucket_mb,
+    transport="broadcast",
     mode="push",
 ) -> dict:
     from moerl.parallel import parse_layout
@@ -403,7 +410,9 @@ def _refused_then_pushed(hf_dir: str, url: str, layout: str, out: str) -> None:
     sync = WeightSync(chunks, model, urls=[url], bucket_mb=0.05)
     sync.connect()
     if dist.get_rank() == 0:  # the engine loses the group: it refuses the first bucket
-        gone = httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": sync.group_name})
+        gone = httpx.post(
+            f"{url}/destroy_weights_update_group", json={"group_name": sync.group_name}
+        )
         assert gone.json()["success"]
     dist.barrier()
     failed = False
@@ -477,7 +486,9 @@ def test_share_parameters_moves_each_storage_once_and_training_goes_on():
     from moerl.sync.tensor_wire import share_parameters
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    model[1].weight = torch.nn.Parameter(model[0].weight.detach().view(-1)[:6].view(2, 3))  # one storage
+    model[1].weight = torch.nn.Parameter(
+        model[0].weight.detach().view(-1)[:6].view(2, 3)
+    )  # one storage
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
     moved = share_parameters([model])
@@ -556,3 +567,44 @@ def test_a_world_of_one_replays_its_push_plan(engines, tiny_checkpoints, tmp_pat
     assert r["planned_after_first"] and r["replayed"], r
     assert not r["valid_after_move"] and r["recorded_again"], r
     _check_pushed(engines, tiny_checkpoints, r["second"], 22, scaled=True)
+
+
+def _atomic_pushes(hf_dir: str, url: str, out: str) -> None:
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.state import initialize_for_model
+    from moerl.sync.publish import FullWeights
+    from moerl.sync.weights import WeightSync
+
+    model = tiny_config("deepseek_moe")
+    pcfg, _ = parse_layout("single")
+    initialize_for_model(pcfg, model)
+    chunks = build_model(model, pcfg)
+    load_hf(chunks, hf_dir, model)
+    record = {}
+    for n, (name, mb, own) in enumerate((("one", 64, True), ("many", 0.02, True),
+                                         ("sglang", 64, False))):  # fmt: skip
+        pub = FullWeights(
+            lambda mb=mb: WeightSync(chunks, model, urls=[url], bucket_mb=mb), own_engines=own
+        )
+        try:
+            before = pub.atomic_push
+            stats = pub.push(version=30 + n).stats
+            record[name] = [before, pub.atomic_push, stats["buckets"]]
+        finally:
+            pub.close()
+    Path(out).write_text(json.dumps(record))
+
+
+def test_a_push_is_atomic_as_one_bucket_to_moerls_own_engines(engines, tiny_checkpoints, tmp_path):
+    """``FullWeights.atomic_push`` (what rollout.in_place_pause=auto goes by): unknown,
+    so False, before the first push; then True only where the last push was one bucket
+    and the engines are moerl's own, which load a bucket between two decode steps."""
+    out = tmp_path / "atomic.json"
+    spawn(_atomic_pushes, 1, str(tiny_checkpoints["deepseek_moe"]), engines[0].url, str(out))
+    r = json.loads(out.read_text())
+    assert r["one"] == [False, True, 1], r
+    assert r["many"][:2] == [False, False] and r["many"][2] > 1, r
+    assert r["sglang"] == [False, False, 1], r

@@ -308,10 +308,12 @@ def test_abort_resume_splices_one_trajectory_across_versions(ds_engine, group_re
         assert np.all(row_versions[P + r1 - 1 :] == old + 1)
 
 
-async def in_place_run(client: EngineClient, url: str):  # type: ignore[no-untyped-def]
+async def in_place_run(client: EngineClient, url: str, pause: bool | str = "auto"):  # type: ignore[no-untyped-def]
     """(the engine's weight version, a buffer, an in_place orchestrator of one long
-    group on it)."""
-    cfg = replace(CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="in_place")
+    group on it; ``pause``: rollout.in_place_pause)."""
+    cfg = replace(
+        CFG, max_new_tokens=LONG, ignore_eos=True, partial_rollout="in_place", in_place_pause=pause
+    )
     old = int((await client.model_info())[url]["weight_version"])
     buffer = new_buffer()
     return old, buffer, Orchestrator(client, EvenTokens(1), buffer, cfg, num_layers=L, topk=K)
@@ -493,3 +495,49 @@ def test_in_place_update_pauses_the_engines_only_when_a_group_is_generating(ds_e
     quiet, reopened, busy, controls = asyncio.run(go())
     assert quiet == ([], False, False) and reopened
     assert busy == ["pause:in_place"] and controls == ["pause:in_place", "continue"]
+
+
+@pytest.mark.parametrize("pause", ["auto", True])
+def test_an_atomic_push_pauses_generation_only_where_asked(ds_engine, pause):
+    """A push every engine loads at once (moerl/sync/publish.py ``atomic_push``): with
+    rollout.in_place_pause=auto neither a quiet nor a busy push closes a gate or sends
+    a pause, and the group generating goes on through it, its later tokens carrying the
+    new version; in_place_pause=true pauses as for any push."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with ControlRecording([ds_engine.url]) as client:
+            old, buffer, orch = await in_place_run(client, ds_engine.url, pause)
+            gate = orch._gate
+            await orch.before_update(atomic=True)  # nothing generating yet
+            quiet = (list(client.controls), gate.launch_open.is_set(), gate.engines_open.is_set())
+            await orch.after_update(old)
+
+            async def update():  # type: ignore[no-untyped-def]
+                await wait_running(client, ds_engine.url, 2)
+                await orch.before_update(atomic=True)
+                busy = (list(client.controls), gate.launch_open.is_set())
+                await client.update_weight_version(old + 1)
+                await orch.after_update(old + 1)
+                (group,) = await buffer.get_batch(1, old + 1)
+                return busy, group
+
+            busy, group = await drive(orch, update)
+            return old, quiet, busy, group, client.controls
+
+    old, quiet, busy, group, controls = asyncio.run(go())
+    if pause == "auto":
+        assert quiet == ([], True, True) and busy == ([], True) and controls == []
+    else:
+        assert quiet == ([], False, False) and busy == (["pause:in_place"], True)
+        assert controls == ["pause:in_place", "continue"]
+    for traj in group:
+        switch = int(np.argmax(traj.versions == old + 1))
+        assert 0 < switch < LONG and np.all(traj.versions[switch:] == old + 1)
+
+
+def test_in_place_pause_takes_auto_true_or_false():
+    for ok in ("auto", True, False):
+        replace(CFG, in_place_pause=ok).validate("rollout")
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="in_place_pause=.*choose auto, true or false"):
+            replace(CFG, in_place_pause=bad).validate("rollout")
