@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
     )
+    # shared with SO_REUSEADDR from now on, as uvicorn's own socket is: the connections it
+    # accepts inherit it, so an engine restarted on this port can bind it while the
+    # connections of one killed still linger there. Listened on at once: no socket that
+    # merely binds can share it then.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     Server(config).run(sockets=[sock])
 
 

@@ -8,6 +8,8 @@ import gc
 import subprocess
 import sys
 
+from moerl.common.children import free_port
+
 
 class Cycle:
     def __init__(self) -> None:
@@ -53,14 +55,14 @@ def test_an_engine_process_starts_with_its_model_frozen(tiny_checkpoints) -> Non
     replaced by a print of the collector's state (the engine's own start runs as is)."""
     script = (
         "import gc, sys, uvicorn\n"
-        "uvicorn.Server.run = lambda self: print('frozen', gc.get_freeze_count(), "
+        "uvicorn.Server.run = lambda self, sockets=None: print('frozen', gc.get_freeze_count(), "
         "'enabled', gc.isenabled())\n"
         "from moerl.engine.__main__ import main\n"
         "main(sys.argv[1:])\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script, "--model-path", str(tiny_checkpoints["qwen3_moe"]),
-         "--port", "1", "--num-threads", "1"],
+         "--port", str(free_port()), "--num-threads", "1"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
