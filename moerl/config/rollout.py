@@ -93,7 +93,7 @@ class RolloutConfig:
     to swap weights under running requests. 'auto' (default): pause unless the push is
     atomic, one bucket (as the last push was) to moerl's own engines, which load a bucket
     whole between two decode steps: generation then goes on through the push (no token
-    sees a mix of versions; each carries the version that sampled it). True: always.
+    sees half-loaded weights; each carries the version that sampled it). True: always.
     False: engines decode throughout (moerl.engine only; tokens between buckets see a mix
     of old and new tensors)."""
 
