@@ -18,6 +18,10 @@ pyproject.toml):
 - ``validate``: the typed checks of every request body.
 """
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 30000
+"""``--host`` and ``--port`` when not given (SGLang's port; here, where the flags are read
+before anything heavy is imported: moerl/engine/__main__.py binds the port first)."""
+
 API_KEY_ENV = "MOERL_API_KEY"
 """The environment variable engines and clients read the API key from when none is given
 (SGLang has none for its --api-key); the launcher sets a fresh key per run."""

@@ -15,6 +15,8 @@ import socket
 import sys
 from typing import Any
 
+from moerl.engine import DEFAULT_HOST, DEFAULT_PORT
+
 
 def read_order(line: str) -> dict[str, Any] | None:
     """``--await-start``'s order: {"log": file, "env": the variables to set (optional:
@@ -93,8 +95,8 @@ def _bind_early(argv: list[str] | None) -> tuple[socket.socket, tuple[str, int]]
     what is wrong)."""
     pre = _Lenient(add_help=False, allow_abbrev=False)
     pre.add_argument("-h", "--help", action="store_true")
-    pre.add_argument("--host", default="127.0.0.1")
-    pre.add_argument("--port", type=int, default=30000)
+    pre.add_argument("--host", default=DEFAULT_HOST)
+    pre.add_argument("--port", type=int, default=DEFAULT_PORT)
     try:
         known, _ = pre.parse_known_args(argv)
         if known.help:

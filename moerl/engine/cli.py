@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from moerl.device import resolve
+from moerl.engine import DEFAULT_HOST, DEFAULT_PORT
 from moerl.engine.openai.tool_calls import PARSERS
 
 DESCRIPTION = "python -m moerl.engine --model-path DIR --port P: the embedded inference engine."
@@ -25,8 +26,8 @@ DESCRIPTION = "python -m moerl.engine --model-path DIR --port P: the embedded in
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moerl.engine", description=DESCRIPTION)
     p.add_argument("--model-path", required=True, help="local HF checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument(
         "--max-queued-requests",
