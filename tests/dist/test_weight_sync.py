@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,24 @@ def engines(tiny_checkpoints, engine_factory, tmp_path_factory):
     return a, b, _generate(a.url)
 
 
+def _tiny_chunks(layout: str, hf_dir: str | None = None) -> tuple[Any, list[Any]]:
+    """In a spawned rank: the tiny DeepSeek config and its model chunks in ``layout``,
+    with ``hf_dir``'s weights where given."""
+    from moerl.convert import load_hf
+    from moerl.models.gpt import build_model
+    from moerl.models.tiny import tiny_config
+    from moerl.parallel import parse_layout
+    from moerl.parallel.state import initialize_for_model
+
+    model = tiny_config("deepseek_moe")
+    pcfg, _ = parse_layout(layout)
+    initialize_for_model(pcfg, model)
+    chunks = build_model(model, pcfg)
+    if hf_dir is not None:
+        load_hf(chunks, hf_dir, model)
+    return model, chunks
+
+
 def _trainer(
     hf_dir: str,
     url: str,
@@ -80,19 +99,10 @@ def _trainer(
     transport: str,
     mode: str = "push",
 ) -> None:
-    from moerl.convert import load_hf
-    from moerl.models.gpt import build_model
-    from moerl.models.tiny import tiny_config
-    from moerl.parallel import parse_layout
     from moerl.parallel.full_state import local_shards
-    from moerl.parallel.state import initialize_for_model
     from moerl.sync.weights import WeightSync
 
-    model = tiny_config("deepseek_moe")
-    pcfg, _ = parse_layout(layout)
-    initialize_for_model(pcfg, model)
-    chunks = build_model(model, pcfg)
-    load_hf(chunks, hf_dir, model)
+    model, chunks = _tiny_chunks(layout, hf_dir)
     with torch.no_grad():
         for shard in local_shards(chunks):
             shard.data.mul_(scale)
@@ -228,16 +238,10 @@ def test_a_push_sent_that_the_engine_refuses_fails_in_its_landing(engines, tiny_
 
 
 def _stage_two_stages(hf_dir: str, out: str) -> None:
-    from moerl.models.gpt import build_model
-    from moerl.models.tiny import tiny_config
-    from moerl.parallel import parse_layout
-    from moerl.parallel.state import initialize_for_model
     from moerl.sync.weights import WeightSync, WeightSyncError
 
-    model = tiny_config("deepseek_moe")
-    pcfg, _ = parse_layout("pp2")
-    initialize_for_model(pcfg, model)
-    sync = WeightSync(build_model(model, pcfg), model, urls=["http://127.0.0.1:9"])
+    model, chunks = _tiny_chunks("pp2")
+    sync = WeightSync(chunks, model, urls=["http://127.0.0.1:9"])
     assert not sync.can_stage()
     with pytest.raises(WeightSyncError, match="one pipeline stage"):
         sync.stage()
@@ -395,18 +399,9 @@ def _refused_then_pushed(hf_dir: str, url: str, layout: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from moerl.convert import load_hf
-    from moerl.models.gpt import build_model
-    from moerl.models.tiny import tiny_config
-    from moerl.parallel import parse_layout
-    from moerl.parallel.state import initialize_for_model
     from moerl.sync.weights import WeightSync, WeightSyncError
 
-    model = tiny_config("deepseek_moe")
-    pcfg, _ = parse_layout(layout)
-    initialize_for_model(pcfg, model)
-    chunks = build_model(model, pcfg)
-    load_hf(chunks, hf_dir, model)
+    model, chunks = _tiny_chunks(layout, hf_dir)
     sync = WeightSync(chunks, model, urls=[url], bucket_mb=0.05)
     sync.connect()
     if dist.get_rank() == 0:  # the engine loses the group: it refuses the first bucket
@@ -522,19 +517,10 @@ def _pushed_twice(hf_dir: str, url: str, out: str) -> None:
     """The first push records a plan (a world of one), the second replays it after the
     weights changed in place; then a parameter moves to new storage and the third push
     exports again."""
-    from moerl.convert import load_hf
-    from moerl.models.gpt import build_model
-    from moerl.models.tiny import tiny_config
-    from moerl.parallel import parse_layout
     from moerl.parallel.full_state import local_shards
-    from moerl.parallel.state import initialize_for_model
     from moerl.sync.weights import WeightSync
 
-    model = tiny_config("deepseek_moe")
-    pcfg, _ = parse_layout("single")
-    initialize_for_model(pcfg, model)
-    chunks = build_model(model, pcfg)
-    load_hf(chunks, hf_dir, model)
+    model, chunks = _tiny_chunks("single", hf_dir)
     sync = WeightSync(chunks, model, urls=[url], bucket_mb=64, transport="broadcast")
     sync.connect()
     record: dict = {}
@@ -570,19 +556,10 @@ def test_a_world_of_one_replays_its_push_plan(engines, tiny_checkpoints, tmp_pat
 
 
 def _atomic_pushes(hf_dir: str, url: str, out: str) -> None:
-    from moerl.convert import load_hf
-    from moerl.models.gpt import build_model
-    from moerl.models.tiny import tiny_config
-    from moerl.parallel import parse_layout
-    from moerl.parallel.state import initialize_for_model
     from moerl.sync.publish import FullWeights
     from moerl.sync.weights import WeightSync
 
-    model = tiny_config("deepseek_moe")
-    pcfg, _ = parse_layout("single")
-    initialize_for_model(pcfg, model)
-    chunks = build_model(model, pcfg)
-    load_hf(chunks, hf_dir, model)
+    model, chunks = _tiny_chunks("single", hf_dir)
     record = {}
     for n, (name, mb, own) in enumerate((("one", 64, True), ("many", 0.02, True),
                                          ("sglang", 64, False))):  # fmt: skip
