@@ -239,10 +239,10 @@ class RolloutService:
         return self.aio.run(before())
 
     def engines_restarted(self) -> bool:
-        """Every engine checked, a dead one restarted and waited for (before a push, and
-        after one failed); True when one was restarted since the last push (the weight
-        group must be built again)."""
-        return bool(self.aio.run(self.supervisor.before_push()))
+        """After a push failed: every engine probed, a dead one restarted and waited for
+        (``EngineSupervisor.after_failed_push``); True when one was restarted since the
+        last push (the weight group must be built again)."""
+        return bool(self.aio.run(self.supervisor.after_failed_push()))
 
     def restart_seen(self) -> bool:
         """Without checking the engines now: whether one is being restarted or was since

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 FRESH_S = 1.0
 """Before a push, an engine that answered within this many seconds is not probed."""
+EXIT_GRACE_S = 5.0
+"""After a failed push, how long an embedded engine that does not answer has to be seen
+exiting: a killed process resets its connections a moment before it can be reaped."""
 
 
 class EngineSupervisor:
@@ -135,9 +138,11 @@ class EngineSupervisor:
         finally:
             self._restarting.discard(url)
 
-    async def check(self, fresh_s: float = 0.0) -> None:
+    async def check(self, fresh_s: float = 0.0, exit_grace_s: float = 0.0) -> None:
         """One pass over the engines (restarting embedded ones that need it); one that
-        answered the client within ``fresh_s`` counts as healthy without a probe."""
+        answered the client within ``fresh_s`` counts as healthy without a probe; an
+        embedded one that fails its probe and exits within ``exit_grace_s`` is restarted
+        at once."""
         async with self._lock:
             if self._http is None:
                 from moerl.engine.inprocess import engine_mounts
@@ -158,6 +163,9 @@ class EngineSupervisor:
                     self.failures[url] = 0
                     self.unhealthy.discard(url)
                     continue
+                if proc is not None and await _exits(proc, exit_grace_s):
+                    await self._restart(http, url, f"exited with {proc.exit_status()}")
+                    continue
                 self.failures[url] += 1
                 if self.failures[url] < self.max_failures:
                     continue
@@ -177,6 +185,14 @@ class EngineSupervisor:
         await self.check(fresh_s=FRESH_S)
         return await self.wait_restarts()
 
+    async def after_failed_push(self) -> bool:
+        """After a push that failed: every engine probed now, however recently it answered
+        (the push just met one that did not), an embedded one that no longer answers given
+        ``EXIT_GRACE_S`` to be seen exiting and restarted; restarts waited for. True when
+        the trainer must rebuild the weight-sync group."""
+        await self.check(exit_grace_s=EXIT_GRACE_S)
+        return await self.wait_restarts()
+
     async def run(self) -> None:
         try:
             while not self._stopped.is_set():
@@ -192,3 +208,13 @@ class EngineSupervisor:
 
     def stop(self) -> None:
         self._stopped.set()
+
+
+async def _exits(proc: Any, within_s: float) -> bool:
+    """Whether ``proc`` is seen exited within ``within_s`` (polled)."""
+    deadline = time.monotonic() + within_s
+    while proc.alive():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True

@@ -146,3 +146,29 @@ def test_an_engine_whose_port_is_taken_says_so_before_loading(tiny_checkpoints):
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "choose another --port" in done.stderr
     assert "Loading weights" not in done.stderr  # no model was loaded first
+
+
+def test_after_a_failed_push_a_killed_engine_is_restarted_at_once(tiny_checkpoints, tmp_path):
+    """``EngineSupervisor.after_failed_push`` (what the loop asks once a push failed):
+    the engine answered the run's client a moment before it was killed, so the check
+    before a push would not probe it; right after the kill (a killed process resets its
+    connections a moment before it can be reaped) it is probed, seen exiting and
+    restarted, and the trainer is told to rebuild the weight group."""
+    from moerl.rollout.supervisor import EngineSupervisor
+
+    model = tiny_checkpoints["qwen3_moe"]
+    with EngineProcess(model, threads=1, log_path=tmp_path / "e.log") as engine:
+
+        async def go():  # type: ignore[no-untyped-def]
+            async with EngineClient([engine.url]) as client:
+                await client.server_info()  # a fresh answer
+                sup = EngineSupervisor(client, [engine.url], [engine], health_timeout_s=5.0)
+                engine.proc.send_signal(signal.SIGKILL)
+                rebuild = await sup.after_failed_push()
+                if sup._http is not None:
+                    await sup._http.aclose()
+                return rebuild, sup.metrics()
+
+        rebuild, metrics = asyncio.run(go())
+        assert rebuild and metrics["engine/restarts"] == 1.0
+        assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
