@@ -85,7 +85,8 @@ class FullWeights:
     def __init__(self, make_sync: Any, own_engines: bool = False) -> None:
         """make_sync(): a new, unconnected WeightSync (called again on each rejoin).
         ``own_engines``: the engines are moerl's (engine.kind=embedded), which load each
-        bucket between two decode steps (SGLang's need generation paused)."""
+        bucket between two decode steps (SGLang's need generation paused) and keep
+        their weight-update session open between pushes (``WeightSync.keep_session``)."""
         self._make = make_sync
         self.own_engines = own_engines
         self._buckets: float | None = None  # the last push's, on rank 0
@@ -220,10 +221,11 @@ def build_publisher(
             dtype=cfg.sync.dtype, backend=backend, master_address=cfg.sync.master_address,
             master_port=cfg.sync.master_port, run_coro=run_coro,
             flush_cache=cfg.rollout.partial_rollout != "in_place", transport=transport,
-            keep_dtype=keep,
+            keep_dtype=keep, keep_session=own,
         )  # fmt: skip
 
-    return FullWeights(make_sync, own_engines=cfg.engine.kind == "embedded")
+    own = cfg.engine.kind == "embedded"
+    return FullWeights(make_sync, own_engines=own)
 
 
 def _close_quietly(sync: Any) -> None:

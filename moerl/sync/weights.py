@@ -155,6 +155,11 @@ class WeightSync:
         keep_dtype: module names (transformers' ``_keep_in_fp32_modules``, e.g.
             ``gate.weight``) whose tensors are sent in their own dtype whatever ``dtype``
             says: the engine keeps them in float32, and a bf16 push would round them.
+        keep_session: keep the engines' weight-update session open from the first push
+            to ``close()`` (moerl's own engines: their session only gates the loads, so a
+            push is then one round trip per bucket); False opens and closes one per push,
+            as SGLang's servers need (``end_weight_update`` finalizes what was loaded).
+            A failed push closes it; the next push opens it again.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class WeightSync:
         flush_cache: bool = True,
         transport: str = "broadcast",
         keep_dtype: Sequence[str] = (),
+        keep_session: bool = False,
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be positive (64 is a good default)")
@@ -203,6 +209,8 @@ class WeightSync:
         # reused by every push; (device, True): stage()'s, one buffer per bucket
         self._staging: dict[tuple[torch.device, bool], Staging] = {}
         self._plan: PushPlan | None = None  # a world of one's push, replayed
+        self.keep_session = keep_session
+        self._session_open = False  # keep_session: the engines' session is open
         if self.rank != 0:
             return
         if client is None:
@@ -291,6 +299,8 @@ class WeightSync:
         if self.rank != 0:
             return
         error = None
+        if self._session_open and self._run is not None:  # a restarted engine has none
+            self._end_session(quiet=True, level=logging.INFO)
         if self._group is TENSOR_PATH:
             self._group = None
         if self._group is not None and self.client is not None and self._run is not None:
@@ -450,21 +460,35 @@ class WeightSync:
             return device.device()
         return torch.device("cpu") if self.backend == "gloo" else device.device()
 
+    def _opening(self) -> concurrent.futures.Future[Any]:
+        """The engines' weight-update session opening (SGLang loads pushed weights only
+        inside one; moerl.engine answers the same), or a done future where it is kept
+        open from an earlier push."""
+        assert self.client is not None and self._run is not None
+        if self._session_open:
+            kept: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            kept.set_result(None)
+            return kept
+        return self._run(self.client.begin_weight_update())
+
     def _opened(self, opening: concurrent.futures.Future[Any]) -> WeightSyncError | None:
         """Wait for the session ``opening``; the error to drain the push with, or None."""
         try:
             opening.result(self.timeout_s)
         except Exception as err:  # drained like a failed send: nothing was sent
             return WeightSyncError(f"could not open the engines' weight-update session: {err}")
+        self._session_open = self.keep_session
         return None
 
-    def _end_session(self, quiet: bool = False) -> None:
+    def _end_session(self, quiet: bool = False, level: int = logging.WARNING) -> None:
         """Close the engines' weight-update session; ``quiet`` (a push already failed):
-        a failure to close is logged, not raised over the push's own error."""
+        a failure to close is logged (at ``level``), not raised over the push's own
+        error."""
         assert self._run is not None
-        self._run(self._ending(quiet)).result()
+        self._session_open = False
+        self._run(self._ending(quiet, level)).result()
 
-    async def _ending(self, quiet: bool = False) -> None:
+    async def _ending(self, quiet: bool = False, level: int = logging.WARNING) -> None:
         """``_end_session`` on the engines' loop."""
         assert self.client is not None
         try:
@@ -472,14 +496,15 @@ class WeightSync:
         except Exception as err:
             if not quiet:
                 raise
-            log.warning("could not close the engines' weight-update session: %s", err)
+            log.log(level, "could not close the engines' weight-update session: %s", err)
 
     async def _closing(self, version: int, sent_version: bool) -> None:
-        """On the engines' loop, after every bucket loaded: the session's end, and the
-        version alone when the last stage exported nothing."""
+        """On the engines' loop, after every bucket loaded: the session's end (unless
+        ``keep_session``), and the version alone when the last stage exported nothing."""
         assert self.client is not None
         try:
-            await self._ending()
+            if not self.keep_session:
+                await self._ending()
             if not sent_version:  # the last stage exported nothing: bump the version alone
                 await asyncio.wait_for(self.client.update_weight_version(str(version)), 60)
         except EngineError as err:  # an engine died at the end: the push is repeated
@@ -571,9 +596,7 @@ class WeightSync:
             )  # fmt: skip
         stages = sources(wire.borrow)
         sent_version = False
-        # SGLang loads pushed weights only inside a session (moerl.engine answers the
-        # same); it opens while the first bucket is gathered
-        opening = self._run(self.client.begin_weight_update())
+        opening = self._opening()  # while the first bucket is gathered
         opened = False
         error: Exception | None = None
         due = None  # detached: the buckets whose engines' answers are still due
@@ -619,6 +642,7 @@ class WeightSync:
         try:
             stats = await wire.landed(due)
         except Exception:  # the push's own error goes on, the session closed as after any
+            self._session_open = False
             await self._ending(quiet=True)
             raise
         await self._closing(version, sent_version)

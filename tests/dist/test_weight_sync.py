@@ -585,3 +585,63 @@ def test_a_push_is_atomic_as_one_bucket_to_moerls_own_engines(engines, tiny_chec
     assert r["one"] == [False, True, 1], r
     assert r["many"][:2] == [False, False] and r["many"][2] > 1, r
     assert r["sglang"] == [False, False, 1], r
+
+
+def _session_kept(hf_dir: str, url: str, out: str) -> None:
+    import httpx
+    import torch
+
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    def session_open() -> bool:
+        """Whether the engine's session is open: its begin is refused (else closed again)."""
+        answer = httpx.post(f"{url}/begin_weight_update", json={}, timeout=30).json()
+        if answer.get("success"):
+            httpx.post(f"{url}/end_weight_update", json={}, timeout=30)
+            return False
+        assert "already open" in answer["message"], answer
+        return True
+
+    def version() -> str:
+        return str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])
+
+    model, chunks = _tiny_chunks("single", hf_dir)
+    record: dict[str, Any] = {}
+    for keep in (True, False):
+        sync = WeightSync(chunks, model, urls=[url], keep_session=keep)
+        sync.connect()
+        try:
+            sync.push(version=50)
+            pushed = [session_open(), version()]
+            sync.push(version=51)
+            pushed += [session_open(), version()]
+            try:  # a bucket the engine refuses: the push fails and closes the session
+                sync.push(version=52, named=[("model.no_such.weight", torch.zeros(4))])
+                refused = "pushed"
+            except WeightSyncError as err:
+                refused = str(err)
+            pushed += [session_open(), version()]
+            sync.push(version=53)
+            pushed += [session_open(), version()]
+        finally:
+            sync.close()
+        record[str(keep)] = {"pushed": pushed, "refused": refused, "closed": session_open()}
+    Path(out).write_text(json.dumps(record))
+
+
+def test_moerls_own_engines_keep_one_weight_session_across_pushes(
+    engines, tiny_checkpoints, tmp_path
+):
+    """``keep_session`` (moerl's own engines): the engine's weight-update session opens
+    at the first push and stays open through the next (no begin/end round trips), a
+    failed push closes it and the next push opens it again, and ``close()`` closes it.
+    Without it (SGLang's servers) every push opens and closes its own."""
+    out = tmp_path / "session.json"
+    spawn(_session_kept, 1, str(tiny_checkpoints["deepseek_moe"]), engines[0].url, str(out))
+    r = json.loads(out.read_text())
+    kept, per_push = r["True"], r["False"]
+    assert kept["pushed"] == [True, "50", True, "51", False, "51", True, "53"], kept
+    assert "model.no_such.weight" in kept["refused"], kept
+    assert kept["closed"] is False
+    assert per_push["pushed"] == [False, "50", False, "51", False, "51", False, "53"], per_push
+    assert per_push["closed"] is False
