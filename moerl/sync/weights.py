@@ -632,7 +632,8 @@ class WeightSync:
         if due is not None:
             assert isinstance(wire, Wire)
             return self._run(self._land(wire, due, version, sent_version, start))
-        self._run(self._closing(version, sent_version)).result()
+        if not (self.keep_session and sent_version):  # else nothing is left to do
+            self._run(self._closing(version, sent_version)).result()
         return stats
 
     async def _land(
