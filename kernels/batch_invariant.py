@@ -481,7 +481,9 @@ def _tiled_attention(
     On the CPU such a product gives every [ATTENTION_ROWS, ATTENTION_KEYS] block the
     bits of that block's own tile product, whatever the number of query and key tiles
     (measured, and checked by tests/unit/test_batch_invariant.py against the tile
-    products); it saves the tiles' copies."""
+    products); it saves the tiles' copies. Values that are a strided view (the engine's
+    KV pool read in place, up to whole key tiles) multiply one key tile at a time,
+    over views, rather than being copied into one batch of tiles."""
     b, h, q_len, d = q.shape
     width = k.shape[-2] if index is None else index.numel() // b
     k_pad = -(-max(width, 1) // ATTENTION_KEYS) * ATTENTION_KEYS
@@ -489,7 +491,11 @@ def _tiled_attention(
     keys_t = _key_rows(k, index, k_pad).reshape(b * h, k_pad, d).transpose(1, 2)
     v_rows = _key_rows(v, index, k_pad)
     dv = v_rows.shape[-1]
-    v_tiles = v_rows.reshape(b * h * tiles, ATTENTION_KEYS, dv)
+    # the values as one batch of key tiles where that is a view; else (a strided view
+    # of the engine's KV pool, read up to whole tiles) each key tile's product alone,
+    # over [B·h, keys, Dv] views: the same products, without copying the values
+    v_bh = v_rows.reshape(b * h, k_pad, dv)
+    v_tiles = v_bh.view(b * h * tiles, ATTENTION_KEYS, dv) if v_bh.is_contiguous() else None
     rows = ATTENTION_ROWS
     per_query = max(1, k_pad * (d + dv) * b * h)
     step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query // rows) * rows
@@ -510,7 +516,14 @@ def _tiled_attention(
         # one [n_pad, keys] block per key tile, the padding rows zero: [B, h, Tt, n_pad, keys]
         p_tiles = p.new_zeros(b, h, tiles, n_pad, ATTENTION_KEYS)
         p_tiles[..., :n, :] = p.view(b, h, n, tiles, ATTENTION_KEYS).transpose(2, 3)
-        parts = tile_product.bmm(p_tiles.view(-1, n_pad, ATTENTION_KEYS), v_tiles)
+        if v_tiles is not None:
+            parts = tile_product.bmm(p_tiles.view(-1, n_pad, ATTENTION_KEYS), v_tiles)
+        else:
+            p_bh = p_tiles.view(b * h, tiles, n_pad, ATTENTION_KEYS)
+            keys = [slice(j * ATTENTION_KEYS, (j + 1) * ATTENTION_KEYS) for j in range(tiles)]
+            parts = torch.stack(
+                [tile_product.bmm(p_bh[:, j], v_bh[:, key]) for j, key in enumerate(keys)], 1
+            )
         weighted = fold_sum(parts.view(b, h, tiles, n_pad, dv)[..., :n, :], 2)
         outs.append(torch.where(total > 0, weighted / total, 0.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

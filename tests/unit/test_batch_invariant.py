@@ -172,6 +172,32 @@ def test_a_query_gets_the_same_bits_in_prefill_decode_padded_and_beside_a_prefix
     assert torch.equal(both[1:], prefill)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keys_read_in_place_from_a_pool_give_the_copied_keys_bits(dtype):
+    """Keys and values read as the engine's KV pool hands them over in the mode: a
+    strided view of [slots, heads, capacity, D] up to whole ATTENTION_KEYS tiles, with
+    stale (finite) values past each row's own keys, masked. Each key tile's values are
+    then multiplied in place (no copy of the values); the bits equal those of the same
+    keys copied, without the stale positions, and of each row alone."""
+    g = _gen(11)
+    slots, heads, capacity, d, dv, rows = 6, 2, 40, 24, 16, 4
+    lengths = [9, 17, 30, 4]  # keys read: 30, as two whole tiles of 16
+    pool_k = torch.randn(slots, heads, capacity, d, generator=g).to(dtype)
+    pool_v = torch.randn(slots, heads, capacity, dv, generator=g).to(dtype)
+    q = torch.randn(rows, heads, 1, d, generator=g).to(dtype)
+    read = -(-max(lengths) // bi.ATTENTION_KEYS) * bi.ATTENTION_KEYS
+    k, v = pool_k[:rows, :, :read], pool_v[:rows, :, :read]
+    assert not v.is_contiguous()
+    keep = torch.arange(read)[None, :] < torch.tensor(lengths)[:, None]
+    mask = keep[:, None, None, :]
+    in_place = bi.attention(q, k, v, attn_mask=mask)
+    copied = bi.attention(q, k.contiguous(), v.contiguous(), attn_mask=mask)
+    assert torch.equal(in_place, copied)
+    for b, n in enumerate(lengths):  # alone, over its own keys only
+        alone = bi.attention(q[b : b + 1], pool_k[b : b + 1, :, :n], pool_v[b : b + 1, :, :n])
+        assert torch.equal(in_place[b : b + 1], alone)
+
+
 def test_attention_takes_tiles_for_prefix_masks_and_folds_for_others():
     """Causal, padded and gapped masks leave every query a prefix of its row's seen keys
     (the tiled path); a block-diagonal (packed) mask does not (the folded path). Both

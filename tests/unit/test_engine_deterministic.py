@@ -226,3 +226,36 @@ def test_an_mla_forward_that_computes_otherwise_keeps_transformers_forward(tiny_
     module.forward = other
     assert invariant._mla_twin(module, rotary) is None
     assert invariant._mla_twin(torch.nn.Linear(4, 4), rotary) is None
+
+
+def test_the_mode_reads_the_pool_in_place_in_whole_key_tiles(tiny_checkpoints, monkeypatch):
+    """In the mode every forward reads the KV pool up to whole tiles of ATTENTION_KEYS
+    keys, and a decode step's attention takes the values as a view of the pool (no copy);
+    a request's bits in every scenario are those of forwards that read only up to the
+    longest row (whose keys the attention copies into zero-padded tiles)."""
+    from moerl.engine.core.kv_pool import Plan
+    from moerl.kernels import batch_invariant as bi
+
+    runner = ModelRunner(tiny_checkpoints["deepseek_moe"], deterministic=True)
+    seen: list[tuple[int, bool]] = []  # (keys, values read in place) per attention
+    tiled = bi._tiled_attention
+
+    def spy(q, k, v, index, counts, factor):  # type: ignore[no-untyped-def]
+        if index is None:
+            seen.append((k.shape[-2], not v.is_contiguous()))
+        return tiled(q, k, v, index, counts, factor)
+
+    monkeypatch.setattr(bi, "_tiled_attention", spy)
+    in_place = _scenarios(runner)
+    assert seen and all(n % bi.ATTENTION_KEYS == 0 for n, _ in seen)
+    assert any(view for _, view in seen)
+    monkeypatch.setattr(Plan, "read_whole_tiles", lambda self, tile, most: None)
+    seen.clear()
+    copied = _scenarios(runner)
+    assert any(n % bi.ATTENTION_KEYS for n, _ in seen)  # the checks above can fail
+    for name, got in in_place.items():
+        assert got.output_ids == copied[name].output_ids, name
+        assert got.logprobs == copied[name].logprobs, name
+        np.testing.assert_array_equal(
+            np.concatenate(got.routes), np.concatenate(copied[name].routes)
+        )

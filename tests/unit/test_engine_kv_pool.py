@@ -294,3 +294,26 @@ def test_export_many_equals_each_export_and_loads_back(runner):
     want, _ = full_forward(runner, seqs[1][:11])
     torch.testing.assert_close(logits_BV[0], want[-1], rtol=1e-4, atol=1e-4)
     assert pool.export_many([]) == []
+
+
+def test_a_plan_reads_whole_key_tiles_when_asked():
+    """``read_whole_tiles`` widens the keys a forward reads so the prefixes' part and the
+    own part together are whole tiles, never past ``most`` own positions and never
+    narrower; the mask covers the new keys and masks them for every row."""
+    plan = Plan([0, 1], [5, 9], [1, 1])  # own keys read: 10
+    plan.read_whole_tiles(16, 1000)
+    assert plan.keys_read == 16
+    mask = plan.attention_mask(torch.float32, boolean=True)
+    assert mask.shape == (2, 1, 1, 16)
+    assert mask[0, 0, 0].tolist() == [True] * 6 + [False] * 10
+    assert mask[1, 0, 0].tolist() == [True] * 10 + [False] * 6
+    capped = Plan([0], [20], [1])  # 21 own keys read, at most 24 allowed
+    capped.read_whole_tiles(16, 24)
+    assert capped.keys_read == 24
+    whole = Plan([0], [31], [1])  # already 32
+    whole.read_whole_tiles(16, 1000)
+    assert whole.keys_read == 32
+    prefix = Prefix([torch.zeros(1, 7, 2)], [torch.zeros(1, 7, 2)], 7)
+    shared = Plan([0], [7 + 3], [1], prefixes=[prefix])  # prefix 7 + own 4 = 11
+    shared.read_whole_tiles(16, 1000)
+    assert (shared.prefix_width, shared.keys_read) == (7, 9)

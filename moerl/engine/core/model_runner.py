@@ -199,6 +199,8 @@ class ModelRunner:
         forward over pool slots (transformers' own model and head, hooks included)."""
         padded = [[0] * (plan.width - len(tokens)) + list(tokens) for tokens in rows]
         ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # one copy in
+        if self.deterministic:  # keys read in place by the batch-invariant attention
+            plan.read_whole_tiles(invariant.bi.ATTENTION_KEYS, pool.max_tokens)
         pool.reserve(pool.used, plan.keys_read)
         self._set_adapters(adapters)
         try:
