@@ -205,6 +205,8 @@ def test_a_group_prefills_its_prompt_once_and_answers_as_without_cache(pair, cac
     got, want = cached.post("/generate", body).json(), off.post("/generate", body).json()
     cached_tokens = sorted(g["meta_info"]["cached_tokens"] for g in got)
     assert cached_tokens == [0] + [len(PROMPT)] * 3
-    assert [w["meta_info"]["cached_tokens"] for w in want] == [0] * 4  # each its own prefill
+    # without the cache the group's prompt is still prefilled once, and none counts as
+    # cached (as SGLang reports with --disable-radix-cache)
+    assert [w["meta_info"]["cached_tokens"] for w in want] == [0] * 4
     for g, w in zip(got, want):
         same(on, g, off, w)

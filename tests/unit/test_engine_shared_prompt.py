@@ -209,3 +209,33 @@ def test_the_prompts_a_group_reads_are_copies_as_long_as_they_are(runner):
     assert sorted(seen[0]) == [(6, 6)] * 4 + [(60, 60)] * 4
     cache = sched.prefix_cache
     assert cache is not None and cache.match(None, short, 6) is not None
+
+
+def test_without_the_prefix_cache_a_group_still_prefills_its_prompt_once(runner, monkeypatch):
+    """An engine without the prefix cache (--disable-radix-cache) still runs the samples
+    of a group admitted together as one prefill row, shares its prompt's KV, and answers
+    as the engine with the cache; only ``cached_tokens`` reads 0, as SGLang reports."""
+    rng = np.random.default_rng(5)
+    group, other = rng.integers(3, 100, 12).tolist(), rng.integers(3, 100, 7).tolist()
+    batch = [[(group, 4)] * 4 + [(other, 4)]]
+    rows: list[int] = []
+    extend = runner.extend
+
+    def counted(pool, slots, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(len(slots))
+        return extend(pool, slots, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "extend", counted)
+    bare = Scheduler(runner, prefix_cache=None, enable_routed_experts=True,
+                     shared_prompt_min_tokens=1)  # fmt: skip
+    without = _run(bare, batch)
+    assert rows == [2]  # one row per distinct prompt, not one per sample
+    assert bare.pool.attached == 4  # the group's samples read one copy of its prompt
+    rows.clear()
+    with_cache = _run(_scheduler(runner, 1), batch)
+    assert rows == [2]
+    for a, b in zip(without, with_cache, strict=True):
+        assert a.output_ids == b.output_ids, a.rid
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    assert [r.cached_tokens for r in without] == [0] * 5
+    assert [r.cached_tokens for r in with_cache] == [0, 12, 12, 12, 0]

@@ -13,7 +13,7 @@ batched forward. Each request's keys and
 values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
 a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
 only the rest is prefilled; requests admitted together with the same input (the n
-samples of a GRPO group) run it once, and a prompt is cached as soon as it is prefilled,
+samples of a GRPO group) run it once, with the cache or without it, and a prompt is cached as soon as it is prefilled,
 so samples admitted later reuse it too. A prefill runs in a ``KVPool`` of its own; each
 request then gets a running slot holding a copy of its prompt, or, for a group on a
 prompt of at least ``--shared-prompt-min-tokens``, one that reads the prompt's single
@@ -664,8 +664,8 @@ class Scheduler:
                     continue
                 start = req.logprob_start_len if req.return_logprob else None
                 key = (req.lora, start, tuple(tokens))
-                if self.prefix_cache is not None and key in leaders:
-                    followers.append((req, leaders[key]))  # the same input: run once
+                if key in leaders:  # the same input: run once (with or without the cache)
+                    followers.append((req, leaders[key]))
                     leaders[key].followers += 1
                     continue
                 row = _Row(req, tokens, 0, start)
@@ -897,12 +897,14 @@ class Scheduler:
         self, req: Request, leader: _Row, firsts: list[tuple[Request, torch.Tensor]]
     ) -> bool:
         """A request with the same input as ``leader``, admitted with it: its routes and
-        input logprobs are the leader's (the prefix cache's role within one step), its KV
-        the leader's prompt (``_place``), and its first token is drawn from the leader's
-        logits (``firsts``). False when it ended here."""
+        input logprobs are the leader's (the prefix cache's role within one step, also
+        without the cache), its KV the leader's prompt (``_place``), and its first token is
+        drawn from the leader's logits (``firsts``). Its ``cached_tokens`` count the
+        prompt only with the cache on (SGLang reports none without it). False when it
+        ended here."""
         n = len(leader.tokens)
         req.cache_epoch = leader.req.cache_epoch
-        req.cached_tokens = n
+        req.cached_tokens = n if self.prefix_cache is not None else 0
         for rows_TLK in leader.req.routes:
             self._record(req, rows_TLK)
         req.input_logprobs = list(leader.req.input_logprobs)
