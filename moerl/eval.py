@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from moerl.config.schema import MoerlConfig
 from moerl.config.threads import usable_cores
-from moerl.launch import engine_flags, preflight
+from moerl.launch import engine_flags, prefix_cache_on, preflight
 from moerl.validate import check_eval_sets
 
 
@@ -40,7 +40,7 @@ def evaluate_checkpoint(cfg: MoerlConfig, log_dir: Path) -> dict[str, float]:
     if cfg.engine.kind == "sglang":
         return _evaluate(cfg, path, list(cfg.engine.urls), api_key=None)
     flags = ["--dtype", cfg.engine.dtype]
-    flags += engine_flags(cfg.engine)
+    flags += engine_flags(cfg.engine, prefix_cache_on(cfg))
     print(f"moerl: starting an embedded engine on {path}", file=sys.stderr, flush=True)
     with EngineProcess(
         path, *flags, threads=cfg.engine.threads or usable_cores(),

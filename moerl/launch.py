@@ -145,11 +145,23 @@ def check_resume(cfg: MoerlConfig, world: int) -> None:
         print(f"moerl: resuming from {path}", flush=True)
 
 
-def engine_flags(engine: Any) -> list[str]:
+def prefix_cache_on(cfg: Any) -> bool:
+    """``engine.prefix_cache`` with 'auto' resolved by the rule its docstring states: on
+    where the rollouts are multi-turn episodes (an ``env``), off for single-turn ones."""
+    value = cfg.engine.prefix_cache
+    if isinstance(value, bool):
+        return value
+    from moerl.envs.registry import env_config
+
+    return bool(env_config(cfg.env).enabled)
+
+
+def engine_flags(engine: Any, prefix_cache: bool | None = None) -> list[str]:
     """An embedded engine's batching and prefix-cache flags for ``engine.max_running_requests``,
     ``engine.max_prefill_tokens``, ``engine.chunked_prefill_size``, ``engine.decode_share``,
     ``engine.admission_*``, ``engine.shared_prompt_min_tokens``, ``engine.cuda_graph*`` and
-    ``engine.prefix_cache*``."""
+    ``engine.prefix_cache*`` (``prefix_cache``: the run's resolved choice, ``prefix_cache_on``;
+    None reads ``engine.prefix_cache``, 'auto' as on)."""
     flags = ["--max-running-requests", str(engine.max_running_requests)]
     flags += ["--device", engine.device]
     flags += ["--max-prefill-tokens", str(engine.max_prefill_tokens)]
@@ -162,7 +174,7 @@ def engine_flags(engine: Any) -> list[str]:
         flags.append("--enable-cuda-graph")
         if engine.cuda_graph_max_bs is not None:
             flags += ["--cuda-graph-max-bs", str(engine.cuda_graph_max_bs)]
-    if not engine.prefix_cache:
+    if not (engine.prefix_cache is not False if prefix_cache is None else prefix_cache):
         return [*flags, "--disable-radix-cache"]
     return [*flags, "--prefix-cache-max-tokens", str(engine.prefix_cache_max_tokens)]
 
@@ -205,7 +217,7 @@ def start_engines(
 def policy_engine_flags(cfg: Any) -> list[str]:
     """The policy engines' flags beyond the model path: routes, dtype, batching, LoRA."""
     flags = ["--enable-return-routed-experts", "--dtype", cfg.engine.dtype]
-    flags += engine_flags(cfg.engine)
+    flags += engine_flags(cfg.engine, prefix_cache_on(cfg))
     if cfg.engine.deterministic_inference:
         flags.append("--enable-deterministic-inference")
     if cfg.lora.enabled:  # the engines apply the trainer's adapters (hot-swapped per version)

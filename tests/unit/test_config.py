@@ -228,6 +228,7 @@ def testpackage_header() -> None:
         (["launcher.nproc=2"], 4, ["launcher.nproc=2", "world size is 4"]),
         (["launcher.omp_spincount=-1"], 1, ["launcher.omp_spincount=-1", ">= 0"]),
         (["launcher.malloc_keep_mb=-1"], 1, ["launcher.malloc_keep_mb=-1", ">= 0"]),
+        (["engine.prefix_cache=maybe"], 1, ["engine.prefix_cache='maybe'", "auto, true or false"]),
         (["trainer.resume=true"], 1, ["trainer.checkpoint_dir"]),
     ],
 )
@@ -458,3 +459,30 @@ def test_the_sampling_mask_is_asked_for_only_where_sampling_truncates(
     assert cfg.records_sampling_mask() == truncates
     off = RolloutConfig(return_sampling_mask=False, **changes)  # type: ignore[arg-type]
     assert not off.records_sampling_mask()
+
+
+@pytest.mark.parametrize(
+    "overrides, on",
+    [
+        ([], False),  # auto, single-turn: every push flushes the cache before any reuse
+        (["env=calculator"], True),  # auto, episodes: a turn extends the last one's KV
+        (["engine.prefix_cache=true"], True),
+        (["env=calculator", "engine.prefix_cache=false"], False),
+        (["+recipe=deepseek_moe"], False),
+        (["+recipe=guess_number"], True),
+    ],
+)
+def test_the_policy_engines_prefix_cache_follows_the_rollouts(
+    overrides: list[str], on: bool
+) -> None:
+    """engine.prefix_cache=auto (the default) is off for single-turn rollouts and on for
+    multi-turn episodes; true and false are kept; the policy engines' flags follow."""
+    from moerl.engine.cli import parse_args
+    from moerl.launch import policy_engine_flags, prefix_cache_on
+
+    cfg = compose_config(*overrides)
+    validate_config(cfg, world_size=1)
+    assert prefix_cache_on(cfg) is on
+    flags = policy_engine_flags(cfg)
+    assert ("--disable-radix-cache" in flags) is not on
+    assert parse_args(["--model-path", "m", *flags]).disable_radix_cache is not on
