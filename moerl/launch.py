@@ -174,7 +174,8 @@ def engine_flags(engine: Any, prefix_cache: bool | None = None) -> list[str]:
         flags.append("--enable-cuda-graph")
         if engine.cuda_graph_max_bs is not None:
             flags += ["--cuda-graph-max-bs", str(engine.cuda_graph_max_bs)]
-    if not (engine.prefix_cache is not False if prefix_cache is None else prefix_cache):
+    on = engine.prefix_cache is not False if prefix_cache is None else prefix_cache
+    if not on:
         return [*flags, "--disable-radix-cache"]
     return [*flags, "--prefix-cache-max-tokens", str(engine.prefix_cache_max_tokens)]
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from moerl.algo.check import check_algo_config
 from moerl.common.checks import (
     at_least,
+    auto_or_bool,
     check_device_name,
     finite,
     non_negative_int,
@@ -345,8 +346,7 @@ def _check_engine_numbers(e: EngineConfig) -> None:
     for key in ("cuda_graph", "deterministic_inference"):
         if not isinstance(getattr(e, key), bool):
             raise ValueError(f"engine.{key}={getattr(e, key)!r} must be true or false")
-    if not (isinstance(e.prefix_cache, bool) or e.prefix_cache == "auto"):
-        raise ValueError(f"engine.prefix_cache={e.prefix_cache!r}: choose auto, true or false")
+    auto_or_bool("engine.prefix_cache", e.prefix_cache)
     non_negative_int("engine.max_restarts", e.max_restarts)
     positive_int_or_off(
         "engine.shared_prompt_min_tokens",

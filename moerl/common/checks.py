@@ -30,6 +30,12 @@ def one_of(key: str, value: object, allowed: Iterable[object] | type[Enum]) -> N
         raise choice_error(key, value, allowed)
 
 
+def auto_or_bool(key: str, value: object) -> None:
+    """'auto', true or false (a tri-state option whose 'auto' a rule resolves)."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"{key}={value!r}: choose auto, true or false")
+
+
 def at_least(key: str, value: float, low: float, *, strict: bool = False) -> None:
     """`value >= low` (`> low` with strict)."""
     if value < low or (strict and value == low):

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from moerl.common.checks import at_least, one_of
+from moerl.common.checks import at_least, auto_or_bool, one_of
 
 PARTIAL_ROLLOUT_MODES = ("in_place", "abort_resume", "drain")
 LENGTH_DISTRIBUTIONS = ("fixed", "lognormal")
@@ -139,10 +139,7 @@ class RolloutConfig:
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"{key}.min_p={self.min_p} must be in [0, 1)")
         one_of(f"{key}.partial_rollout", self.partial_rollout, PARTIAL_ROLLOUT_MODES)
-        if not (isinstance(self.in_place_pause, bool) or self.in_place_pause == "auto"):
-            raise ValueError(
-                f"{key}.in_place_pause={self.in_place_pause!r}: choose auto, true or false"
-            )
+        auto_or_bool(f"{key}.in_place_pause", self.in_place_pause)
         if self.filter_uniform_groups and self.group_size < 2:
             raise ValueError(
                 f"{key}.filter_uniform_groups=true with {key}.group_size={self.group_size} "

@@ -214,6 +214,7 @@ def build_publisher(
     from moerl.sync.weights import WeightSync, fp32_modules
 
     keep = fp32_modules(hf_dir) if cfg.sync.dtype and hf_dir is not None else []
+    own = cfg.engine.kind == "embedded"
 
     def make_sync() -> WeightSync:
         return WeightSync(
@@ -224,7 +225,6 @@ def build_publisher(
             keep_dtype=keep, keep_session=own,
         )  # fmt: skip
 
-    own = cfg.engine.kind == "embedded"
     return FullWeights(make_sync, own_engines=own)
 
 

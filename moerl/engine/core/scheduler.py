@@ -13,8 +13,8 @@ batched forward. Each request's keys and
 values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
 a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
 only the rest is prefilled; requests admitted together with the same input (the n
-samples of a GRPO group) run it once, with the cache or without it, and a prompt is cached as soon as it is prefilled,
-so samples admitted later reuse it too. A prefill runs in a ``KVPool`` of its own; each
+samples of a GRPO group) run it once, with the cache or without it, and a prompt is
+cached as soon as it is prefilled, so samples admitted later reuse it too. A prefill runs in a ``KVPool`` of its own; each
 request then gets a running slot holding a copy of its prompt, or, for a group on a
 prompt of at least ``--shared-prompt-min-tokens``, one that reads the prompt's single
 copy (``_place``), so a group's KV grows with n × response; a cached prefix that long is
