@@ -62,7 +62,9 @@ class EngineConfig:
     prefill in one forward and decode in step; 0 admits at once. SGLang servers admit at
     once."""
     admission_quiet_ms: float = 1.0
-    """That wait ends once no request arrived for this long."""
+    """That wait ends once no request arrived for this long, or once as many requests
+    wait as the engine's last busy spell admitted (a synchronous step sends as many as
+    the last)."""
     prefix_cache: Any = "auto"
     """Keep finished sequences' KV and routes so a request extending one (the next turn of
     an episode) prefills only its new tokens, with the cached tokens' routes (SGLang's radix

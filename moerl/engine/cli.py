@@ -151,7 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--admission-quiet-ms",
         type=float,
         default=1.0,
-        help="that wait ends once no request arrived for this long",
+        help="that wait ends once no request arrived for this long, or once as many "
+        "requests wait as the engine's last busy spell admitted",
     )
     p.add_argument(
         "--decode-share",

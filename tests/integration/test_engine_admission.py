@@ -116,3 +116,54 @@ def test_admission_flags_are_checked():
     assert (args.admission_wait_ms, args.admission_quiet_ms) == (4.0, 1.0)
     no_wait = parse_args(["--model-path", "x", "--admission-wait-ms", "0"])
     assert no_wait.admission_wait_ms == 0
+
+
+def test_an_idle_engine_admits_once_as_many_wait_as_its_last_busy_spell_took(
+    tiny_checkpoints,
+):
+    """A synchronous loop sends as many requests every step: once as many wait as the
+    last busy spell admitted, the wait ends without its quiet window (here 10 minutes,
+    so only the count can end it); fewer wait the window out, as before."""
+    eng = InProcessEngine(
+        tiny_checkpoints["deepseek_moe"], "--max-running-requests", "8",
+        "--admission-wait-ms", "600000", "--admission-quiet-ms", "600000",
+        "--disable-radix-cache",
+    )  # fmt: skip
+    scheduler = eng.state.scheduler
+    spy = ExtendSpy(eng)
+    prompts = [[5, 17, 3], [9, 4, 8, 2, 6], [7, 1]]
+
+    async def run() -> None:
+        async with httpx.AsyncClient(mounts=engine_mounts([eng]), timeout=120) as client:
+            # the first spell: three prompts in one batched request, a short window
+            scheduler.admission_quiet_s = 0.001
+            batch = {**_body([], "batch"), "input_ids": prompts, "rid": ["a", "b", "c"]}
+            first = (await client.post(f"{eng.url}/generate", json=batch)).json()
+            assert [a["meta_info"]["completion_tokens"] for a in first] == [3, 3, 3]
+            assert scheduler.admitted_by_count == 0  # no spell before it to count on
+            # the next: the same three, one request each, under the 10-minute window
+            scheduler.admission_quiet_s = 600.0
+            sent = []
+            for i, ids in enumerate(prompts):
+                body = _body(ids, f"step-{i}")
+                sent.append(asyncio.create_task(client.post(f"{eng.url}/generate", json=body)))
+                if i == 0:  # the idle engine counts itself waiting before the others go
+                    await _until(lambda: scheduler.admission_waits == 2, "the second wait")
+            answers = await asyncio.wait_for(asyncio.gather(*sent), 60)
+            assert [a.json()["meta_info"]["completion_tokens"] for a in answers] == [3, 3, 3]
+            assert scheduler.admitted_by_count == 1
+            assert scheduler.expected_arrivals == 3
+            # fewer than the last spell: the (now short) quiet window ends the wait
+            scheduler.admission_quiet_s = 0.001
+            lone = (await client.post(f"{eng.url}/generate", json=_body([4, 4], "lone"))).json()
+            assert lone["meta_info"]["completion_tokens"] == 3
+            assert (scheduler.admitted_by_count, scheduler.admission_waits) == (1, 3)
+
+    try:
+        asyncio.run(run())
+    finally:
+        spy.close()
+        eng.close()
+    prefills = [sorted(rows) for rows in spy.rows if rows]
+    # each spell's prompts in one forward: the batch, the three sent apart, the lone one
+    assert prefills == [[2, 3, 5], [2, 3, 5], [2]]

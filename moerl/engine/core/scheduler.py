@@ -26,7 +26,9 @@ An idle engine that gets a request waits a moment before admitting it
 ``--admission-quiet-ms``): requests a client sent together (a synchronous step's GRPO
 groups, one /generate each) then prefill in one forward and decode in step, where
 admitting the first alone would prefill the others in a second forward and run every
-decode step after it for fewer rows than the batch holds. A busy engine admits at once.
+decode step after it for fewer rows than the batch holds. The wait also ends once as many
+requests wait as the engine's last busy spell admitted: the next step of a synchronous
+loop sends as many as the last. A busy engine admits at once.
 The copied prompts go to their slots in one indexed copy per pool tensor, and the
 requests a decode step finishes are all answered before their KV goes to the prefix
 cache and their slots are freed.
@@ -179,6 +181,12 @@ class Scheduler:
         self.admission_wait_s = admission_wait_s
         self.admission_quiet_s = min(admission_quiet_s, admission_wait_s)
         self.admission_waits = 0  # times an idle engine waited for more arrivals
+        # the wait also ends once as many requests wait as the engine's last busy spell
+        # admitted (a synchronous loop sends the same number every step): ``_begin_spell``
+        self.expected_arrivals = 0
+        self.admitted_by_count = 0  # waits that ended so, before the quiet window
+        self._arrived = 0  # requests ever submitted (under _gate)
+        self._spell_start = 0  # of those, the ones that came before this busy spell
         if stop_regex_timeout_s <= 0:
             raise ValueError(f"--stop-regex-timeout-ms {1e3 * stop_regex_timeout_s:g} must be > 0")
         # one stop_regex search on the scheduler thread may take this long; past it, the
@@ -270,6 +278,7 @@ class Scheduler:
             if len(requests) > self.max_running:
                 with self._backlog_lock:
                     self.backlog.extend(requests[self.max_running :])
+            self._arrived += len(requests)
         self.wake.set()
 
     def queued(self) -> int:
@@ -509,6 +518,7 @@ class Scheduler:
         start, wall_start = time.perf_counter(), time.time()
         if self._prefilling is None:
             if not self.running and not self.retracted:
+                self._begin_spell()
                 self._await_arrivals()
             self._admit()
         elif not self.running or self.clock() >= self._next_chunk_at:
@@ -558,17 +568,32 @@ class Scheduler:
             else:
                 done(result, None)
 
+    def _begin_spell(self) -> None:
+        """An idle engine with requests waiting starts a busy spell: the requests admitted
+        since the last one began (those that arrived before the ones now waiting) become
+        ``expected_arrivals``."""
+        with self._gate:  # the count and the queues as one submission left them
+            start = self._arrived - self.queued()
+        self.expected_arrivals = start - self._spell_start
+        self._spell_start = start
+
     def _await_arrivals(self) -> None:
         """Idle, with requests waiting: wait until none arrived for the quiet window (a
-        submission sets ``wake``), at most ``admission_wait_s``, or until the waiting
-        requests fill a prefill. Controls that arrive meanwhile run at the next turn of
-        the loop, a few milliseconds later."""
+        submission sets ``wake``), at most ``admission_wait_s``, until the waiting
+        requests fill a prefill, or until as many wait as the last busy spell admitted
+        (``expected_arrivals``: a synchronous loop's step sends its groups together, the
+        same number every step, so the quiet window after the last one would only add
+        its length to every step). Controls that arrive meanwhile run at the next turn
+        of the loop, a few milliseconds later."""
         if self.admission_quiet_s <= 0:
             return
         self.admission_waits += 1
         full = min(self.max_prefill, self.max_running)
         deadline = time.perf_counter() + self.admission_wait_s
         while not self.stop_event.is_set() and self.waiting.qsize() < full:
+            if 0 < self.expected_arrivals <= self.queued():
+                self.admitted_by_count += 1
+                return
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
