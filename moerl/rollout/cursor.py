@@ -5,11 +5,14 @@ cancelled by over-sampling. Groups finish out of order, so the state is the posi
 the first unsettled prompt (`cursor`) plus the settled positions beyond it. Resuming from
 that state generates every unsettled prompt, in order, and no settled one: nothing that
 reached the buffer is generated twice, nothing is skipped. Prompts whose generation failed
-come back (`retry`) ahead of new ones.
+come back (`retry`) ahead of new ones. The orchestrator makes the next prompts ahead
+(`prefetch`) once a group finished generating, so a synchronous step's launch only posts
+them; prompts made ahead are not settled, and a resume makes them again.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ class DataCursor:
         self._prompts: Iterator[Prompt] | None = None
         self._next_pos = self._cursor
         self._exhausted = False
+        self._ahead: collections.deque[Item] = collections.deque()  # ``prefetch``'s
 
     @property
     def cursor(self) -> int:
@@ -51,6 +55,22 @@ class DataCursor:
         """The prompt to generate next (a retry first), None when the task has no more."""
         if self._retry:
             return heapq.heappop(self._retry)
+        if self._ahead:
+            return self._ahead.popleft()
+        return self._fresh()
+
+    def prefetch(self, count: int) -> None:
+        """Make the next ``count`` new prompts now (``next`` then hands them out as it
+        would have made them): the orchestrator does, while it waits for room, so a
+        synchronous step's prompts are ready when the step may start."""
+        while len(self._ahead) < count:
+            item = self._fresh()
+            if item is None:
+                return
+            self._ahead.append(item)
+
+    def _fresh(self) -> Item | None:
+        """The task's next unsettled prompt, None when it has no more."""
         if self._prompts is None:
             self._prompts = iter(self.task.prompts(self._next_pos))
         while not self._exhausted:
@@ -87,5 +107,6 @@ class DataCursor:
         self._cursor = self._next_pos = int(state["cursor"])
         self._settled = {int(p) for p in state.get("settled", ()) if int(p) >= self._cursor}
         self._retry = []
+        self._ahead.clear()
         self._prompts = None
         self._exhausted = False

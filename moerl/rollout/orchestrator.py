@@ -303,6 +303,9 @@ class Orchestrator:
                 self._generating -= 1
                 self._count("gen_s", time.perf_counter() - start)
                 self._notify()
+            # the prompts that go next, made while the engines still generate: a
+            # synchronous step's launch then only posts them
+            self._data.prefetch(self.cfg.groups_per_round)
             await self._score_and_put(item, group, flight)
         except asyncio.CancelledError:
             self.buffer.release(flight.slot)

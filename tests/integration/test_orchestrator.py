@@ -541,3 +541,50 @@ def test_in_place_pause_takes_auto_true_or_false():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="in_place_pause=.*choose auto, true or false"):
             replace(CFG, in_place_pause=bad).validate("rollout")
+
+
+class CountingTokens(EvenTokens):
+    """EvenTokens that counts the prompts it made."""
+
+    def __init__(self, num_prompts: int | None = None) -> None:
+        super().__init__(num_prompts)
+        self.made = 0
+
+    def prompts(self, start: int = 0) -> Iterator[Prompt]:
+        for prompt in super().prompts(start):
+            self.made += 1
+            yield prompt
+
+
+def test_the_next_steps_prompts_are_made_while_a_synchronous_step_generates(ds_engine):
+    """The synchronous loop (max_staleness=0, throttled): by the time a step's groups are
+    in the buffer, the next step's prompts exist already (made once a group finished
+    generating), so the launch at the next version only posts them; they go out in
+    stream order."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with EngineClient([ds_engine.url]) as client:
+            old = int((await client.model_info())[ds_engine.url]["weight_version"])
+            buffer = RolloutBuffer(
+                BufferConfig(max_groups=4), StalenessConfig(max_staleness=0, throttle=True),
+                groups_per_step=2, version=old,
+            )  # fmt: skip
+            task = CountingTokens()
+            orch = Orchestrator(client, task, buffer, CFG, num_layers=L, topk=K)
+
+            async def two_steps():  # type: ignore[no-untyped-def]
+                first = await buffer.get_batch(2, old)
+                made = task.made
+                await client.update_weight_version(old + 1)  # the step's push
+                buffer.set_version(old + 1)
+                second = await buffer.get_batch(2, old + 1)
+                return first, made, second
+
+            return await drive(orch, two_steps)
+
+    first, made, second = asyncio.run(go())
+    assert positions(first) == [0, 1]
+    # the step's 2 groups, the one the launcher holds while the buffer is full, and a
+    # round (groups_per_round) made ahead
+    assert made == 2 + 1 + CFG.groups_per_round
+    assert positions(second) == [2, 3]
