@@ -203,14 +203,21 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
                 metrics = {**landed, **trainer.step(trajs, **_probes(cfg, step, last))}
             if slept and rollout:
                 rollout.wake_engines(["weights"])  # before a push: it writes into them
-            # the rollout side's metrics, taken while its loop waits for the push: after
-            # it, this hand-off delayed the next step's requests (the last step's come
-            # after its push, with the final eval's)
-            if rollout is not None and step != last:
+            # the rollout side's metrics, taken before the push, in the hand-off that
+            # readies the rollout side for it where there is one: after the push, a
+            # hand-off of their own delayed the next step's requests (the last step's
+            # come after its push, with the final eval's)
+            take = rollout is not None and step != last
+            if take and not push:
                 metrics.update(rollout.metrics())
             if push:
                 with run_log.span("sync", step=step, version=trainer.version):
-                    metrics.update(_publish(publisher, rollout, trainer.version, inflight=inflight))
+                    metrics.update(
+                        _publish(publisher, rollout, trainer.version, inflight=inflight,
+                                 take_metrics=take)
+                    )  # fmt: skip
+                if take:  # those the push's hand-off took (a staged push: taken now)
+                    metrics.update(rollout.metrics())
             if slept and rollout:
                 rollout.wake_engines()
             evaluate = cfg.eval.enabled and _due(cfg.eval.every, step, last)
@@ -325,6 +332,7 @@ def _publish(
     version: int,
     initial: bool = False,
     inflight: InFlight | None = None,
+    take_metrics: bool = False,
 ) -> dict[str, float]:
     """Collective: push policy ``version`` to the engines, inside the rollout side's
     update bracket; engines restarted since the last push join the group again first.
@@ -332,7 +340,8 @@ def _publish(
     ``inflight``: the previous push must have landed (its metrics are returned); then
     this one is gathered now and sent on rank 0's push thread (sync.overlap, unless an
     engine restarted since) or sent now and left to land on the rollout loop
-    (sync.wait_for_load=false)."""
+    (sync.wait_for_load=false). ``take_metrics``: the rollout side's bracket takes its
+    metrics too (``RolloutService.before_update``), in the same hand-off."""
     landed = None
     if inflight is not None:
         landed = _settle(*inflight.join(), rollout)  # None: failed, repeated below
@@ -345,7 +354,9 @@ def _publish(
     detach = inflight is not None and not inflight.staged and not initial
     pauses = publisher.pauses_generation and not initial
     atomic = publisher.atomic_push
-    rejoin = _broadcast(rollout.before_update(pauses, atomic) if rollout and not initial else False)
+    rejoin = _broadcast(
+        rollout.before_update(pauses, atomic, take_metrics) if rollout and not initial else False
+    )
     if rejoin:
         publisher.rejoin()
     for attempt in range(1, PUSH_ATTEMPTS + 1):

@@ -75,6 +75,7 @@ class RolloutService:
         self.buffer: Any = None
         self.client: Any = None
         self.evals: Any = None
+        self._taken: dict[str, float] | None = None  # metrics before_update took
         # colocation's sleeps: totals over the run (engine/sleep_* metrics)
         self._sleep = {"slept": 0, "skipped": 0, "seconds": 0.0}
         self._asleep: set[str] = set()
@@ -223,14 +224,20 @@ class RolloutService:
         self._batch = None
         return [t for group in batch.result() for t in group]
 
-    def before_update(self, pauses_generation: bool, atomic: bool = False) -> bool:
+    def before_update(
+        self, pauses_generation: bool, atomic: bool = False, take_metrics: bool = False
+    ) -> bool:
         """Before a push: every engine checked and restarts waited for; generation
         paused by the partial-rollout policy when the push disturbs requests (``atomic``:
         every engine loads it at once, between two of its decode steps, which
         rollout.in_place_pause='auto' does not pause for). True when engines were
-        restarted and the weight group must be built again. One hand-off to the loop."""
+        restarted and the weight group must be built again. One hand-off to the loop;
+        ``take_metrics``: the rollout side's metrics are taken in it too, and the next
+        ``metrics()`` returns them (without a hand-off of its own)."""
 
         async def before() -> bool:
+            if take_metrics:
+                self._taken = await self._gather_metrics()
             rejoin = bool(await self.supervisor.before_push())
             if pauses_generation:
                 await self._before_update(atomic)
@@ -372,25 +379,31 @@ class RolloutService:
 
     def metrics(self, wait_eval: bool = False) -> dict[str, float]:
         """The rollout side's metrics since the last call, with the numbers of evals
-        finished meanwhile (``wait_eval``: of the running one too, for the last step)."""
-        evals, buffer, orchestrator = self.evals, self.buffer, self.orchestrator
-
-        async def gather() -> dict[str, float]:  # one hand-off: the loop may be starting
-            got: dict[str, float] = {}  # the next step's requests meanwhile
-            if evals is not None:
-                if wait_eval:
-                    await evals.wait()
-                got.update(evals.pop_metrics())
-            got.update(buffer.metrics())
-            got.update(orchestrator.metrics())
-            return got
-
-        out = self.aio.run(gather())
+        finished meanwhile (``wait_eval``: of the running one too, for the last step);
+        those ``before_update(take_metrics=True)`` took, if it did since."""
+        taken, self._taken = self._taken, None
+        if taken is not None and not wait_eval:
+            out = taken
+        else:  # one hand-off: the loop may be starting the next step's requests meanwhile
+            out = self.aio.run(self._gather_metrics(wait_eval))
+            out = out if taken is None else {**taken, **out}
         if self.supervisor is not None:
             out.update(self.supervisor.metrics())
         if self._sleep["slept"] or self._sleep["skipped"]:
             out.update({f"engine/sleep_{k}": float(v) for k, v in self._sleep.items()})
         return out
+
+    async def _gather_metrics(self, wait_eval: bool = False) -> dict[str, float]:
+        """On the loop: the evals', buffer's and orchestrator's metrics since they were
+        last taken."""
+        got: dict[str, float] = {}
+        if self.evals is not None:
+            if wait_eval:
+                await self.evals.wait()
+            got.update(self.evals.pop_metrics())
+        got.update(self.buffer.metrics())
+        got.update(self.orchestrator.metrics())
+        return got
 
     def stop_generation(self) -> None:
         """Stop supervision and generation (no request outlives the run); the event loop

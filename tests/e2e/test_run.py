@@ -336,6 +336,8 @@ def test_max_staleness_zero_is_synchronous(tmp_path, way):
         assert "engine/sleep_slept" not in m[-1]
     for r in m:
         assert r["staleness_max"] == 0 and r["batch_versions"] == 1
+        # the rollout side's window of each step: its own batch's groups, once
+        assert r["buffer/consumed"] == 4  # the recipe's 32 sequences in groups of 8
         assert r["mismatch/onpolicy_frac"] == 1.0
         assert r["mismatch/onpolicy_log_ratio_abs_max"] < 1e-4  # on-policy every step
     spans = load_timeline(run)
