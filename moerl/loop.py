@@ -208,16 +208,14 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             # hand-off of their own delayed the next step's requests (the last step's
             # come after its push, with the final eval's)
             take = rollout is not None and step != last
-            if take and not push:
-                metrics.update(rollout.metrics())
             if push:
                 with run_log.span("sync", step=step, version=trainer.version):
                     metrics.update(
                         _publish(publisher, rollout, trainer.version, inflight=inflight,
                                  take_metrics=take)
                     )  # fmt: skip
-                if take:  # those the push's hand-off took (a staged push: taken now)
-                    metrics.update(rollout.metrics())
+            if take and rollout is not None:  # taken by the push's hand-off, if it had one
+                metrics.update(rollout.metrics())
             if slept and rollout:
                 rollout.wake_engines()
             evaluate = cfg.eval.enabled and _due(cfg.eval.every, step, last)
