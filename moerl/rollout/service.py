@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from moerl.common.trajectory import Trajectory
 from moerl.config.schema import MoerlConfig
+from moerl.config.threads import overlapped
 from moerl.rollout.aio import EventLoopThread
 
 T = TypeVar("T")
@@ -273,8 +274,14 @@ class RolloutService:
     ) -> None:
         """After a push of ``version``: generation resumes (``paused``), new requests use
         ``adapter`` (LoRA) and restarted engines that got the weights are released. One
-        hand-off to the loop."""
-        self.aio.run(self._after(version, paused=paused, adapter=adapter, rejoined=rejoined))
+        hand-off to the loop; in the synchronous loop it returns once the next step's
+        groups sent their requests (``Orchestrator.sent``)."""
+        self.aio.run(
+            self._after(
+                version, paused=paused, adapter=adapter, rejoined=rejoined,
+                launched=not overlapped(self.cfg.staleness),
+            )
+        )  # fmt: skip
 
     def after_landing(
         self,
@@ -309,6 +316,7 @@ class RolloutService:
         adapter: str | None = None,
         rejoined: bool = False,
         buffer: bool = True,
+        launched: bool = False,
     ) -> None:
         if adapter is not None:
             self.orchestrator.set_adapter(adapter, version)
@@ -320,6 +328,8 @@ class RolloutService:
             await self.supervisor.reconnected()
         if buffer:
             self.buffer.set_version(version)
+            if launched:
+                await self.orchestrator.sent()
 
     # ---- colocation: the engine sleeps while the trainer steps ------------------------
 

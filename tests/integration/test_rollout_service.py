@@ -17,11 +17,13 @@ def test_a_pushs_bracket_takes_the_rollout_metrics_in_its_own_hand_off(
     """The synchronous loop asks for the rollout side's metrics just before each push:
     ``before_update(take_metrics=True)`` takes them in the hand-off it makes anyway, so
     the step's ``metrics()`` costs none; they hold the step's window, and the next call
-    takes a new one."""
+    takes a new one. After the push, ``after_update`` returns once the next step's
+    requests are out."""
     ckpt = tiny_checkpoints["deepseek_moe"]
     cfg: Any = OmegaConf.to_object(
         compose_config("+recipe=deepseek_moe", f"model.path={ckpt}", "staleness=sync",
-                       "telemetry.timeline=false", "eval.every=0")
+                       "telemetry.timeline=false", "eval.every=0",
+                       "rollout.max_new_tokens=256", "rollout.ignore_eos=true")
     )  # fmt: skip
     service = RolloutService(
         cfg, hf_dir=ckpt, run_dir=tmp_path, engine_urls=[ds_engine.url], engines=[],
@@ -45,6 +47,10 @@ def test_a_pushs_bracket_takes_the_rollout_metrics_in_its_own_hand_off(
         assert step["buffer/consumed"] == 2 and step["rollout/groups_done"] >= 2
         after = service.metrics()  # nothing taken since: a hand-off, a new window
         assert len(hand_offs) == 2 and after["buffer/consumed"] == 0
+        # the synchronous loop: the hand-off after the push returns once the next step's
+        # groups sent their requests (each runs for 256 tokens: still on the engine)
         service.after_update(1, paused=False)
+        assert len(hand_offs) == 3
+        assert sum(service.client.outstanding.values()) == 2
     finally:
         service.close()
