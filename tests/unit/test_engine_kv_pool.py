@@ -317,3 +317,34 @@ def test_a_plan_reads_whole_key_tiles_when_asked():
     shared = Plan([0], [7 + 3], [1], prefixes=[prefix])  # prefix 7 + own 4 = 11
     shared.read_whole_tiles(16, 1000)
     assert (shared.prefix_width, shared.keys_read) == (7, 9)
+
+
+def test_growth_keeps_the_used_tokens_and_zeroes_every_other_position(runner):
+    """A pool that grows copies each used slot's tokens and zeroes the rest, whatever the
+    old tensors held there (masked positions are read in place: they must be finite)."""
+    pool = KVPool(runner.num_layers, runner.dtype, max_slots=8, max_tokens=128, slots=2, tokens=8)
+    owners = allocated(pool, 2)
+    runner.extend(pool, [o.slot for o in owners], [[5, 6, 7], [8, 9, 10, 11, 12]])
+    kept = [t[:2, :, :5].clone() for t in pool.keys + pool.values]
+    for t in pool.keys + pool.values:  # what a stale or failed request could leave
+        t[:, :, 5:] = float("nan")
+    pool.reserve(5, 20)
+    assert (pool.slots, pool.capacity) == (5, 20) and pool.reallocations == 1
+    for old, new in zip(kept, pool.keys + pool.values, strict=True):
+        assert torch.equal(new[:2, :, :5], old)
+        assert torch.count_nonzero(new[:2, :, 5:]) == 0 and torch.count_nonzero(new[2:]) == 0
+
+
+def test_the_batch_invariant_modes_pools_start_at_whole_key_tiles(tiny_checkpoints):
+    """The mode reads keys in whole tiles: a prefill's pool, sized to its prompt, holds
+    them from the start instead of growing (copying every layer) at its own forward."""
+    from moerl.kernels.batch_invariant import ATTENTION_KEYS
+
+    det = ModelRunner(tiny_checkpoints["deepseek_moe"], deterministic=True)
+    pool = det.new_pool(1, slots=1, tokens=5)
+    assert pool.capacity == ATTENTION_KEYS
+    (owner,) = allocated(pool, 1)
+    det.extend(pool, [owner.slot], [[5, 6, 7, 8, 9]])
+    assert pool.reallocations == 0
+    plain = ModelRunner(tiny_checkpoints["deepseek_moe"]).new_pool(1, slots=1, tokens=5)
+    assert plain.capacity == 5  # without the mode: as asked

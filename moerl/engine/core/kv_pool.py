@@ -317,8 +317,11 @@ class KVPool:
         longest = max((n - b for n, b in zip(self.lengths, self.bases())), default=0)
         for pool in (self.keys, self.values):
             for i, old in enumerate(pool):
-                grown = old.new_zeros(new_slots, old.shape[1], new_capacity, old.shape[3])
+                # the used slots' tokens copied, every other position zeroed (as allocated)
+                grown = old.new_empty(new_slots, old.shape[1], new_capacity, old.shape[3])
                 grown[:used, :, :longest] = old[:used, :, :longest]
+                grown[:used, :, longest:] = 0
+                grown[used:] = 0
                 pool[i] = grown
         self.slots, self.capacity = new_slots, new_capacity
         self.reallocations += 1

@@ -176,7 +176,13 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------
     def new_pool(self, max_slots: int, slots: int = 4, tokens: int = 16) -> KVPool:
         """A KV pool for up to ``max_slots`` requests of up to the model's context, first
-        allocated for ``slots`` of ``tokens`` (both grow as ``KVPool.reserve`` says)."""
+        allocated for ``slots`` of ``tokens`` (both grow as ``KVPool.reserve`` says). The
+        batch-invariant mode reads keys in whole tiles (``Plan.read_whole_tiles``): its
+        pools start at whole tiles, so a prefill's pool, sized to its prompts, does not
+        grow (a copy of every layer's keys and values) at its own forward."""
+        if self.deterministic:
+            tile = invariant.bi.ATTENTION_KEYS
+            tokens = min(-(-tokens // tile) * tile, self.context_len)
         return KVPool(
             self.num_layers,
             self.dtype,
