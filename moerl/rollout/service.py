@@ -392,11 +392,12 @@ class RolloutService:
         finished meanwhile (``wait_eval``: of the running one too, for the last step);
         those ``before_update(take_metrics=True)`` took, if it did since."""
         taken, self._taken = self._taken, None
-        if taken is not None and not wait_eval:
-            out = taken
-        else:  # one hand-off: the loop may be starting the next step's requests meanwhile
+        if taken is None:  # one hand-off: the loop may be starting the next step's requests
             out = self.aio.run(self._gather_metrics(wait_eval))
-            out = out if taken is None else {**taken, **out}
+        elif wait_eval and self.evals is not None:  # the running eval's, with the taken
+            out = {**taken, **self.aio.run(self._eval_metrics(wait=True))}
+        else:
+            out = taken
         if self.supervisor is not None:
             out.update(self.supervisor.metrics())
         if self._sleep["slept"] or self._sleep["skipped"]:
@@ -406,14 +407,19 @@ class RolloutService:
     async def _gather_metrics(self, wait_eval: bool = False) -> dict[str, float]:
         """On the loop: the evals', buffer's and orchestrator's metrics since they were
         last taken."""
-        got: dict[str, float] = {}
-        if self.evals is not None:
-            if wait_eval:
-                await self.evals.wait()
-            got.update(self.evals.pop_metrics())
+        got = await self._eval_metrics(wait_eval)
         got.update(self.buffer.metrics())
         got.update(self.orchestrator.metrics())
         return got
+
+    async def _eval_metrics(self, wait: bool = False) -> dict[str, float]:
+        """On the loop: the numbers of the evals finished since they were last taken
+        (``wait``: of the running one too)."""
+        if self.evals is None:
+            return {}
+        if wait:
+            await self.evals.wait()
+        return dict(self.evals.pop_metrics())
 
     def stop_generation(self) -> None:
         """Stop supervision and generation (no request outlives the run); the event loop

@@ -30,8 +30,12 @@ def test_a_pushs_bracket_takes_the_rollout_metrics_in_its_own_hand_off(
         version=0, progress={}, groups_per_step=2,
     )  # fmt: skip
     try:
+        client = service.client
+        # the shared engine's version (other tests move it): the run's starts there
+        old = int(service.aio.run(client.model_info())[ds_engine.url]["weight_version"])
+        service.buffer.set_version(old)
         service.start()
-        assert len(service.next_batch(0)) == 2 * cfg.rollout.group_size
+        assert len(service.next_batch(old)) == 2 * cfg.rollout.group_size
         hand_offs = []
         run = service.aio.run
 
@@ -49,8 +53,16 @@ def test_a_pushs_bracket_takes_the_rollout_metrics_in_its_own_hand_off(
         assert len(hand_offs) == 2 and after["buffer/consumed"] == 0
         # the synchronous loop: the hand-off after the push returns once the next step's
         # groups sent their requests (each runs for 256 tokens: still on the engine)
-        service.after_update(1, paused=False)
+        run(client.update_weight_version(old + 1))  # what the push's last bucket does
+        service.after_update(old + 1, paused=False)
         assert len(hand_offs) == 3
-        assert sum(service.client.outstanding.values()) == 2
+        assert sum(client.outstanding.values()) == 2
+        # the last step's call waits for a running eval: it returns what the bracket
+        # took (this run has no eval: no hand-off), not a newer window over it
+        assert len(service.next_batch(old + 1)) == 2 * cfg.rollout.group_size
+        assert service.before_update(False, take_metrics=True) is False
+        taken = len(hand_offs)
+        assert service.metrics(wait_eval=True)["buffer/consumed"] == 2
+        assert len(hand_offs) == taken
     finally:
         service.close()
