@@ -207,14 +207,14 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             # readies the rollout side for it where there is one: after the push, a
             # hand-off of their own delayed the next step's requests (the last step's
             # come after its push, with the final eval's)
-            take = rollout is not None and step != last
+            take = step != last
             if push:
                 with run_log.span("sync", step=step, version=trainer.version):
                     metrics.update(
                         _publish(publisher, rollout, trainer.version, inflight=inflight,
                                  take_metrics=take)
                     )  # fmt: skip
-            if take and rollout is not None:  # taken by the push's hand-off, if it had one
+            if rollout is not None and take:  # taken by the push's hand-off, if it had one
                 metrics.update(rollout.metrics())
             if slept and rollout:
                 rollout.wake_engines()

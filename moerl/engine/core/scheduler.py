@@ -8,18 +8,18 @@ step, a longer input in forwards of ``--chunked-prefill-size`` tokens: one such 
 per iteration at most, so the running requests keep decoding while a long prompt
 prefills, as SGLang interleaves them; after a chunk, they decode for at least
 ``--decode-share`` of the time, so a chunk that costs many decode steps does not starve
-them), then decodes one token for every running request in a single
-batched forward. Each request's keys and
-values live in its slot of one ``KVPool`` that decode reads in place. Before prefilling,
-a request reuses the KV and routes of the longest prefix the ``PrefixCache`` holds, so
-only the rest is prefilled; requests admitted together with the same input (the n
-samples of a GRPO group) run it once, with the cache or without it, and a prompt is
-cached as soon as it is prefilled, so samples admitted later reuse it too. A prefill runs in a ``KVPool`` of its own; each
-request then gets a running slot holding a copy of its prompt, or, for a group on a
-prompt of at least ``--shared-prompt-min-tokens``, one that reads the prompt's single
-copy (``_place``), so a group's KV grows with n × response; a cached prefix that long is
-read where the cache keeps it (``_reuse``). HTTP handlers talk to the thread
-through thread-safe queues and get results back on their asyncio loop.
+them), then decodes one token for every running request in a single batched forward.
+Each request's keys and values live in its slot of one ``KVPool`` that decode reads in
+place. Before prefilling, a request reuses the KV and routes of the longest prefix the
+``PrefixCache`` holds, so only the rest is prefilled; requests admitted together with
+the same input (the n samples of a GRPO group) run it once, with the cache or without
+it, and a prompt is cached as soon as it is prefilled, so samples admitted later reuse
+it too. A prefill runs in a ``KVPool`` of its own; each request then gets a running slot
+holding a copy of its prompt, or, for a group on a prompt of at least
+``--shared-prompt-min-tokens``, one that reads the prompt's single copy (``_place``), so
+a group's KV grows with n × response; a cached prefix that long is read where the cache
+keeps it (``_reuse``). HTTP handlers talk to the thread through thread-safe queues and
+get results back on their asyncio loop.
 
 An idle engine that gets a request waits a moment before admitting it
 (``--admission-wait-ms``, at most, until no request arrived for
