@@ -665,10 +665,16 @@ def tile_groups(counts: list[int], device: Any = None) -> tuple[list[int], torch
     return sizes.tolist(), torch.as_tensor(dest, device=device)
 
 
-GATHER_BYTES = 1 << 23
+GATHER_BYTES = 1 << 20
 """``grouped_tiles`` copies each tile's weight into one batch (one bmm for all groups)
 when that copy is at most this many bytes (and ``GATHER_TILES`` allow); otherwise one
-product per group."""
+product per group. A copy that fits one core's L2 cache (1 MiB on this project's 2-core
+CPU) saves the per-group products' calls; a larger one streams every tile's weight
+through memory once more than a product per group, which reads each expert's weight
+once: on the mid shape (tools/bench/engine.py: a down projection is 512×256, 0.5 MB in
+fp32) a 32-row decode step copied 11 tiles' down projections, 5.6 MB, in 0.4 ms, and a
+session's experts took 303–345 ms gathered (under 8 MiB) against 280–285 ms per group
+(tools/bench/true_on_policy.py's batch, 4 alternating runs)."""
 
 GATHER_TILES = 8
 """``grouped_tiles`` gathers weights only while the groups average at most this many
