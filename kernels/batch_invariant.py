@@ -720,13 +720,17 @@ def _tiles(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     A shared weight of N ≥ 2 outputs multiplies all the tiles in one product: on the
     CPU that gives each tile the bits of its own product (measured for K 16-1024, N
     2-4096, up to 64 tiles, fp32 and bf16, 1 and 2 threads; tested against the tile
-    products by tests/unit/test_batch_invariant.py). A single output column (a GEMV
-    path) does not, nor do fewer than 4 rows: those keep the tiles."""
-    if weight.dim() == 2 and weight.shape[0] > 1:
+    products by tests/unit/test_batch_invariant.py). Fewer than 4 rows do not, which is
+    why rows come in tiles. A single output column multiplies as two, the second zero:
+    torch runs one-column products as matrix-vector products, and a batch of such tiles
+    with one shared weight as one, so a row's bits changed with the number of rows
+    beside it (fp32, K ≥ 32)."""
+    if weight.shape[-2] == 1:
+        return _tiles(rows, F.pad(weight, (0, 0, 0, 1)))[:, :1]
+    if weight.dim() == 2:
         return tile_product.mm(rows, weight.t())
     tiles = rows.reshape(-1, ROWS, rows.shape[-1])
-    per_tile = weight.expand(tiles.shape[0], *weight.shape[-2:])
-    return tile_product.bmm(tiles, per_tile.transpose(1, 2)).view(-1, weight.shape[-2])
+    return tile_product.bmm(tiles, weight.transpose(1, 2)).view(-1, weight.shape[-2])
 
 
 _ROUTES: dict[Any, Callable[..., Any]] = {}

@@ -444,17 +444,35 @@ def test_whole_row_products_give_each_tile_the_bits_of_its_own_product(q_len, t)
 def test_linear_gives_each_tile_the_bits_of_its_own_product(dtype, k, n, m):
     """``linear`` multiplies all of a shared weight's tiles in one product where that
     keeps their bits (kernels/batch_invariant.py ``_tiles``): the same bits as one
-    [ROWS, K] × [K, N] product per tile, written out here, split along K or not."""
+    [ROWS, K] × [K, N] product per tile, written out here, split along K or not (one
+    output column: the first of a product with two, the second zero)."""
     gen = _gen(4)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
     rows = torch.cat([x, x.new_zeros(-m % bi.ROWS, k)])
+    tile_w = w if n > 1 else torch.cat([w, w.new_zeros(1, k)])
     for splits in (1, 2):
         step = k // splits
         parts = [
-            torch.cat([rows[i : i + bi.ROWS, c : c + step] @ w[:, c : c + step].T
+            torch.cat([rows[i : i + bi.ROWS, c : c + step] @ tile_w[:, c : c + step].T
                        for i in range(0, len(rows), bi.ROWS)])
             for c in range(0, k, step)
         ]  # fmt: skip
         ref = parts[0] if splits == 1 else parts[0] + parts[1]
-        assert torch.equal(bi.linear(x, w, splits=splits), ref[:m]), splits
+        assert torch.equal(bi.linear(x, w, splits=splits), ref[:m, :n]), splits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [16, 32, 64, 512])
+def test_a_one_column_linear_gives_a_row_the_same_bits_beside_any_rows(dtype, k):
+    """A weight with a single output row (a value head, a gate's score) gives a row the
+    bits it gets alone however many rows share the call, split along K or not. A batch
+    of one-column tile products with one shared weight ran as one matrix-vector product
+    in torch, and a row's bits changed with the number of tiles (fp32, K ≥ 32)."""
+    gen = _gen(9)
+    x = torch.randn(80, k, generator=gen).to(dtype)
+    w = torch.randn(1, k, generator=gen).to(dtype)
+    for splits in (1, 2):
+        alone = bi.linear(x[:3], w, splits=splits)
+        for rows in (16, 40, 80):
+            assert torch.equal(bi.linear(x[:rows], w, splits=splits)[:3], alone), (rows, splits)
