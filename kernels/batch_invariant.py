@@ -54,8 +54,20 @@ from torch.overrides import TorchFunctionMode
 
 from moerl.kernels import tile_product
 
-ROWS = 16
-"""Rows of each fixed-shape product in ``linear``."""
+ROWS = 8
+"""Rows of each fixed-shape product in ``linear`` and of each expert's tiles in
+``experts``. On the CPU a row's bits are the same in a product of any multiple of 4
+rows (measured for K 16-4096, N 2-8192, 4-256 rows, fp32 and bf16, 1, 2, 4 and 8
+threads), not in one of 1-3 rows; 8 rather than 16 halves a decode step's padding of
+each expert's few tokens (the mid shape's experts: 71-77 → 40 ms over off in a
+session). 4 would add batched products small enough for torch's own loop
+(``BMM_LOOP_MACS``) without saving much more."""
+
+BMM_LOOP_MACS = 400
+"""torch's CPU ``bmm`` multiplies matrices of fewer multiply-adds than this by a loop of
+its own rather than by the BLAS ``mm`` does, so such a batched product's bits differ from
+``mm``'s (measured: exactly the [ROWS, K] × [K, N] tiles with ROWS·K·N < 400 differ);
+``grouped_tiles`` does not gather weights into one for those."""
 
 K_SPLITS = 2
 """Chunks of the inner dimension that a row-parallel weight's product sums (attention's
@@ -580,7 +592,9 @@ def experts(
     # the tiles of each token's own experts (of which there are at least tokens·topk rows)
     every_rows = num * -(-max(tokens, 1) // ROWS) * ROWS
     macs = gate_up_E2IH.shape[1] * gate_up_E2IH.shape[2] + down_EHI.shape[1] * down_EHI.shape[2]
-    if (every_rows - tokens * topk) * macs <= DENSE_EXTRA_MACS:
+    # (its down product is a bmm: only where that gives mm's bits, BMM_LOOP_MACS)
+    blas = ROWS * (down_EHI.shape[2] // K_SPLITS) * down_EHI.shape[1] >= BMM_LOOP_MACS
+    if blas and (every_rows - tokens * topk) * macs <= DENSE_EXTRA_MACS:
         sorted_ids, by_id_t = ids_TK.sort(dim=-1, stable=True)
         slots_TKH = _every_expert(
             hidden_TH, (gate_up_E2IH, down_EHI), act, sorted_ids, weights_TK.gather(1, by_id_t)
@@ -700,7 +714,8 @@ def grouped_tiles(
     if not count:
         return rows.new_zeros(0, n_out)
     small = count * n_out * k * weights[0].element_size() <= GATHER_BYTES
-    if small and count <= GATHER_TILES * len(sizes):
+    blas = ROWS * (k // splits) * n_out >= BMM_LOOP_MACS  # bmm gives mm's bits
+    if small and blas and count <= GATHER_TILES * len(sizes):
         stacked = weights if isinstance(weights, torch.Tensor) else torch.stack(weights)
         owner = torch.as_tensor(np.repeat(np.arange(len(sizes)), tiles), device=rows.device)
         per_tile = stacked.index_select(0, owner)  # [tiles, N, K]

@@ -281,6 +281,30 @@ def test_every_expert_on_every_token_gives_the_tiles_bits(
     assert torch.equal(dense, tiled)
 
 
+@pytest.mark.parametrize("hidden, inter", [(4, 4), (8, 4), (6, 8)])
+def test_experts_too_small_for_blas_keep_their_tiles(monkeypatch, hidden, inter):
+    """Experts so small that their down product's tiles fall under torch's own bmm loop
+    (``BMM_LOOP_MACS``) do not take ``_every_expert`` (a bmm whose bits would not be the
+    tiles'), however little extra work it would be."""
+    g = _gen(15)
+    x = torch.randn(5, hidden, generator=g)
+    gate_up = torch.randn(4, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(4, hidden, inter, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=g)
+    taken = []
+    every = bi._every_expert
+    monkeypatch.setattr(bi, "_every_expert", lambda *a: taken.append(1) or every(*a))
+    monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", 1 << 60)
+    got = bi.experts(x, ids, weights, gate_up, down, bi.silu)
+    monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", -1)
+    assert taken == []
+    assert torch.equal(got, bi.experts(x, ids, weights, gate_up, down, bi.silu))
+    for t in range(5):  # a token alone gets its bits
+        alone = bi.experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down, bi.silu)
+        assert torch.equal(alone, got[t : t + 1])
+
+
 def test_every_expert_runs_for_a_small_models_decode_not_its_prefill(monkeypatch):
     """The tiny engine model's shape (64 wide, 8 experts of 32, top-4): a 32-row decode
     step takes ``_every_expert``, a 416-token prefill the tiles (~10M more products)."""
@@ -329,26 +353,31 @@ def test_rms_norm_is_transformers_formula_and_rerouted_from_torch(dtype):
 
 
 def test_tile_groups_start_every_group_on_a_tile():
-    sizes, dest = bi.tile_groups([3, 0, 17, 16, 1])
-    assert sizes == [16, 0, 32, 16, 16]
-    want = [*range(0, 3), *range(16, 33), *range(48, 64), 64]
+    r = bi.ROWS
+    sizes, dest = bi.tile_groups([3, 0, 2 * r + 1, r, 1])
+    assert sizes == [r, 0, 3 * r, r, r]
+    want = [*range(0, 3), *range(r, 3 * r + 1), *range(4 * r, 5 * r), 5 * r]
     assert dest.tolist() == want
     assert bi.tile_groups([])[1].numel() == 0
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_grouped_tiles_gathered_and_per_group_give_the_same_bits(monkeypatch, splits):
+@pytest.mark.parametrize("n,k", [(24, 32), (3, 32), (2, 8)])
+def test_grouped_tiles_gathered_and_per_group_give_the_same_bits(monkeypatch, splits, n, k):
+    """Also for tiles small enough that torch's CPU bmm multiplies them by a loop of its
+    own (``BMM_LOOP_MACS``: [3, 16] and [2, 4] halves), whose bits are not mm's."""
     g = _gen(11)
-    weights = torch.randn(5, 24, 32, generator=g)
-    sizes, dest = bi.tile_groups([3, 0, 17, 16, 1])
-    rows = torch.zeros(sum(sizes), 32)
-    rows[dest] = torch.randn(len(dest), 32, generator=g)
+    weights = torch.randn(5, n, k, generator=g)
+    r = bi.ROWS
+    sizes, dest = bi.tile_groups([3, 0, 2 * r + 1, r, 1])
+    rows = torch.zeros(sum(sizes), k)
+    rows[dest] = torch.randn(len(dest), k, generator=g)
     gathered = bi.grouped_tiles(rows, sizes, weights, splits)
     monkeypatch.setattr(bi, "GATHER_BYTES", 0)
     per_group = bi.grouped_tiles(rows, sizes, list(weights), splits)
     assert torch.equal(gathered, per_group)
-    ref = torch.cat([rows[16 * i : 16 * (i + 1)] @ weights[e].T
-                     for i, e in enumerate([0, 2, 2, 3, 4])])  # fmt: skip
+    ref = torch.cat([rows[r * i : r * (i + 1)] @ weights[e].T
+                     for i, e in enumerate([0, 2, 2, 2, 3, 4])])  # fmt: skip
     torch.testing.assert_close(gathered, ref)
 
 
