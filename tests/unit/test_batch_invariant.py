@@ -255,14 +255,19 @@ def test_experts_match_a_loop_and_a_token_alone(monkeypatch, dtype, every_expert
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "tokens, hidden, inter, experts, topk",
-    [(1, 64, 32, 8, 4), (32, 64, 32, 8, 4), (45, 48, 24, 6, 2), (33, 32, 16, 16, 1)],
-)
+    "tokens, hidden, inter, experts, topk, every",
+    [(1, 64, 32, 8, 4, True), (32, 64, 32, 8, 4, True), (45, 48, 24, 6, 2, True),
+     (33, 32, 16, 16, 1, True), (5, 4, 4, 4, 2, False), (5, 8, 4, 4, 2, False),
+     (5, 6, 8, 4, 2, False)],
+)  # fmt: skip
 def test_every_expert_on_every_token_gives_the_tiles_bits(
-    monkeypatch, dtype, tokens, hidden, inter, experts, topk
+    monkeypatch, dtype, tokens, hidden, inter, experts, topk, every
 ):
     """``_every_expert`` (one product against all experts' weights) against each token
-    through its own experts' tiles: the same bits, dropped slots included."""
+    through its own experts' tiles: the same bits, dropped slots included, and a token
+    alone gets them too. Experts so small that their down product's tiles fall under
+    torch's own bmm loop (``BMM_LOOP_MACS``) never take it (that bmm's bits would not
+    be the tiles'), however little extra work it would be."""
     g = _gen(14)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
@@ -271,38 +276,18 @@ def test_every_expert_on_every_token_gives_the_tiles_bits(
     ids[::3, -1] = experts  # dropped
     weights = torch.rand(tokens, topk, generator=g)
     taken = []
-    every = bi._every_expert
-    monkeypatch.setattr(bi, "_every_expert", lambda *a: taken.append(1) or every(*a))
+    dense_fn = bi._every_expert
+    monkeypatch.setattr(bi, "_every_expert", lambda *a: taken.append(1) or dense_fn(*a))
     monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", 1 << 60)
     dense = bi.experts(x, ids, weights, gate_up, down, bi.silu)
     monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", -1)
     tiled = bi.experts(x, ids, weights, gate_up, down, bi.silu)
-    assert taken == [1]
+    assert taken == ([1] if every else [])
     assert torch.equal(dense, tiled)
-
-
-@pytest.mark.parametrize("hidden, inter", [(4, 4), (8, 4), (6, 8)])
-def test_experts_too_small_for_blas_keep_their_tiles(monkeypatch, hidden, inter):
-    """Experts so small that their down product's tiles fall under torch's own bmm loop
-    (``BMM_LOOP_MACS``) do not take ``_every_expert`` (a bmm whose bits would not be the
-    tiles'), however little extra work it would be."""
-    g = _gen(15)
-    x = torch.randn(5, hidden, generator=g)
-    gate_up = torch.randn(4, 2 * inter, hidden, generator=g) * 0.2
-    down = torch.randn(4, hidden, inter, generator=g) * 0.2
-    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
-    weights = torch.rand(5, 2, generator=g)
-    taken = []
-    every = bi._every_expert
-    monkeypatch.setattr(bi, "_every_expert", lambda *a: taken.append(1) or every(*a))
-    monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", 1 << 60)
-    got = bi.experts(x, ids, weights, gate_up, down, bi.silu)
-    monkeypatch.setattr(bi, "DENSE_EXTRA_MACS", -1)
-    assert taken == []
-    assert torch.equal(got, bi.experts(x, ids, weights, gate_up, down, bi.silu))
-    for t in range(5):  # a token alone gets its bits
-        alone = bi.experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down, bi.silu)
-        assert torch.equal(alone, got[t : t + 1])
+    for t in range(min(tokens, 5)):
+        one = slice(t, t + 1)
+        alone = bi.experts(x[one], ids[one], weights[one], gate_up, down, bi.silu)
+        assert torch.equal(alone, tiled[one])
 
 
 def test_every_expert_runs_for_a_small_models_decode_not_its_prefill(monkeypatch):
