@@ -65,9 +65,10 @@ session). 4 would add batched products small enough for torch's own loop
 
 BMM_LOOP_MACS = 400
 """torch's CPU ``bmm`` multiplies matrices of fewer multiply-adds than this by a loop of
-its own rather than by the BLAS ``mm`` does, so such a batched product's bits differ from
-``mm``'s (measured: exactly the [ROWS, K] × [K, N] tiles with ROWS·K·N < 400 differ);
-``grouped_tiles`` does not gather weights into one for those."""
+its own, not by the BLAS kernel ``mm`` runs, so such a batched product's bits differ
+from ``mm``'s (measured: exactly the [ROWS, K] × [K, N] tiles with ROWS·K·N < 400
+differ); ``grouped_tiles`` does not gather weights into one batched product for those,
+nor does ``experts`` take ``_every_expert``."""
 
 K_SPLITS = 2
 """Chunks of the inner dimension that a row-parallel weight's product sums (attention's
