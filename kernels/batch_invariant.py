@@ -68,7 +68,14 @@ BMM_LOOP_MACS = 400
 its own, not by the BLAS kernel ``mm`` runs, so such a batched product's bits differ
 from ``mm``'s (measured: exactly the [ROWS, K] × [K, N] tiles with ROWS·K·N < 400
 differ); ``grouped_tiles`` does not gather weights into one batched product for those,
-nor does ``experts`` take ``_every_expert``."""
+nor does ``experts`` take ``_every_expert`` (``_bmm_is_blas``)."""
+
+
+def _bmm_is_blas(k: int, n: int) -> bool:
+    """Whether torch's CPU ``bmm`` of [ROWS, k] × [k, n] tiles runs the BLAS kernel, and
+    so gives each tile ``mm``'s bits (``BMM_LOOP_MACS``)."""
+    return ROWS * k * n >= BMM_LOOP_MACS
+
 
 K_SPLITS = 2
 """Chunks of the inner dimension that a row-parallel weight's product sums (attention's
@@ -593,8 +600,8 @@ def experts(
     # the tiles of each token's own experts (of which there are at least tokens·topk rows)
     every_rows = num * -(-max(tokens, 1) // ROWS) * ROWS
     macs = gate_up_E2IH.shape[1] * gate_up_E2IH.shape[2] + down_EHI.shape[1] * down_EHI.shape[2]
-    # (its down product is a bmm: only where that gives mm's bits, BMM_LOOP_MACS)
-    blas = ROWS * (down_EHI.shape[2] // K_SPLITS) * down_EHI.shape[1] >= BMM_LOOP_MACS
+    # (its down product is a bmm: only where that gives mm's bits)
+    blas = _bmm_is_blas(down_EHI.shape[2] // K_SPLITS, down_EHI.shape[1])
     if blas and (every_rows - tokens * topk) * macs <= DENSE_EXTRA_MACS:
         sorted_ids, by_id_t = ids_TK.sort(dim=-1, stable=True)
         slots_TKH = _every_expert(
@@ -715,7 +722,7 @@ def grouped_tiles(
     if not count:
         return rows.new_zeros(0, n_out)
     small = count * n_out * k * weights[0].element_size() <= GATHER_BYTES
-    blas = ROWS * (k // splits) * n_out >= BMM_LOOP_MACS  # bmm gives mm's bits
+    blas = _bmm_is_blas(k // splits, n_out)
     if small and blas and count <= GATHER_TILES * len(sizes):
         stacked = weights if isinstance(weights, torch.Tensor) else torch.stack(weights)
         owner = torch.as_tensor(np.repeat(np.arange(len(sizes)), tiles), device=rows.device)
