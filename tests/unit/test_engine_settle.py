@@ -72,3 +72,61 @@ def test_requests_that_finish_apart_still_free_their_slots(runner):
     prompts = [rng.integers(3, 100, n).tolist() for n in (5, 9, 7, 6)]
     apart = _run(runner, prompts, [2, 5, 3, 5])
     assert apart.pool.used == 0 and apart.pool.moves > 0  # a request outlived a lower slot
+
+
+def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner):
+    """Requests answered on an asyncio loop (``LoopCallback``, as the HTTP server's are)
+    that one decode step finishes reach their loop in one hand-over, each resolved with
+    its own request; a callback that raises does not keep the others from running, and a
+    plain callback in the same step is still called. The hand-overs are counted on the
+    real loop's ``call_soon_threadsafe``."""
+    import asyncio
+
+    from moerl.engine.core.scheduler import LoopCallback
+
+    loop = asyncio.new_event_loop()
+    handed: list[int] = []
+    real = loop.call_soon_threadsafe
+
+    def counted(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        handed.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+        return real(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    resolved: dict[str, str] = {}
+    all_in = threading.Event()
+
+    def resolve(r: Request) -> None:  # on the loop
+        assert threading.current_thread() is thread
+        resolved[r.rid] = "".join(map(str, r.output_ids))
+        if r.rid == "r2":
+            raise RuntimeError("a failing callback")
+        if len(resolved) == 5:
+            all_in.set()
+
+    plain: list[str] = []
+    rng = np.random.default_rng(2)
+    reqs = [
+        Request(
+            rid=f"r{i}",
+            input_ids=rng.integers(3, 100, 4 + i).tolist(),
+            on_done=LoopCallback(loop, resolve) if i < 5 else plain.append,  # type: ignore[arg-type]
+            params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        )  # fmt: skip
+        for i in range(6)
+    ]
+    sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
+    sched.submit(*reqs)
+    sched.start()
+    try:
+        assert all_in.wait(120), "the loop's requests were never answered"
+    finally:
+        sched.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert handed[0] == 5  # the five finished in one step: one hand-over of five
+    assert resolved == {f"r{i}": "".join(map(str, reqs[i].output_ids)) for i in range(5)}
+    assert all(len(reqs[i].output_ids) == 4 for i in range(6))
+    assert [r.rid for r in plain] == ["r5"]  # type: ignore[attr-defined]

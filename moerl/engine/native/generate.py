@@ -10,7 +10,7 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -20,7 +20,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
 from moerl.engine.core.sampling import SamplingParams
-from moerl.engine.core.scheduler import Request, new_rid
+from moerl.engine.core.scheduler import LoopCallback, Request, new_rid
 from moerl.engine.core.state import EngineState
 from moerl.engine.validate import (
     split_batch,
@@ -40,9 +40,7 @@ class GenerateResponse(Response):
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
 
 
-def resolve_on(
-    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Request]
-) -> Callable[[Request], None]:
+def resolve_on(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Request]) -> LoopCallback:
     """A ``Request.on_done`` (called on the scheduler thread) that resolves ``future`` on
     ``loop`` with the finished request, unless it is done already (cancelled)."""
 
@@ -50,10 +48,7 @@ def resolve_on(
         if not future.done():
             future.set_result(r)
 
-    def on_done(r: Request) -> None:
-        loop.call_soon_threadsafe(resolve, r)
-
-    return on_done
+    return LoopCallback(loop, resolve)
 
 
 async def _until_disconnect(request: HTTPRequest) -> None:
