@@ -74,12 +74,14 @@ def test_requests_that_finish_apart_still_free_their_slots(runner):
     assert apart.pool.used == 0 and apart.pool.moves > 0  # a request outlived a lower slot
 
 
-def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner):
+@pytest.mark.parametrize("new_tokens", [4, 1])
+def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tokens):
     """Requests answered on an asyncio loop (``LoopCallback``, as the HTTP server's are)
-    that one decode step finishes reach their loop in one hand-over, each resolved with
-    its own request; a callback that raises does not keep the others from running, and a
-    plain callback in the same step is still called. The hand-overs are counted on the
-    real loop's ``call_soon_threadsafe``."""
+    that one decode step finishes (or, with one new token, their prefill's first tokens)
+    reach their loop in one hand-over, each resolved with its own request; a callback
+    that raises does not keep the others from running, and a plain callback in the same
+    step is still called. The hand-overs are counted on the real loop's
+    ``call_soon_threadsafe``."""
     import asyncio
 
     from moerl.engine.core.scheduler import LoopCallback
@@ -113,7 +115,7 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner):
             rid=f"r{i}",
             input_ids=rng.integers(3, 100, 4 + i).tolist(),
             on_done=LoopCallback(loop, resolve) if i < 5 else plain.append,  # type: ignore[arg-type]
-            params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+            params=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True),
         )  # fmt: skip
         for i in range(6)
     ]
@@ -128,5 +130,6 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner):
         thread.join(10)
     assert handed[0] == 5  # the five finished in one step: one hand-over of five
     assert resolved == {f"r{i}": "".join(map(str, reqs[i].output_ids)) for i in range(5)}
-    assert all(len(reqs[i].output_ids) == 4 for i in range(6))
+    assert all(len(reqs[i].output_ids) == new_tokens for i in range(6))
+    assert sched.pool.used == 0  # every slot given back
     assert [r.rid for r in plain] == ["r5"]  # type: ignore[attr-defined]

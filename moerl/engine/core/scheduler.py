@@ -392,8 +392,8 @@ class Scheduler:
                 log.exception("answering %d requests failed", len(calls))
 
     def _settle(self) -> None:
-        """The requests a decode step finished: answered, then their KV to the prefix
-        cache, then freed."""
+        """The requests a decode step (or a prefill's first tokens) finished: answered,
+        then their KV to the prefix cache, then freed."""
         settling, self._settling = self._settling or [], None
         self._answer_all(settling)
         try:
@@ -833,15 +833,19 @@ class Scheduler:
         except Exception:  # each alone then, where a failure is the request's own
             log.exception("batched first-token sampling failed; sampling one by one")
             drawn = {}
-        for i, (req, logits) in enumerate(firsts):
-            try:
-                self._emit(req, logits, drawn.get(i))
-            except Exception as err:
-                log.exception("prefill of request %s failed", req.rid)
-                self.fail(req, f"prefill failed: {_words(err)}")
-                continue
-            if not req.done:
-                self.running.append(req)
+        self._settling = []  # those whose first token ends them are answered together
+        try:
+            for i, (req, logits) in enumerate(firsts):
+                try:
+                    self._emit(req, logits, drawn.get(i))
+                except Exception as err:
+                    log.exception("prefill of request %s failed", req.rid)
+                    self.fail(req, f"prefill failed: {_words(err)}")
+                    continue
+                if not req.done:
+                    self.running.append(req)
+        finally:
+            self._settle()
 
     def _start(self, req: Request) -> None:
         """The request's sampler and stop-string tail length (once)."""
