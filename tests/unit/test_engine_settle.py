@@ -6,6 +6,7 @@ freed one), and what is cached and served stays each request's own."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,11 +17,18 @@ from moerl.engine.core.sampling import SamplingParams
 from moerl.engine.core.scheduler import Request, Scheduler
 
 
-def _run(runner: ModelRunner, prompts: list[list[int]], new: list[int]) -> Scheduler:
+def _run(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    new: list[int],
+    callbacks: list[Any] | None = None,
+    answered: threading.Event | None = None,
+) -> Scheduler:
     """Every prompt submitted at once (one prefill, then decode steps together), greedy,
-    ``new[i]`` tokens each; returns the scheduler once all were answered."""
+    ``new[i]`` tokens each; returns the scheduler once all were answered (``callbacks[i]``
+    answers request i instead, and the run ends once ``answered`` is set)."""
     sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
-    left, done = len(prompts), threading.Event()
+    left, done = len(prompts), answered or threading.Event()
     lock = threading.Lock()
 
     def on_done(_: Request) -> None:
@@ -34,7 +42,7 @@ def _run(runner: ModelRunner, prompts: list[list[int]], new: list[int]) -> Sched
         Request(
             rid=f"r{i}",
             input_ids=p,
-            on_done=on_done,
+            on_done=on_done if callbacks is None else callbacks[i],
             params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
         )  # fmt: skip
         for i, (p, n) in enumerate(zip(prompts, new))
@@ -108,28 +116,18 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tok
         if len(resolved) == 5:
             all_in.set()
 
-    plain: list[str] = []
+    plain: list[Request] = []
     rng = np.random.default_rng(2)
-    reqs = [
-        Request(
-            rid=f"r{i}",
-            input_ids=rng.integers(3, 100, 4 + i).tolist(),
-            on_done=LoopCallback(loop, resolve) if i < 5 else plain.append,  # type: ignore[arg-type]
-            params=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True),
-        )  # fmt: skip
-        for i in range(6)
-    ]
-    sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
-    sched.submit(*reqs)
-    sched.start()
+    prompts = [rng.integers(3, 100, 4 + i).tolist() for i in range(6)]
+    callbacks = [LoopCallback(loop, resolve) for _ in range(5)] + [plain.append]
     try:
-        assert all_in.wait(120), "the loop's requests were never answered"
+        sched = _run(runner, prompts, [new_tokens] * 6, callbacks, all_in)
     finally:
-        sched.shutdown()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+    reqs = sched.requests  # type: ignore[attr-defined]
     assert handed[0] == 5  # the five finished in one step: one hand-over of five
     assert resolved == {f"r{i}": "".join(map(str, reqs[i].output_ids)) for i in range(5)}
     assert all(len(reqs[i].output_ids) == new_tokens for i in range(6))
     assert sched.pool.used == 0  # every slot given back
-    assert [r.rid for r in plain] == ["r5"]  # type: ignore[attr-defined]
+    assert [r.rid for r in plain] == ["r5"]
