@@ -111,10 +111,10 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tok
     def resolve(r: Request) -> None:  # on the loop
         assert threading.current_thread() is thread
         resolved[r.rid] = "".join(map(str, r.output_ids))
-        if r.rid == "r2":
-            raise RuntimeError("a failing callback")
         if len(resolved) == 5:
             all_in.set()
+        if r.rid == "r2":
+            raise RuntimeError("a failing callback")
 
     plain: list[Request] = []
     rng = np.random.default_rng(2)
