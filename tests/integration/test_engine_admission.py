@@ -123,7 +123,9 @@ def test_an_idle_engine_admits_once_as_many_wait_as_its_last_busy_spell_took(
 ):
     """A synchronous loop sends as many requests every step: once as many wait as the
     last busy spell admitted, the wait ends without its quiet window (here 10 minutes,
-    so only the count can end it); fewer wait the window out, as before."""
+    so only the count can end it); fewer wait the window out, as before. While the
+    engine waits, a submission that does not end the wait does not wake it (the wakes
+    are counted on the scheduler's ``threading.Event``)."""
     eng = InProcessEngine(
         tiny_checkpoints["deepseek_moe"], "--max-running-requests", "8",
         "--admission-wait-ms", "600000", "--admission-quiet-ms", "600000",
@@ -132,6 +134,13 @@ def test_an_idle_engine_admits_once_as_many_wait_as_its_last_busy_spell_took(
     scheduler = eng.state.scheduler
     spy = ExtendSpy(eng)
     prompts = [[5, 17, 3], [9, 4, 8, 2, 6], [7, 1]]
+    wakes, wake = [0], scheduler.wake.set
+
+    def counted() -> None:
+        wakes[0] += 1
+        wake()
+
+    scheduler.wake.set = counted  # type: ignore[method-assign]
 
     async def run() -> None:
         async with httpx.AsyncClient(mounts=engine_mounts([eng]), timeout=120) as client:
@@ -149,7 +158,9 @@ def test_an_idle_engine_admits_once_as_many_wait_as_its_last_busy_spell_took(
                 sent.append(asyncio.create_task(client.post(f"{eng.url}/generate", json=body)))
                 if i == 0:  # the idle engine counts itself waiting before the others go
                     await _until(lambda: scheduler.admission_waits == 2, "the second wait")
+                    waiting = wakes[0]
             answers = await asyncio.wait_for(asyncio.gather(*sent), 60)
+            assert wakes[0] - waiting == 1  # the third submission's, which ends the wait
             assert [a.json()["meta_info"]["completion_tokens"] for a in answers] == [3, 3, 3]
             assert scheduler.admitted_by_count == 1
             assert scheduler.expected_arrivals == 3

@@ -216,6 +216,11 @@ class Scheduler:
         self.admitted_by_count = 0  # waits that ended so, before the quiet window
         self._arrived = 0  # requests ever submitted (under _gate)
         self._spell_start = 0  # of those, the ones that came before this busy spell
+        # while an idle engine waits for arrivals, a submission wakes it only once as many
+        # wait as end the wait (``_await_arrivals``); the others leave their time here
+        self._admitting = False
+        self._wake_at = 0
+        self._last_arrival = 0.0
         if stop_regex_timeout_s <= 0:
             raise ValueError(f"--stop-regex-timeout-ms {1e3 * stop_regex_timeout_s:g} must be > 0")
         # one stop_regex search on the scheduler thread may take this long; past it, the
@@ -308,7 +313,9 @@ class Scheduler:
                 with self._backlog_lock:
                     self.backlog.extend(requests[self.max_running :])
             self._arrived += len(requests)
-        self.wake.set()
+            self._last_arrival = time.perf_counter()
+        if not self._admitting or self.queued() >= self._wake_at:
+            self.wake.set()
 
     def queued(self) -> int:
         """Requests waiting to start (``waiting`` and the backlog of large submissions)."""
@@ -630,22 +637,30 @@ class Scheduler:
         (``expected_arrivals``: a synchronous loop's step sends its groups together, the
         same number every step, so the quiet window after the last one would only add
         its length to every step). Controls that arrive meanwhile run at the next turn
-        of the loop, a few milliseconds later."""
+        of the loop, a few milliseconds later. A submission wakes the thread only once
+        enough wait to end it (``submit``): each wake took the interpreter lock from the
+        server's thread while it read the next request of the same batch; the others
+        leave their time, from which the quiet window is counted."""
         if self.admission_quiet_s <= 0:
             return
         self.admission_waits += 1
         full = min(self.max_prefill, self.max_running)
-        deadline = time.perf_counter() + self.admission_wait_s
-        while not self.stop_event.is_set() and self.waiting.qsize() < full:
-            if 0 < self.expected_arrivals <= self.queued():
-                self.admitted_by_count += 1
-                return
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
-            self.wake.clear()
-            if not self.wake.wait(min(self.admission_quiet_s, left)):
-                return  # quiet: nothing more is on its way
+        self._wake_at = min(full, self.expected_arrivals) if self.expected_arrivals > 0 else full
+        self._admitting = True
+        try:
+            deadline = time.perf_counter() + self.admission_wait_s
+            while not self.stop_event.is_set() and self.waiting.qsize() < full:
+                if 0 < self.expected_arrivals <= self.queued():
+                    self.admitted_by_count += 1
+                    return
+                now = time.perf_counter()
+                left, quiet = deadline - now, self._last_arrival + self.admission_quiet_s - now
+                if left <= 0 or quiet <= 0:
+                    return  # quiet: nothing more is on its way
+                self.wake.clear()
+                self.wake.wait(min(quiet, left))
+        finally:
+            self._admitting = False
 
     def _admit(self) -> None:
         """Take resumed and waiting requests while slots, the per-step count and the
