@@ -216,9 +216,8 @@ class Scheduler:
         self.admitted_by_count = 0  # waits that ended so, before the quiet window
         self._arrived = 0  # requests ever submitted (under _gate)
         self._spell_start = 0  # of those, the ones that came before this busy spell
-        # while an idle engine waits for arrivals, a submission wakes it only once as many
-        # wait as end the wait (``_await_arrivals``); the others leave their time here
-        self._admitting = False
+        # while an idle engine waits for arrivals, a submission wakes it only once this many
+        # wait (``_await_arrivals``; 0 otherwise: every one wakes it); each leaves its time
         self._wake_at = 0
         self._last_arrival = 0.0
         if stop_regex_timeout_s <= 0:
@@ -314,7 +313,7 @@ class Scheduler:
                     self.backlog.extend(requests[self.max_running :])
             self._arrived += len(requests)
             self._last_arrival = time.perf_counter()
-        if not self._admitting or self.queued() >= self._wake_at:
+        if self.queued() >= self._wake_at:
             self.wake.set()
 
     def queued(self) -> int:
@@ -646,7 +645,6 @@ class Scheduler:
         self.admission_waits += 1
         full = min(self.max_prefill, self.max_running)
         self._wake_at = min(full, self.expected_arrivals) if self.expected_arrivals > 0 else full
-        self._admitting = True
         try:
             deadline = time.perf_counter() + self.admission_wait_s
             while not self.stop_event.is_set() and self.waiting.qsize() < full:
@@ -660,7 +658,7 @@ class Scheduler:
                 self.wake.clear()
                 self.wake.wait(min(quiet, left))
         finally:
-            self._admitting = False
+            self._wake_at = 0
 
     def _admit(self) -> None:
         """Take resumed and waiting requests while slots, the per-step count and the
