@@ -436,7 +436,9 @@ def single_rank_mappings() -> None:
 
 
 def _group_of_one(group: Any) -> bool:
-    """Whether ``group`` (None: the default group) has one rank, this one."""
+    """Whether ``group`` (None: torch.distributed's default group, as its collectives
+    read it) has one rank, this one. ``_alone`` is the mappings' test, where None means
+    megatron-core's own default and goes to the original."""
     import torch.distributed as dist
 
     return dist.get_world_size(group) == 1
