@@ -23,11 +23,14 @@ def _run(
     new: list[int],
     callbacks: list[Any] | None = None,
     answered: threading.Event | None = None,
+    sched: Scheduler | None = None,
 ) -> Scheduler:
     """Every prompt submitted at once (one prefill, then decode steps together), greedy,
     ``new[i]`` tokens each; returns the scheduler once all were answered (``callbacks[i]``
-    answers request i instead, and the run ends once ``answered`` is set)."""
-    sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
+    answers request i instead, and the run ends once ``answered`` is set; ``sched``: the
+    scheduler to run them on)."""
+    if sched is None:
+        sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
     left, done = len(prompts), answered or threading.Event()
     lock = threading.Lock()
 
@@ -88,8 +91,9 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tok
     that one decode step finishes (or, with one new token, their prefill's first tokens)
     reach their loop in one hand-over, each resolved with its own request; a callback
     that raises does not keep the others from running, and a plain callback in the same
-    step is still called. The hand-overs are counted on the real loop's
-    ``call_soon_threadsafe``."""
+    step is still called. An answered request is no longer in the running batch (what
+    ``/get_server_info``'s ``running_requests`` counts) when its callback runs. The
+    hand-overs are counted on the real loop's ``call_soon_threadsafe``."""
     import asyncio
 
     from moerl.engine.core.scheduler import LoopCallback
@@ -108,9 +112,14 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tok
     resolved: dict[str, str] = {}
     all_in = threading.Event()
 
+    sched = Scheduler(runner, prefix_cache=PrefixCache(100_000), enable_routed_experts=True)
+    still_running: list[str] = []
+
     def resolve(r: Request) -> None:  # on the loop
         assert threading.current_thread() is thread
         resolved[r.rid] = "".join(map(str, r.output_ids))
+        if any(x is r for x in sched.running):
+            still_running.append(r.rid)
         if len(resolved) == 5:
             all_in.set()
         if r.rid == "r2":
@@ -121,7 +130,7 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tok
     prompts = [rng.integers(3, 100, 4 + i).tolist() for i in range(6)]
     callbacks = [LoopCallback(loop, resolve) for _ in range(5)] + [plain.append]
     try:
-        sched = _run(runner, prompts, [new_tokens] * 6, callbacks, all_in)
+        _run(runner, prompts, [new_tokens] * 6, callbacks, all_in, sched)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
@@ -130,4 +139,5 @@ def test_a_step_hands_its_finished_requests_to_each_loop_at_once(runner, new_tok
     assert resolved == {f"r{i}": "".join(map(str, reqs[i].output_ids)) for i in range(5)}
     assert all(len(reqs[i].output_ids) == new_tokens for i in range(6))
     assert sched.pool.used == 0  # every slot given back
+    assert still_running == []
     assert [r.rid for r in plain] == ["r5"]

@@ -398,9 +398,11 @@ class Scheduler:
                 log.exception("answering %d requests failed", len(calls))
 
     def _settle(self) -> None:
-        """The requests a decode step (or a prefill's first tokens) finished: answered,
-        then their KV to the prefix cache, then freed."""
+        """The requests a decode step (or a prefill's first tokens) finished: out of the
+        running batch, answered, then their KV to the prefix cache, then freed."""
         settling, self._settling = self._settling or [], None
+        if settling:  # an answered request no longer runs (``running_requests`` says so)
+            self.running = [r for r in self.running if not r.done]
         self._answer_all(settling)
         try:
             self._keep(*settling)
