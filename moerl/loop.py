@@ -357,14 +357,30 @@ def _publish(
     )
     if rejoin:
         publisher.rejoin()
+    # the next step's requests start as soon as the engines would serve them the new
+    # policy: with ``early_ready``, once the last bucket is off the wire, while the
+    # engines load it and answer (rank 0; a failed attempt's is waited for below)
+    resumed: list[concurrent.futures.Future[None]] = []
+    early = rollout is not None and not initial and not detach and publisher.early_ready
+
+    def resume() -> None:
+        assert rollout is not None
+        resumed.append(rollout.start_after_update(version, paused=pauses, rejoined=rejoin))
+
     for attempt in range(1, PUSH_ATTEMPTS + 1):
         try:
             sent, error = (
-                (publisher.push_sent(version) if detach else publisher.push(version)),
+                (
+                    publisher.push_sent(version)
+                    if detach
+                    else publisher.push(version, on_ready=resume if early else None)
+                ),
                 None,
             )
         except WeightSyncError as err:  # rank 0's engine side; the others did their part
             sent, error = None, err
+        for started in resumed:  # before a repeat (its own bracket's end runs again)
+            started.result()
         if not _broadcast(error is not None):
             break
         # an engine that died during the push is restarted (and waited for) here; the
@@ -386,7 +402,8 @@ def _publish(
         landing = rollout.after_landing(sent, version, paused=pauses, rejoined=rejoin)
         inflight.adopt(landing, _sync_metrics)
         return landed or {}
-    rollout.after_update(version, paused=pauses, adapter=sent.adapter, rejoined=rejoin)
+    if not resumed:
+        rollout.after_update(version, paused=pauses, adapter=sent.adapter, rejoined=rejoin)
     return _sync_metrics(sent)
 
 

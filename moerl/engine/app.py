@@ -28,7 +28,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from moerl.engine.core.sampling import SamplingParams, UnknownFieldError
-from moerl.engine.core.scheduler import Request, Unavailable, new_rid
+from moerl.engine.core.scheduler import Request, Unavailable, new_rid, settles
 from moerl.engine.core.state import EngineState
 from moerl.engine.native.generate import (
     GenerateResponse,
@@ -93,19 +93,7 @@ async def on_scheduler(state: EngineState, fn: Any) -> Any:
     """Run ``fn`` on the scheduler thread between steps and await its result."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
-
-    def done(result: Any, err: BaseException | None) -> None:
-        def settle() -> None:
-            if future.done():
-                return
-            if err is not None:
-                future.set_exception(err)
-            else:
-                future.set_result(result)
-
-        loop.call_soon_threadsafe(settle)
-
-    state.scheduler.control(fn, done)
+    state.scheduler.control(fn, settles(loop, future))
     return await future
 
 

@@ -276,11 +276,23 @@ class RolloutService:
         ``adapter`` (LoRA) and restarted engines that got the weights are released. One
         hand-off to the loop; in the synchronous loop it returns once the next step's
         groups sent their requests (``Orchestrator.sent``)."""
-        self.aio.run(
-            self._after(
-                version, paused=paused, adapter=adapter, rejoined=rejoined,
-                launched=not overlapped(self.cfg.staleness),
-            )
+        self.aio.run(self._after_push(version, paused, adapter, rejoined))
+
+    def start_after_update(
+        self, version: int, *, paused: bool, adapter: str | None = None, rejoined: bool = False
+    ) -> concurrent.futures.Future[None]:
+        """``after_update`` without waiting for it: its future. A push whose engines
+        hold the requests that arrive while it loads starts it once its last bucket is
+        off the wire (``Publisher.early_ready``), so the next step's requests are on
+        their way while the engines load the bucket and answer."""
+        return self.aio.submit(self._after_push(version, paused, adapter, rejoined))
+
+    def _after_push(
+        self, version: int, paused: bool, adapter: str | None, rejoined: bool
+    ) -> Coroutine[Any, Any, None]:
+        return self._after(
+            version, paused=paused, adapter=adapter, rejoined=rejoined,
+            launched=not overlapped(self.cfg.staleness),
         )  # fmt: skip
 
     def after_landing(

@@ -6,8 +6,12 @@ joined (:class:`FullWeights`, wrapping ``WeightSync``); with LoRA only the adapt
 and each version is a new engine adapter (:class:`Adapters`, wrapping ``AdapterSync``).
 The loop sees only :class:`Publisher`:
 
-- ``push(version)`` — collective on every trainer rank; returns a :class:`Publication`
-  on rank 0 (stats, and the adapter name new requests must use, if any);
+- ``push(version, on_ready=None)`` — collective on every trainer rank; returns a
+  :class:`Publication` on rank 0 (stats, and the adapter name new requests must use, if
+  any); ``on_ready`` (rank 0) is called once requests sent to the engines would start on
+  the new policy: where ``early_ready`` (full weights broadcast to moerl's own engines,
+  which hold the requests that arrive while a push loads) as soon as the last bucket is
+  off the wire, before the engines answer; otherwise once the push landed;
 - ``push_sent(version)`` — as ``push``, but returns once rank 0's parameters are free
   again: a future of the ``Publication`` (rank 0) that completes when the engines have
   loaded the push, on the engines' event loop (full weights by broadcast; anything else
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,9 +63,12 @@ class Publisher(Protocol):
     pauses_generation: bool
 
     @property
+    def early_ready(self) -> bool: ...
+
+    @property
     def atomic_push(self) -> bool: ...
 
-    def push(self, version: int) -> Publication: ...
+    def push(self, version: int, on_ready: Callable[[], None] | None = None) -> Publication: ...
 
     def push_sent(self, version: int) -> concurrent.futures.Future[Publication]: ...
 
@@ -104,8 +112,12 @@ class FullWeights:
             self._buckets = stats["buckets"]
         return stats
 
-    def push(self, version: int) -> Publication:
-        return Publication(version, self._counted(self.sync.push(version)))
+    @property
+    def early_ready(self) -> bool:
+        return bool(self.sync.early_ready)
+
+    def push(self, version: int, on_ready: Callable[[], None] | None = None) -> Publication:
+        return Publication(version, self._counted(self.sync.push(version, on_ready=on_ready)))
 
     def push_sent(self, version: int) -> concurrent.futures.Future[Publication]:
         sent = self.sync.push_sent(version)
@@ -148,12 +160,15 @@ class Adapters:
 
     pauses_generation = False
     atomic_push = True  # an adapter is loaded whole, in one call
+    early_ready = False  # new requests name the new adapter, known once it is loaded
 
     def __init__(self, sync: Any) -> None:
         self.sync = sync
 
-    def push(self, version: int) -> Publication:
+    def push(self, version: int, on_ready: Callable[[], None] | None = None) -> Publication:
         stats = self.sync.push(version)
+        if on_ready is not None:
+            on_ready()
         return Publication(version, stats, adapter=self.sync.name(version))
 
     def push_sent(self, version: int) -> concurrent.futures.Future[Publication]:

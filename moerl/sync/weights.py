@@ -328,20 +328,38 @@ class WeightSync:
     # ---- push -----------------------------------------------------------------------------
 
     def push(
-        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None = None
+        self,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Collective: send every weight to every engine; tokens after the last bucket carry
         ``str(version)``. ``named`` replaces this rank's ``export_hf`` stream with other
         ``(hf_name, tensor)`` pairs (tools, tests). Returns ``{"bytes", "buckets",
         "tensors", "seconds"}``: totals on rank 0, this rank's own sends elsewhere.
         On CPU it runs without the CPU layer's per-op mode: export, staging and the
-        broadcast name no CUDA device (moerl/compat/device_mode.py)."""
+        broadcast name no CUDA device (moerl/compat/device_mode.py).
+
+        ``on_ready`` (rank 0) is called, once, as soon as a generation request sent to
+        the engines would start on the pushed weights: where ``early_ready``, once the
+        last bucket is off the wire, before the engines' answers (a request that reaches
+        them after they entered its broadcast waits until it is loaded); else once the
+        push landed. When the push then fails, it was called all the same."""
         from moerl.compat import device_mode
 
         with device_mode.suspended():
-            stats = self._push(version, named)
+            stats = self._push(version, named, on_ready=on_ready)
         assert isinstance(stats, dict)
         return stats
+
+    @property
+    def early_ready(self) -> bool:
+        """Whether ``push``'s ``on_ready`` comes before the engines answer: a broadcast
+        to moerl's own engines (``keep_session``), which hold every generation request
+        that arrives while a pushed bucket loads until it is loaded
+        (``Scheduler.hold_admission``). SGLang's hold theirs too, but finish loading when
+        the session ends (``end_weight_update``), after the answers."""
+        return self.transport == "broadcast" and self.keep_session
 
     def push_sent(
         self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None = None
@@ -365,9 +383,14 @@ class WeightSync:
         return done
 
     def _push(
-        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None, detach: bool = False
+        self,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]] | None,
+        detach: bool = False,
+        on_ready: Callable[[], None] | None = None,
     ) -> dict[str, float] | concurrent.futures.Future[dict[str, float]]:
-        """``detach`` (rank 0, broadcast): the landing's future, as ``push_sent`` says."""
+        """``detach`` (rank 0, broadcast): the landing's future, as ``push_sent`` says;
+        ``on_ready``: as ``push`` says."""
         from moerl.convert.exporter import export_hf
 
         start = time.perf_counter()
@@ -384,8 +407,9 @@ class WeightSync:
         )
         if self.rank == 0:
             sent = self._forward(
-                self._sources(stream, leads, plan=views), version, detach=detach, start=start
-            )
+                self._sources(stream, leads, plan=views), version, detach=detach, start=start,
+                on_ready=on_ready,
+            )  # fmt: skip
             if isinstance(sent, concurrent.futures.Future):
                 return sent
             stats.update(sent)
@@ -577,11 +601,13 @@ class WeightSync:
         version: int,
         detach: bool = False,
         start: float = 0.0,
+        on_ready: Callable[[], None] | None = None,
     ) -> dict[str, int] | concurrent.futures.Future[dict[str, float]]:
         """Rank 0: every stage's buckets (``sources(wire.borrow)``, lazy iterators in
         stage order) to the engines; the last bucket of the last stage carries ``version``.
         ``detach`` (the broadcast wire): return once the last bucket is off the wire, with
-        the future of ``_land`` (``start``: the push's clock, for its ``seconds``)."""
+        the future of ``_land`` (``start``: the push's clock, for its ``seconds``).
+        ``on_ready``: as ``push`` says (not with ``detach``)."""
         assert self.client is not None and self._run is not None
         wire: Wire | TensorWire
         if self.transport == "tensor":
@@ -617,8 +643,11 @@ class WeightSync:
                         sent_version |= tag is not None
             if not opened:
                 opened, error = True, self._opened(opening)
+            early = on_ready if self.early_ready and sent_version else None
             if error is None and detach and isinstance(wire, Wire):
                 due = wire.drain()
+            elif error is None and isinstance(wire, Wire):
+                stats = wire.finish(on_drained=early)
             elif error is None:
                 stats = wire.finish()
         except Exception as err:
@@ -634,6 +663,8 @@ class WeightSync:
             return self._run(self._land(wire, due, version, sent_version, start))
         if not (self.keep_session and sent_version):  # else nothing is left to do
             self._run(self._closing(version, sent_version)).result()
+        if on_ready is not None and early is None:
+            on_ready()
         return stats
 
     async def _land(

@@ -122,9 +122,14 @@ class Wire:
         )
         self._sending = _InFlight(what, bucket, _future_of(self.group.broadcast(flat, 0)), http)
 
-    def finish(self) -> dict[str, int]:
-        """Wait for every bucket sent to be loaded; returns the totals."""
-        for flight in self.drain():
+    def finish(self, on_drained: Callable[[], None] | None = None) -> dict[str, int]:
+        """Wait for every bucket sent to be loaded; returns the totals. ``on_drained``
+        is called once the last bucket is off the wire (every engine is receiving it),
+        before the engines' answers are awaited."""
+        due = self.drain()
+        if on_drained is not None:
+            on_drained()
+        for flight in due:
             self._answered(flight)
         return self.stats
 

@@ -105,6 +105,21 @@ def _run_callbacks(calls: list[tuple[Callable[[Request], None], Request]]) -> No
             log.exception("on_done of request %s failed", request.rid)
 
 
+def settles(loop: Any, future: Any) -> Callable[[Any, BaseException | None], None]:
+    """A ``Scheduler.control`` ``done(result, error)`` that settles ``future`` (an asyncio
+    future of ``loop``) on ``loop``, unless it is done already (cancelled)."""
+
+    def settle(result: Any, err: BaseException | None) -> None:
+        if future.done():
+            return
+        if err is not None:
+            future.set_exception(err)
+        else:
+            future.set_result(result)
+
+    return lambda result, err: loop.call_soon_threadsafe(settle, result, err)
+
+
 class Unavailable(RuntimeError):
     """The scheduler takes no more work: its queue is full or its thread ended (HTTP 503)."""
 
@@ -260,6 +275,10 @@ class Scheduler:
             tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
         ] = queue.Queue()
         self.paused = False
+        # weight updates received or loading (``hold_admission``): no request starts
+        # while any is, as in SGLang, where a generation request waits for the update's
+        # lock; the requests already running go on (each update loads between two steps)
+        self.holds = 0
         # /release_memory_occupation's tags in force; requests wait while any is
         self.released: set[str] = set()
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -346,6 +365,27 @@ class Scheduler:
                 self.wake.set()
                 return
         done(None, Unavailable(self.dead))
+
+    def hold_admission(self) -> Callable[[], None]:
+        """Until the returned release is called (once; later calls do nothing), no
+        waiting request starts: a weight update takes this when its request arrives and
+        releases it once its weights are loaded or refused, so a request that arrives
+        after the update's request starts on its weights (SGLang's generation requests
+        wait on the same update's lock). Requests already running go on. Any thread."""
+        with self._gate:
+            self.holds += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._gate:
+                if released:
+                    return
+                released = True
+                self.holds -= 1
+            self.wake.set()
+
+        return release
 
     def cancel(self, requests: list[Request], message: str) -> None:
         """Abort these requests (a client that went away), from any thread."""
@@ -545,9 +585,10 @@ class Scheduler:
                     or self.released
                     or (
                         not self.running
-                        and self.waiting.empty()
-                        and not self.backlog
-                        and not self.retracted
+                        and (
+                            self.holds
+                            or (self.waiting.empty() and not self.backlog and not self.retracted)
+                        )
                         and self._prefilling is None
                     )
                 ):
@@ -571,10 +612,11 @@ class Scheduler:
     def _step(self) -> None:
         start, wall_start = time.perf_counter(), time.time()
         if self._prefilling is None:
-            if not self.running and not self.retracted:
+            if not self.running and not self.retracted and not self.holds:
                 self._begin_spell()
                 self._await_arrivals()
-            self._admit()
+            if not self.holds:  # else a weight update is loading: admit after it
+                self._admit()
         elif not self.running or self.clock() >= self._next_chunk_at:
             self._advance_prefill()
         if self.running:

@@ -20,6 +20,12 @@ NCCL group on the engine's GPU (which needs an engine started with a CUDA ``--de
 handles to the sender's shared-memory (or CUDA IPC) tensors (moerl/engine/weights/tensor_payload.py),
 checked the same way before the copy. Both loads run only inside SGLang's weight-update
 session (``/begin_weight_update`` ... ``/end_weight_update``).
+
+From a load's arrival until its weights are loaded or refused, no waiting generation
+request starts (``Scheduler.hold_admission``): a request that arrives after the load's
+request starts on its weights, as SGLang's wait on its update lock. A trainer may
+therefore send the next requests as soon as the broadcast left it (the engine entered
+the broadcast after taking the hold).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
+from moerl.engine.core.scheduler import settles
 from moerl.engine.validate import nonfinite_tensor
 from moerl.engine.weights.bucket import dtype_of, nbytes, unflatten
 from moerl.engine.weights.group import broadcast, init_custom_process_group
@@ -167,29 +174,35 @@ def _loader(
     version: Any,
     abort_all: bool,
     route: str,
+    release: Callable[[], None],
 ) -> Callable[[], tuple[int, float]]:
     """What ``/update_weights_from_<route>`` runs on the scheduler: names and shapes
     (``ModelRunner.load_targets``, cached per layout), then values (``bad``: the first
     tensor holding NaN or inf) checked before the model changes (``_Refused``
     otherwise); then loaded, the prefix cache flushed (always, whatever the body's
     flush_cache: cached KV is the old weights') and the version set. Returns the count
-    and how long decoding was blocked."""
+    and how long decoding was blocked. Either way it ends by calling ``release`` (the
+    update's ``Scheduler.hold_admission``), so the requests that arrived meanwhile start
+    in the same turn of the scheduler."""
     runner, sched = state.runner, state.scheduler
 
     def apply() -> tuple[int, float]:
         start = time.perf_counter()
         try:
-            targets = runner.load_targets(names, shapes)
-        except ValueError as err:
-            raise _Refused(str(err)) from None
-        if bad is not None:
-            raise _Refused(f"{bad} holds NaN or inf")
-        if abort_all:
-            sched.abort(abort_all=True, message=f"aborted by update_weights_from_{route}")
-        count = runner.copy_into(targets, tensors)
-        sched.flush_cache()
-        if version is not None:
-            sched.weight_version = str(version)
+            try:
+                targets = runner.load_targets(names, shapes)
+            except ValueError as err:
+                raise _Refused(str(err)) from None
+            if bad is not None:
+                raise _Refused(f"{bad} holds NaN or inf")
+            if abort_all:
+                sched.abort(abort_all=True, message=f"aborted by update_weights_from_{route}")
+            count = runner.copy_into(targets, tensors)
+            sched.flush_cache()
+            if version is not None:
+                sched.weight_version = str(version)
+        finally:
+            release()
         return count, time.perf_counter() - start
 
     return apply
@@ -291,24 +304,30 @@ def register_weight_routes(
             return refused
         version = body.get("weight_version")
         abort_all = bool(body.get("abort_all_requests", False))
-        try:  # read and looked at for NaN and inf in one hand-off to a worker thread
-            named, bad = await asyncio.to_thread(
-                _read_and_look,
-                body.get("serialized_named_tensors"),
-                body.get("load_format"),
-                mapped,
-            )
-        except ValueError as err:
-            return fail(f"weights not applied (model unchanged): {err}")
-        names, tensors = [n for n, _ in named], [t for _, t in named]
-        shapes = [t.shape for t in tensors]
-
-        # copies: the sender's buffers stay its own
-        apply = _loader(state, names, shapes, tensors, bad, version, abort_all, "tensor")
+        release = sched.hold_admission()  # requests arriving from now on start after it
         try:
-            count, apply_s = await on_scheduler(state, apply)
-        except _Refused as err:
-            return fail(f"weights not applied (model unchanged): {err}")
+            try:  # read and looked at for NaN and inf in one hand-off to a worker thread
+                named, bad = await asyncio.to_thread(
+                    _read_and_look,
+                    body.get("serialized_named_tensors"),
+                    body.get("load_format"),
+                    mapped,
+                )
+            except ValueError as err:
+                return fail(f"weights not applied (model unchanged): {err}")
+            names, tensors = [n for n, _ in named], [t for _, t in named]
+            shapes = [t.shape for t in tensors]
+
+            # copies: the sender's buffers stay its own
+            apply = _loader(
+                state, names, shapes, tensors, bad, version, abort_all, "tensor", release
+            )
+            try:
+                count, apply_s = await on_scheduler(state, apply)
+            except _Refused as err:
+                return fail(f"weights not applied (model unchanged): {err}")
+        finally:
+            release()
         return ok(f"updated {count} tensors", weight_version=sched.weight_version, apply_s=apply_s)
 
     @app.post("/update_weights_from_distributed")
@@ -333,21 +352,36 @@ def register_weight_routes(
         abort_all = bool(body.get("abort_all_requests", False))
         group: WeightGroup = state.groups[name]
         buffer = None
+        # requests arriving from now on start on these weights: the trainer may send the
+        # next ones once the broadcast left it, since this engine entered it after here
+        release = sched.hold_admission()
+        loop = asyncio.get_running_loop()
+        loaded: asyncio.Future[tuple[int, float]] = loop.create_future()
+
+        def receive_and_queue(into: torch.Tensor | None) -> None:
+            """On a worker thread: the broadcast, then its loading queued on the scheduler
+            from here (not from the event loop, which may be busy reading requests)."""
+            tensors, bad = _receive(
+                group.group, names, dtypes, shapes, into, group.device, group.views
+            )
+            apply = _loader(
+                state, names, shapes, tensors, bad, version, abort_all, "distributed", release
+            )
+            sched.control(apply, settles(loop, loaded))
+
         try:
             async with group.receiving:  # in arrival order, which is the broadcasts' order
                 if load_format == "flattened_bucket":
                     buffer = await group.buffers.take(stated)
-                tensors, bad = await asyncio.to_thread(
-                    _receive, group.group, names, dtypes, shapes,
-                    None if buffer is None else buffer[:stated], group.device, group.views,
-                )  # fmt: skip
-
-            apply = _loader(state, names, shapes, tensors, bad, version, abort_all, "distributed")
+                await asyncio.to_thread(
+                    receive_and_queue, None if buffer is None else buffer[:stated]
+                )
             try:
-                count, apply_s = await on_scheduler(state, apply)
+                count, apply_s = await loaded
             except _Refused as err:
                 return fail(f"weights not applied (model unchanged): {err}")
         finally:  # the model copied the bucket out of the buffer (or never will)
+            release()
             if buffer is not None:
                 group.buffers.give(buffer)
         # apply_s: how long decoding was blocked (the swap between two decode steps)
