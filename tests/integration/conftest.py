@@ -50,6 +50,15 @@ def inprocess_engine(tiny_checkpoints) -> Iterator[InProcessEngine]:
     eng.close()
 
 
+@pytest.fixture(scope="module")
+def own_engine(tiny_checkpoints) -> Iterator[InProcessEngine]:
+    """A qwen3 tiny engine in this process for the test module alone: its pushes change
+    its weights."""
+    eng = InProcessEngine(tiny_checkpoints["qwen3_moe"])
+    yield eng
+    eng.close()
+
+
 @pytest.fixture()
 def weight_group(http):  # type: ignore[no-untyped-def]
     """This process as trainer rank 0, the engine as rank 1 of a gloo group."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,11 +30,8 @@ NORM = "model.norm.weight"
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoints) -> Iterator[InProcessEngine]:
-    """Its own engine: the pushes here change its weights."""
-    eng = InProcessEngine(tiny_checkpoints["qwen3_moe"])
-    yield eng
-    eng.close()
+def engine(own_engine: InProcessEngine) -> InProcessEngine:
+    return own_engine
 
 
 @pytest.fixture(scope="module")

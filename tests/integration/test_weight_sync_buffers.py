@@ -4,8 +4,6 @@ staging buffers and the engine's receive buffers are reused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from engine_http import InProcessEngine, checkpoint_tensors
@@ -14,11 +12,8 @@ from moerl.sync.weights import WeightSync, WeightSyncError
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoints) -> Iterator[InProcessEngine]:
-    """Its own engine: the pushes here change its weights."""
-    eng = InProcessEngine(tiny_checkpoints["qwen3_moe"])
-    yield eng
-    eng.close()
+def engine(own_engine: InProcessEngine) -> InProcessEngine:
+    return own_engine
 
 
 @pytest.fixture(scope="module")
