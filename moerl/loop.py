@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moerl import device
 from moerl.config.schema import MoerlConfig
-from moerl.config.sync import sync_backend, sync_transport
+from moerl.config.sync import sync_backend, sync_transport, waits_for_load
 from moerl.config.threads import overlapped
 from moerl.sync.wire import WeightSyncError
 
@@ -179,7 +179,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         if start > 0 or trainer.lora is not None or matching_half:
             _publish(publisher, rollout, trainer.version, initial=True)
         overlap = cfg.sync.overlap and publisher.can_stage()
-        if overlap or not cfg.sync.wait_for_load:
+        waits = waits_for_load(cfg.sync, overlapped(cfg.staleness), publisher.lands_apart)
+        if overlap or not waits:
             inflight = InFlight(staged=overlap)
         if rollout:
             rollout.start(on_restart=publisher.restore)

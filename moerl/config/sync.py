@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
-from moerl.common.checks import one_of
+from moerl.common.checks import auto_or_bool, one_of
 
 
 @dataclass
@@ -55,7 +56,7 @@ class SyncConfig:
     only where the push would otherwise leave devices idle. On the 2-core CPU recipe
     (async) it made steps slower, 67 -> 75-87 ms: the push competes with the engine for
     the same cores and the engine gets each version later."""
-    wait_for_load: bool = True
+    wait_for_load: Any = "auto"
     """Whether the trainer waits, after each push, for the engines to have loaded it.
     False: the trainer goes on once the last bucket has left its buffers (a broadcast
     push; the tensor path and adapters land first anyway); the engines' loading, the
@@ -63,12 +64,15 @@ class SyncConfig:
     side's event loop, and the next push (an eval, a checkpoint, the end) first waits
     for them. A failure then surfaces at that wait, handled as the push's own would be
     (an engine restarted meanwhile: the next push repeats it; anything else stops the
-    run). The push's metrics come with the next step's line. On by default: on the
-    2-core CPU recipe (async) false took the 5-7 ms wait for the engines' answers off
-    the trainer's step, but the landing then waited for the interpreter beside the
-    trainer's forward pass, generation resumed later, and over 9 alternating pairs of
-    runs the step was not faster (README "Weight sync"). It pays where the engines'
-    load is long against the trainer's Python work (large models)."""
+    run). The push's metrics come with the next step's line. 'auto' (the default,
+    ``waits_for_load``): false for a broadcast of full weights where generation runs
+    beside training (any staleness but the synchronous loop's), true otherwise: the
+    synchronous loop's next batch needs the pushed weights anyway and its requests leave
+    once the last bucket is off the wire (``Publisher.early_ready``). On the 2-core CPU recipe (async) false won 12 of 14
+    alternating pairs of runs (6 of 6 in one sitting: step 43.9 → 40.2 ms, the push's
+    span 7.1 → 3.5 ms; the engines load a bucket between two decode steps, so a waiting
+    trainer waited up to a step); in the synchronous loop it started the engines' next
+    prefill ~2 ms later than waiting does (README "Weight sync")."""
     adapter_transport: str = "tensors"
     """With LoRA, how each adapter version reaches the engines: 'tensors' (in the request,
     /load_lora_adapter_from_tensors; no shared storage needed) or 'directory' (written as
@@ -91,8 +95,18 @@ class SyncConfig:
             raise ValueError(f"{key}.tensor_min_mb={self.tensor_min_mb} must be >= 0 (MB)")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"{key}.overlap={self.overlap!r}: choose true or false")
-        if not isinstance(self.wait_for_load, bool):
-            raise ValueError(f"{key}.wait_for_load={self.wait_for_load!r}: choose true or false")
+        auto_or_bool(f"{key}.wait_for_load", self.wait_for_load)
+
+
+def waits_for_load(sync: SyncConfig, overlapped: bool, lands_apart: bool) -> bool:
+    """``sync.wait_for_load``, with 'auto' resolved: the trainer waits for each push to
+    land unless generation runs beside training (``overlapped``; not the synchronous
+    loop) and the push can land apart from its sending (``Publisher.lands_apart``: full
+    weights by broadcast; the tensor path and adapters land before they return, and
+    going on would only move their metrics to the next step's line)."""
+    if sync.wait_for_load == "auto":
+        return not (overlapped and lands_apart)
+    return bool(sync.wait_for_load)
 
 
 def check_overlap(sync: SyncConfig, *, pp: int, lora: bool) -> None:

@@ -15,7 +15,7 @@ The loop sees only :class:`Publisher`:
 - ``push_sent(version)`` — as ``push``, but returns once rank 0's parameters are free
   again: a future of the ``Publication`` (rank 0) that completes when the engines have
   loaded the push, on the engines' event loop (full weights by broadcast; anything else
-  lands before it returns, with a done future);
+  lands before it returns, with a done future); ``lands_apart`` says which;
 - ``pauses_generation`` — whether the rollout side brackets a push with its
   partial-rollout policy (a weight broadcast does; loading an adapter disturbs no
   request);
@@ -64,6 +64,9 @@ class Publisher(Protocol):
 
     @property
     def early_ready(self) -> bool: ...
+
+    @property
+    def lands_apart(self) -> bool: ...
 
     @property
     def atomic_push(self) -> bool: ...
@@ -116,6 +119,10 @@ class FullWeights:
     def early_ready(self) -> bool:
         return bool(self.sync.early_ready)
 
+    @property
+    def lands_apart(self) -> bool:
+        return bool(self.sync.transport == "broadcast")
+
     def push(self, version: int, on_ready: Callable[[], None] | None = None) -> Publication:
         return Publication(version, self._counted(self.sync.push(version, on_ready=on_ready)))
 
@@ -161,6 +168,7 @@ class Adapters:
     pauses_generation = False
     atomic_push = True  # an adapter is loaded whole, in one call
     early_ready = False  # new requests name the new adapter, known once it is loaded
+    lands_apart = False
 
     def __init__(self, sync: Any) -> None:
         self.sync = sync
