@@ -67,12 +67,13 @@ class SyncConfig:
     run). The push's metrics come with the next step's line. 'auto' (the default,
     ``waits_for_load``): false for a broadcast of full weights where generation runs
     beside training (any staleness but the synchronous loop's), true otherwise: the
-    synchronous loop's next batch needs the pushed weights anyway and its requests leave
-    once the last bucket is off the wire (``Publisher.early_ready``). On the 2-core CPU recipe (async) false won 12 of 14
-    alternating pairs of runs (6 of 6 in one sitting: step 43.9 → 40.2 ms, the push's
-    span 7.1 → 3.5 ms; the engines load a bucket between two decode steps, so a waiting
-    trainer waited up to a step); in the synchronous loop it started the engines' next
-    prefill ~2 ms later than waiting does (README "Weight sync")."""
+    synchronous loop's next batch needs the pushed weights anyway and its requests
+    leave once the last bucket is off the wire (``Publisher.early_ready``). On the
+    2-core CPU recipe (async) false won 12 of 14 alternating pairs of runs (6 of 6 in
+    one sitting: step 43.9 → 40.2 ms, the push's span 7.1 → 3.5 ms; the engines load a
+    bucket between two decode steps, so a waiting trainer waited up to a step); in the
+    synchronous loop it started the engines' next prefill ~2 ms later than waiting does
+    (README "Weight sync")."""
     adapter_transport: str = "tensors"
     """With LoRA, how each adapter version reaches the engines: 'tensors' (in the request,
     /load_lora_adapter_from_tensors; no shared storage needed) or 'directory' (written as
