@@ -121,7 +121,7 @@ class FullWeights:
 
     @property
     def lands_apart(self) -> bool:
-        return bool(self.sync.transport == "broadcast")
+        return bool(self.sync.lands_apart)
 
     def push(self, version: int, on_ready: Callable[[], None] | None = None) -> Publication:
         return Publication(version, self._counted(self.sync.push(version, on_ready=on_ready)))

@@ -353,13 +353,20 @@ class WeightSync:
         return stats
 
     @property
+    def lands_apart(self) -> bool:
+        """Whether a push can land apart from its sending (``push_sent`` returns before
+        the engines load it): a broadcast; the tensor path's engines read rank 0's
+        buffers in place, so it lands before it returns."""
+        return self.transport == "broadcast"
+
+    @property
     def early_ready(self) -> bool:
         """Whether ``push``'s ``on_ready`` comes before the engines answer: a broadcast
         to moerl's own engines (``keep_session``), which hold every generation request
         that arrives while a pushed bucket loads until it is loaded
         (``Scheduler.hold_admission``). SGLang's hold theirs too, but finish loading when
         the session ends (``end_weight_update``), after the answers."""
-        return self.transport == "broadcast" and self.keep_session
+        return self.lands_apart and self.keep_session
 
     def push_sent(
         self, version: int, named: Iterable[tuple[str, torch.Tensor]] | None = None
@@ -375,7 +382,7 @@ class WeightSync:
         from moerl.compat import device_mode
 
         with device_mode.suspended():
-            sent = self._push(version, named, detach=self.transport == "broadcast")
+            sent = self._push(version, named, detach=self.lands_apart)
         if isinstance(sent, concurrent.futures.Future):
             return sent
         done: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
