@@ -14,3 +14,21 @@
 The twin defines each kernel's semantics, is the test oracle, and is what runs on CPU or
 without Triton; ``dispatch`` chooses (``trainer.kernels`` / ``MOERL_KERNELS``).
 """
+
+if __name__ == "kernels":  # this directory imported by its own name, not as moerl.kernels
+    # The checkout's root is on sys.path (``python -m`` run in a clone, a script beside
+    # it), and the name belongs to an installed distribution: Hugging Face's ``kernels``,
+    # which transformers (5.25 on) requires and imports. That one is loaded in this
+    # module's place; with none installed this directory stays what ``kernels`` names.
+    import sys as _sys
+    from importlib import machinery as _machinery
+    from importlib import util as _util
+    from pathlib import Path as _Path
+
+    _root = _Path(__file__).resolve().parent.parent
+    _elsewhere = [p for p in _sys.path if _Path(p or ".").resolve() != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is not None and _spec.loader is not None:
+        _installed = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _installed
+        _spec.loader.exec_module(_installed)

@@ -1,4 +1,4 @@
-"""tools/bench/kernels.py runs end to end on CPU (tiny sizes), so it cannot rot. On CPU
+"""tools/bench/kernel_speed.py runs end to end on CPU (tiny sizes), so it cannot rot. On CPU
 only the torch side is timed; the kernel columns read nan. Speed and memory targets are
 printed by the benchmark on a GPU, never asserted here."""
 
@@ -21,7 +21,9 @@ LINE = re.compile(
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "tools/bench/kernels.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_kernels", ROOT / "tools/bench/kernel_speed.py"
+    )
     bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
     return bench

@@ -2,7 +2,7 @@
 
     python tools/bench/kernels_cases_lora.py   # CPU smoke test: the twins at tiny sizes
 
-``tools/bench/kernels.py`` imports ``cases`` and times each pair. A case is
+``tools/bench/kernel_speed.py`` imports ``cases`` and times each pair. A case is
 ``(kernel, size label, run_kernel, run_torch)``; each callable runs the forward and the
 backward once (gradients through ``torch.autograd.grad``, so nothing accumulates between
 repeats) under its backend, and does not synchronise the device.

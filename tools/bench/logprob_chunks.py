@@ -11,7 +11,7 @@ then ``token_logprobs``), one line
 
 ``fwd`` runs under ``torch.no_grad`` (π_old and reference logprobs), ``fwd_bwd`` is a
 training step's forward and backward into hidden and weight (times are medians after a
-warm-up; peak is what the call allocates beyond its inputs, as tools/bench/kernels.py
+warm-up; peak is what the call allocates beyond its inputs, as tools/bench/kernel_speed.py
 measures). Pick the fastest chunk shape whose peak fits; the default is the first row.
 
 Needs CUDA: on the CPU the Triton kernels run only in the interpreter (``--dry-run``,

@@ -56,7 +56,7 @@ def _pytest(work: Path, dry: bool) -> list[str]:
 
 def _kernels(work: Path, dry: bool) -> list[str]:
     device = ["--device", "cpu", "--quick"] if dry else ["--device", "cuda"]
-    return [PY, "tools/bench/kernels.py", *device, "--out", str(work / "kernels")]
+    return [PY, "tools/bench/kernel_speed.py", *device, "--out", str(work / "kernels")]
 
 
 def _step(work: Path, dry: bool) -> list[str]:

@@ -8,7 +8,7 @@ that every installed wheel's requirements are met, then runs the parts, each in 
 process under its own time limit (``PARTS``), so one hang costs one part:
 
 1. ``pytest -m gpu``: the Triton kernels against their torch twins at GPU sizes;
-2. ``tools/bench/kernels.py --device cuda``: fused logprobs, LoRA grouped GEMM, replay
+2. ``tools/bench/kernel_speed.py --device cuda``: fused logprobs, LoRA grouped GEMM, replay
    gather against the torch code they replace (time, peak memory);
 3. ``tools/gpu/step_parity.py``: one RL step on CUDA against the same step on the CPU,
    fp32 and bf16, tiny and mid shapes;

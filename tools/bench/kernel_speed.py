@@ -1,6 +1,6 @@
 """moerl.kernels against the torch code they replace, side by side, forward + backward.
 
-    python tools/bench/kernels.py [--quick] [--device cpu|cuda] [--out DIR]
+    python tools/bench/kernel_speed.py [--quick] [--device cpu|cuda] [--out DIR]
 
 Prints one line per kernel and size,
 
