@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -367,22 +368,26 @@ def attention(
         raise NotImplementedError("batch-invariant mode: attention dropout")
     heads, kv_heads = query.shape[-3], key.shape[-3]
     q_len, k_len = query.shape[-2], key.shape[-2]
-    keep = None
+    causal = None  # the causal mask, made only where it is read
     if is_causal:
-        keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        causal = lambda: torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()  # noqa: E731
     additive = None
+    keep = None
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = attn_mask if keep is None else keep & attn_mask
+        keep = attn_mask
     elif attn_mask is not None:
         additive = attn_mask
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     q, k, v = _wide(query), _wide(key), _wide(value)
     if q.dim() == 4 and additive is None:
         b = q.shape[0]
-        if is_causal and attn_mask is None:  # query i sees keys 0..i
-            counts = torch.arange(1, q_len + 1, device=q.device).clamp(max=k_len)
-            plan: tuple[torch.Tensor | None, torch.Tensor | int] | None = (None, counts)
+        if causal is not None and attn_mask is None:  # query i sees keys 0..i
+            plan: tuple[torch.Tensor | None, torch.Tensor | int] | None = (
+                None,
+                _causal_counts(q_len, k_len, q.device),
+            )
         else:
+            keep = keep if causal is None else causal() if keep is None else causal() & keep
             plan = _cached_plan(attn_mask, keep, b, heads, q_len, k_len)
         if plan is not None:
             index, seen = plan
@@ -390,13 +395,36 @@ def attention(
             if group > 1:  # a kv head's query heads as one set of rows: (head, query)
                 q = q.reshape(b, kv_heads, group * q_len, -1)
                 if isinstance(seen, torch.Tensor):
-                    seen = seen.expand(b, heads, q_len).reshape(b, kv_heads, group * q_len)
+                    seen = _grouped_counts(seen, b, heads, kv_heads, q_len)
             out = _tiled_attention(q, k, v, index, seen, factor)
             return out.reshape(b, heads, q_len, -1).to(query.dtype)
+    if causal is not None:
+        keep = causal() if keep is None else causal() & keep
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=-3)
         v = v.repeat_interleave(heads // kv_heads, dim=-3)
     return _folded_attention(q, k, v, keep, additive, factor).to(query.dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_counts(q_len: int, k_len: int, device: Any) -> torch.Tensor:
+    """The keys each causal query sees [Q] (query i: keys 0..i), one tensor per shape, so
+    a forward's layers share ``_hidden_keys``' masks."""
+    return torch.arange(1, q_len + 1, device=device).clamp(max=k_len)
+
+
+def _grouped_counts(
+    seen: torch.Tensor, b: int, heads: int, kv_heads: int, q_len: int
+) -> torch.Tensor:
+    """Counts [B, h, Q] as the rows of each kv head's query heads [B, kv_heads, group·Q],
+    made once per counts tensor (a forward's layers share it, and so the masks)."""
+    key = (b, heads, kv_heads, q_len, seen._version)
+    kept = getattr(_MEMO, "grouped", None)
+    if kept is not None and kept[0]() is seen and kept[1] == key:
+        return kept[2]  # type: ignore[no-any-return]
+    grouped = seen.expand(b, heads, q_len).reshape(b, kv_heads, heads // kv_heads * q_len)
+    _MEMO.grouped = (weakref.ref(seen), key, grouped)
+    return grouped
 
 
 ATTENTION_ROWS = 4
@@ -519,25 +547,30 @@ def _tiled_attention(
     rows = ATTENTION_ROWS
     per_query = max(1, k_pad * (d + dv) * b * h)
     step = max(1, ATTENTION_CHUNK_ELEMENTS // per_query // rows) * rows
-    key_ids = torch.arange(k_pad, device=q.device)
     outs = []
     for first in range(0, q_len, step):
         n = min(first + step, q_len) - first
         n_pad = -(-n // rows) * rows
         q_part = q[..., first : first + n, :]
         if n_pad != n:
-            q_part = torch.cat([q_part, q_part.new_zeros(b, h, n_pad - n, d)], dim=-2)
+            q_part = F.pad(q_part, (0, 0, 0, n_pad - n))
+        # the padding queries' rows ride along to the values' product (a row of a
+        # product does not depend on the rows beside it): they see every key, so they
+        # stay finite
+        hide, every = _hidden_keys(counts, first, n, n_pad, k_pad, q.device)
         scores = tile_product.bmm(q_part.reshape(b * h, n_pad, d), keys_t)  # [B·h, n_pad, T]
-        scores = scores.view(b, h, n_pad, k_pad)[..., :n, :] * factor
-        seen = counts if isinstance(counts, int) else counts[..., first : first + n, None]
-        scores.masked_fill_(key_ids >= seen, -math.inf)
-        p = torch.exp(_shifted(scores, -1))  # [B, h, n, T]
-        total = fold_sum(p, -1)[..., None]
-        # one [n_pad, keys] block per key tile, the padding rows zero: [B, h, Tt, n_pad, keys]
-        p_tiles = p.new_zeros(b, h, tiles, n_pad, ATTENTION_KEYS)
-        p_tiles[..., :n, :] = p.view(b, h, n, tiles, ATTENTION_KEYS).transpose(2, 3)
+        scores = scores.view(b, h, n_pad, k_pad) * factor
+        scores.masked_fill_(hide, -math.inf)
+        p = torch.exp(
+            scores - (scores.amax(-1, keepdim=True) if every else _finite_max(scores, -1))
+        )
+        real = p[..., :n, :] if n_pad != n else p
+        total = real.cumsum(-1)[..., -1:]  # fold_sum over the keys, kept
+        # one [n_pad, keys] block per key tile: [B·h·Tt, n_pad, keys]
+        p_tiles = p.view(b, h, n_pad, tiles, ATTENTION_KEYS).transpose(2, 3)
+        p_tiles = p_tiles.reshape(b * h * tiles, n_pad, ATTENTION_KEYS)
         if v_tiles is not None:
-            parts = tile_product.bmm(p_tiles.view(-1, n_pad, ATTENTION_KEYS), v_tiles)
+            parts = tile_product.bmm(p_tiles, v_tiles)
         else:
             p_bh = p_tiles.view(b * h, tiles, n_pad, ATTENTION_KEYS)
             keys = [slice(j * ATTENTION_KEYS, (j + 1) * ATTENTION_KEYS) for j in range(tiles)]
@@ -545,8 +578,50 @@ def _tiled_attention(
                 [tile_product.bmm(p_bh[:, j], v_bh[:, key]) for j, key in enumerate(keys)], 1
             )
         weighted = fold_sum(parts.view(b, h, tiles, n_pad, dv)[..., :n, :], 2)
-        outs.append(torch.where(total > 0, weighted / total, 0.0))
+        outs.append(weighted / total if every else torch.where(total > 0, weighted / total, 0.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+_MEMO = threading.local()
+"""Per thread (the colocated engine's scheduler and the trainer share a process): the
+last counts tensor ``_hidden_keys`` saw and its masks, and ``_grouped_counts``' last."""
+
+MEMO_MASK_ELEMENTS = 1 << 20
+"""``_hidden_keys`` keeps masks of at most this many elements (a decode step's, a short
+prefill's); longer sequences' masks are made per call, as they are cheap beside their
+attention and large to hold."""
+
+
+def _hidden_keys(
+    counts: torch.Tensor | int, first: int, n: int, n_pad: int, k_pad: int, device: Any
+) -> tuple[torch.Tensor, bool]:
+    """(the keys queries first..first+n of a chunk do not see, [.., n_pad, k_pad] with the
+    ``n_pad - n`` padding queries seeing every key; whether every query sees one). Kept
+    for the last counts tensor while it is unchanged: a forward's layers share it."""
+    if isinstance(counts, int):
+        return _hidden_prefix(counts, k_pad, device), counts > 0
+    shape = (first, n, n_pad, k_pad, counts._version)
+    kept: tuple[Any, dict[tuple[int, ...], tuple[torch.Tensor, bool]]] | None
+    kept = getattr(_MEMO, "hidden", None)
+    if kept is None or kept[0]() is not counts:
+        kept = (weakref.ref(counts), {})
+        _MEMO.hidden = kept
+    made = kept[1].get(shape)
+    if made is None:
+        seen = counts[..., first : first + n]
+        every = bool((seen > 0).all())
+        if n_pad != n:
+            seen = F.pad(seen, (0, n_pad - n), value=k_pad)
+        made = (torch.arange(k_pad, device=seen.device) >= seen[..., None], every)
+        if made[0].numel() <= MEMO_MASK_ELEMENTS:
+            kept[1][shape] = made
+    return made
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden_prefix(seen: int, k_pad: int, device: Any) -> torch.Tensor:
+    """[k_pad]: the keys past the first ``seen`` (every query sees those)."""
+    return torch.arange(k_pad, device=device) >= seen
 
 
 def _folded_attention(

@@ -378,6 +378,29 @@ def test_the_key_plan_follows_a_mask_changed_in_place():
     assert torch.equal(gapped, fresh) and not torch.equal(gapped, full)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_masks_kept_for_a_forwards_layers_follow_its_key_plan(kv_heads):
+    """The masks and the 'every query sees a key' shortcut that a forward's layers share
+    are those of the plan at hand: a query that sees no key answers zeros (not 0/0) right
+    after a same-shaped mask whose queries all saw keys, a mask written in place is read
+    anew, and the second layer's call gives the first's bits."""
+    q, k, v = _attention_inputs(torch.float32, kv_heads=kv_heads, t=20)
+    last = q[:, :, -1:].expand(3, -1, -1, -1)
+    k, v = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
+    keep = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    seen = bi.attention(last, k, v, attn_mask=keep)
+    assert torch.equal(seen, bi.attention(last, k, v, attn_mask=keep))  # the next layer
+    none = keep.clone()
+    none[1] = False  # another tensor, the same shape: row 1 sees nothing
+    out = bi.attention(last, k, v, attn_mask=none)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0], seen[0]) and torch.equal(out[2], seen[2])
+    keep[2, ..., :7] = False  # in place: row 2 no longer sees keys 0..6
+    fresh = bi.attention(last, k, v, attn_mask=keep.clone())
+    assert torch.equal(bi.attention(last, k, v, attn_mask=keep), fresh)
+    assert not torch.equal(fresh[2], seen[2]) and torch.equal(fresh[0], seen[0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_query_heads_sharing_a_kv_head_get_the_bits_of_repeated_keys(dtype):
     """Grouped-query attention's tiles hold a kv head's query heads together: each
