@@ -118,6 +118,9 @@ def test_a_request_arriving_during_a_push_starts_on_the_pushed_weights(engine, t
 
 
 def test_a_refused_push_lets_the_waiting_request_start_on_the_old_weights(engine, trainer, norm):
+    # both runs prefill the whole prompt: the last test's request may have cached it, and
+    # a prefix read from the cache need not give a full prefill's bits
+    assert httpx.post(f"{engine.url}/flush_cache", timeout=30).status_code == 200
     before = _generate(engine)
     bad = norm.clone()
     bad[3] = float("nan")
