@@ -368,26 +368,28 @@ def attention(
         raise NotImplementedError("batch-invariant mode: attention dropout")
     heads, kv_heads = query.shape[-3], key.shape[-3]
     q_len, k_len = query.shape[-2], key.shape[-2]
-    causal = None  # the causal mask, made only where it is read
-    if is_causal:
-        causal = lambda: torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()  # noqa: E731
     additive = None
     keep = None
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = attn_mask
     elif attn_mask is not None:
         additive = attn_mask
+    # causal queries alone take their counts (query i sees keys 0..i); the mask only with
+    # another mask or outside the tiles
+    counts_only = is_causal and attn_mask is None and query.dim() == 4
+    if is_causal and not counts_only:
+        tril = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        keep = tril if keep is None else tril & keep
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     q, k, v = _wide(query), _wide(key), _wide(value)
     if q.dim() == 4 and additive is None:
         b = q.shape[0]
-        if causal is not None and attn_mask is None:  # query i sees keys 0..i
+        if counts_only:
             plan: tuple[torch.Tensor | None, torch.Tensor | int] | None = (
                 None,
                 _causal_counts(q_len, k_len, q.device),
             )
         else:
-            keep = keep if causal is None else causal() if keep is None else causal() & keep
             plan = _cached_plan(attn_mask, keep, b, heads, q_len, k_len)
         if plan is not None:
             index, seen = plan
@@ -398,12 +400,16 @@ def attention(
                     seen = _grouped_counts(seen, b, heads, kv_heads, q_len)
             out = _tiled_attention(q, k, v, index, seen, factor)
             return out.reshape(b, heads, q_len, -1).to(query.dtype)
-    if causal is not None:
-        keep = causal() if keep is None else causal() & keep
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=-3)
         v = v.repeat_interleave(heads // kv_heads, dim=-3)
     return _folded_attention(q, k, v, keep, additive, factor).to(query.dtype)
+
+
+_MEMO = threading.local()
+"""Per thread (the colocated engine's scheduler and the trainer share a process): the
+last (mask, shape, plan) ``_cached_plan`` made (a model's layers share one mask), the
+last counts tensor ``_hidden_keys`` saw and its masks, and ``_grouped_counts``' last."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -435,10 +441,6 @@ ATTENTION_KEYS = 16
 """Keys per tile in ``_tiled_attention``."""
 
 
-_PLAN: list[Any] = []
-"""The last (mask, shape, plan) ``_cached_plan`` made: a model's layers share one mask."""
-
-
 def _cached_plan(
     mask: torch.Tensor | None, keep: torch.Tensor | None, b: int, h: int, q_len: int, k_len: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
@@ -446,13 +448,14 @@ def _cached_plan(
     index as ``_flat_index`` (what ``_tiled_attention`` reads)."""
     # the same tensor, unchanged since (its version counter counts in-place writes)
     shape = (b, h, q_len, k_len, keep is mask, None if mask is None else mask._version)
-    if mask is not None and _PLAN and _PLAN[0]() is mask and _PLAN[1] == shape:
-        return _PLAN[2]  # type: ignore[no-any-return]
+    kept = getattr(_MEMO, "plan", None)
+    if mask is not None and kept is not None and kept[0]() is mask and kept[1] == shape:
+        return kept[2]  # type: ignore[no-any-return]
     plan = _key_plan(keep, b, h, q_len, k_len)
     if plan is not None and plan[0] is not None:
         plan = (_flat_index(plan[0], k_len), plan[1])
     if mask is not None:
-        _PLAN[:] = [weakref.ref(mask), shape, plan]
+        _MEMO.plan = (weakref.ref(mask), shape, plan)
     return plan
 
 
@@ -565,7 +568,7 @@ def _tiled_attention(
             scores - (scores.amax(-1, keepdim=True) if every else _finite_max(scores, -1))
         )
         real = p[..., :n, :] if n_pad != n else p
-        total = real.cumsum(-1)[..., -1:]  # fold_sum over the keys, kept
+        total = fold_sum(real, -1)[..., None]
         # one [n_pad, keys] block per key tile: [B·h·Tt, n_pad, keys]
         p_tiles = p.view(b, h, n_pad, tiles, ATTENTION_KEYS).transpose(2, 3)
         p_tiles = p_tiles.reshape(b * h * tiles, n_pad, ATTENTION_KEYS)
@@ -581,10 +584,6 @@ def _tiled_attention(
         outs.append(weighted / total if every else torch.where(total > 0, weighted / total, 0.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
-
-_MEMO = threading.local()
-"""Per thread (the colocated engine's scheduler and the trainer share a process): the
-last counts tensor ``_hidden_keys`` saw and its masks, and ``_grouped_counts``' last."""
 
 MEMO_MASK_ELEMENTS = 1 << 20
 """``_hidden_keys`` keeps masks of at most this many elements (a decode step's, a short

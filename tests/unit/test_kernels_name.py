@@ -6,6 +6,7 @@ the engines it starts, CI) has that root first on ``sys.path``."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,6 @@ def test_transformers_imports_in_the_clones_root():
     """In the root (``-c``: its first ``sys.path`` entry is the working directory, as with
     ``-m``) transformers imports, ``moerl.kernels`` is this checkout's, and ``kernels`` is
     the installed distribution where there is one (else this checkout's directory)."""
-    import json
-
     done = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
