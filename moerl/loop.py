@@ -187,6 +187,8 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
         run_log = open_run_log(cfg, ctx.run_dir, start, leader)
         sleeps = engines_sleep(cfg, device.has_cuda())  # the same on every rank
         sleep = rollout is not None and sleeps
+        announces = cfg.sync.announce and inflight is None and not overlapped(cfg.staleness)
+        train_s = 0.0  # the last step's, for the announcement's timeout check
         for step in range(start, cfg.trainer.train_iters):
             t0 = time.time()
             with run_log.span("wait", step=step):
@@ -200,8 +202,12 @@ def run_training(cfg: MoerlConfig, ctx: RunContext) -> dict[str, float]:
             slept = bool(
                 sleep and rollout and rollout.sleep_engines(_sleep_tags(push, trainer.lora is None))
             )
+            if push and announces and not slept and rollout and rollout.quiet_for_push():
+                publisher.announce(trainer.version + 1, train_s)  # rank 0's HTTP alone
+            t_train = time.perf_counter()
             with run_log.span("train", step=step):
                 metrics = {**landed, **trainer.step(trajs, **_probes(cfg, step, last))}
+            train_s = time.perf_counter() - t_train
             if slept and rollout:
                 rollout.wake_engines(["weights"])  # before a push: it writes into them
             # the rollout side's metrics, taken before the push, in the hand-off that
@@ -430,6 +436,8 @@ def _sync_metrics(pub: Any) -> dict[str, float]:
     return {
         "sync/seconds": float(pub.stats.get("seconds", 0.0)),
         "sync/bytes": float(pub.stats.get("bytes", 0.0)),
+        # 1: its first request went before the trainer's step (sync.announce)
+        "sync/announced": float(pub.stats.get("announced", 0.0)),
     }
 
 

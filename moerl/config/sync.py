@@ -74,6 +74,16 @@ class SyncConfig:
     bucket between two decode steps, so a waiting trainer waited up to a step); in the
     synchronous loop it started the engines' next prefill ~2 ms later than waiting does
     (README "Weight sync")."""
+    announce: bool = True
+    """In the synchronous loop (generation waits for every push), post each push's first
+    bucket request to the engines before the trainer's step rather than after it: the
+    engines then wait inside its broadcast, and the step's weights leave as soon as it
+    ends (the request's HTTP round and the engines' entry into the receive, 4-5 ms of a
+    2-core step, come off the loop's path). Requests that reach the engines meanwhile
+    wait for the pushed weights, as during any push; nothing is announced while an
+    eval's requests are out, while an engine restarts, with more than one trainer rank,
+    or for SGLang servers (their weight-update session opens per push). False: every
+    request after the step, as the asynchronous loop always sends them."""
     adapter_transport: str = "tensors"
     """With LoRA, how each adapter version reaches the engines: 'tensors' (in the request,
     /load_lora_adapter_from_tensors; no shared storage needed) or 'directory' (written as
@@ -94,8 +104,9 @@ class SyncConfig:
         one_of(f"{key}.transport", self.transport, TRANSPORTS)
         if not self.tensor_min_mb >= 0:
             raise ValueError(f"{key}.tensor_min_mb={self.tensor_min_mb} must be >= 0 (MB)")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"{key}.overlap={self.overlap!r}: choose true or false")
+        for name in ("overlap", "announce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{key}.{name}={getattr(self, name)!r}: choose true or false")
         auto_or_bool(f"{key}.wait_for_load", self.wait_for_load)
 
 

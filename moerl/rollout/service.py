@@ -252,6 +252,12 @@ class RolloutService:
         last push (the weight group must be built again)."""
         return bool(self.aio.run(self.supervisor.after_failed_push()))
 
+    def quiet_for_push(self) -> bool:
+        """Whether a push may be announced now (``Publisher.announce``): no eval request
+        is on the engines (one sent after the announcement would wait for the next
+        version's weights) and no engine is being restarted."""
+        return (self.evals is None or self.evals.quiet()) and not self.restart_seen()
+
     def restart_seen(self) -> bool:
         """Without checking the engines now: whether one is being restarted or was since
         the last push (the weight group must be built again first). A push sent while

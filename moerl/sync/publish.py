@@ -27,6 +27,10 @@ The loop sees only :class:`Publisher`:
   weight group, build it again (a no-op for adapters, which need no group);
 - ``restore(url)`` — rank 0, on the rollout loop: bring one restarted engine to the
   current policy now; False when it must wait for the next push (full weights);
+- ``announce(version, step_s)`` — rank 0, before the optimizer step whose weights
+  ``version`` is: post the push's first request now, so the engines wait inside its
+  broadcast when the push starts (full weights to moerl's own engines, a world of one
+  rank; ``WeightSync.announce``); False where nothing was announced (adapters never);
 - ``close()``;
 - ``can_stage()`` — collective: whether a push can be split into ``stage()`` (collective:
   gather the weights into buffers held for it) and ``send_staged(staged, version)``
@@ -74,6 +78,8 @@ class Publisher(Protocol):
     def push(self, version: int, on_ready: Callable[[], None] | None = None) -> Publication: ...
 
     def push_sent(self, version: int) -> concurrent.futures.Future[Publication]: ...
+
+    def announce(self, version: int, step_s: float) -> bool: ...
 
     def rejoin(self) -> None: ...
 
@@ -140,6 +146,9 @@ class FullWeights:
         sent.add_done_callback(landed)
         return out
 
+    def announce(self, version: int, step_s: float) -> bool:
+        return bool(self.sync.announce(version, step_s))
+
     def rejoin(self) -> None:
         _close_quietly(self.sync)
         self.sync = self._make()
@@ -183,6 +192,9 @@ class Adapters:
         done: concurrent.futures.Future[Publication] = concurrent.futures.Future()
         done.set_result(self.push(version))  # an adapter is loaded whole, in one call
         return done
+
+    def announce(self, version: int, step_s: float) -> bool:
+        return False  # an adapter is one request, sent once it exists
 
     def rejoin(self) -> None:
         pass  # no group: a restarted engine got its adapter in restore()

@@ -64,7 +64,7 @@ from moerl.sync.tensor_wire import (
     share_cpu_tensors,
     share_parameters,
 )
-from moerl.sync.wire import WeightSyncError, Wire
+from moerl.sync.wire import Layout, WeightSyncError, Wire
 
 __all__ = ["WeightSync", "WeightSyncError"]
 
@@ -211,6 +211,8 @@ class WeightSync:
         self._plan: PushPlan | None = None  # a world of one's push, replayed
         self.keep_session = keep_session
         self._session_open = False  # keep_session: the engines' session is open
+        self._first: Layout | None = None  # the last push's first bucket, as sent
+        self._announced: tuple[int, Wire] | None = None  # announce()'s version and wire
         if self.rank != 0:
             return
         if client is None:
@@ -298,6 +300,8 @@ class WeightSync:
         """Destroy the group on the engines and stop the private loop (rank 0; not collective)."""
         if self.rank != 0:
             return
+        if self._announced is not None:
+            self._complete_announced()
         error = None
         if self._session_open and self._run is not None:  # a restarted engine has none
             self._end_session(quiet=True, level=logging.INFO)
@@ -318,6 +322,17 @@ class WeightSync:
         if error is not None:
             raise WeightSyncError(f"destroying weight group {self.group_name!r}: {error}")
 
+    def _complete_announced(self) -> None:
+        """Closing with an announced push not sent (the step between failed): send it
+        with the weights as they are, so the engines leave its broadcast before the group
+        goes (a world of one: ``push`` needs no other rank). A failure is logged."""
+        version = self._announced[0] if self._announced is not None else 0
+        try:
+            self.push(version)
+        except Exception as err:
+            log.warning("completing the announced push of version %d: %s", version, err)
+        self._announced = None
+
     def __enter__(self) -> WeightSync:
         self.connect()
         return self
@@ -336,7 +351,8 @@ class WeightSync:
         """Collective: send every weight to every engine; tokens after the last bucket carry
         ``str(version)``. ``named`` replaces this rank's ``export_hf`` stream with other
         ``(hf_name, tensor)`` pairs (tools, tests). Returns ``{"bytes", "buckets",
-        "tensors", "seconds"}``: totals on rank 0, this rank's own sends elsewhere.
+        "tensors", "seconds"}``: totals on rank 0, this rank's own sends elsewhere; rank
+        0's also says whether the push was ``announced`` (1.0) or not (0.0).
         On CPU it runs without the CPU layer's per-op mode: export, staging and the
         broadcast name no CUDA device (moerl/compat/device_mode.py).
 
@@ -413,13 +429,14 @@ class WeightSync:
             export_hf(self.chunks, self.model_cfg, views=True) if named is None else iter(named)
         )
         if self.rank == 0:
+            announced = float(self._announced is not None)
             sent = self._forward(
                 self._sources(stream, leads, plan=views), version, detach=detach, start=start,
                 on_ready=on_ready,
             )  # fmt: skip
             if isinstance(sent, concurrent.futures.Future):
                 return sent
-            stats.update(sent)
+            stats.update(sent, announced=announced)
         elif self.rank in leads:
             staging = self._staging_on(p2p_device())
             for bucket, last in bucketize(
@@ -484,6 +501,54 @@ class WeightSync:
             stats = self._forward(lambda _: [iter(staged.buckets)], version)
         assert isinstance(stats, dict)
         return {**stats, "seconds": staged.seconds + time.perf_counter() - start}
+
+    # ---- the next push's first request, posted while the trainer still steps ------------
+
+    def announce(self, version: int, step_s: float) -> bool:
+        """Rank 0, before the step whose weights push ``version`` sends: post that push's
+        first bucket request now (the last push's first bucket, as every push of the same
+        model lays it out), so the engines are inside its broadcast when the step ends and
+        the push's first bytes leave at once; requests reaching them meanwhile wait for
+        the pushed weights, as during any push. Only for a world of one rank whose
+        pushes replay their plan (``push`` then needs no other rank and no export, so
+        ``close`` can always complete it), a broadcast to moerl's own engines (their
+        session is kept open) and a step of ``step_s`` seconds well inside the group's
+        timeout. True when announced; the next ``push`` must be of ``version``."""
+        if self.rank != 0 or self._announced is not None or self._first is None:
+            return False
+        fits = 0 <= step_s * 4 < self.timeout_s
+        planned = self._plan is not None and self._plan.valid()
+        usable = planned and self._group is not None and not self._broken and self._session_open
+        if not (fits and usable and self.transport == "broadcast" and _alone()):
+            return False
+        names, dtypes, shapes, tagged = self._first
+        wire = self._wire()
+        assert isinstance(wire, Wire)
+        wire.announce((names, dtypes, shapes, version if tagged is not None else None))
+        self._announced = (version, wire)
+        return True
+
+    def _wire(self, version: int | None = None) -> Wire | TensorWire:
+        """This push's wire: the one ``announce`` made for ``version``, else a new one."""
+        assert self.client is not None and self._run is not None
+        if self._announced is not None:
+            announced, wire = self._announced
+            if announced != version:
+                raise WeightSyncError(
+                    f"push of version {version} after announcing version {announced}: "
+                    "push the announced version first"
+                )
+            self._announced = None
+            return wire
+        if self.transport == "tensor":
+            return TensorWire(
+                self.client, self._run, tp_sizes=self._tp_sizes, timeout_s=self.timeout_s,
+                flush_cache=self.flush_cache,
+            )  # fmt: skip
+        return Wire(
+            self._group, self.client, self._run, group_name=self.group_name,
+            comm=self._comm(), timeout_s=self.timeout_s, flush_cache=self.flush_cache,
+        )  # fmt: skip
 
     def _comm(self) -> torch.device:
         """Where rank 0's buckets go on the wire from."""
@@ -616,17 +681,7 @@ class WeightSync:
         the future of ``_land`` (``start``: the push's clock, for its ``seconds``).
         ``on_ready``: as ``push`` says (not with ``detach``)."""
         assert self.client is not None and self._run is not None
-        wire: Wire | TensorWire
-        if self.transport == "tensor":
-            wire = TensorWire(
-                self.client, self._run, tp_sizes=self._tp_sizes, timeout_s=self.timeout_s,
-                flush_cache=self.flush_cache,
-            )  # fmt: skip
-        else:
-            wire = Wire(
-                self._group, self.client, self._run, group_name=self.group_name,
-                comm=self._comm(), timeout_s=self.timeout_s, flush_cache=self.flush_cache,
-            )  # fmt: skip
+        wire = self._wire(version)
         stages = sources(wire.borrow)
         sent_version = False
         opening = self._opening()  # while the first bucket is gathered
@@ -650,6 +705,10 @@ class WeightSync:
                         sent_version |= tag is not None
             if not opened:
                 opened, error = True, self._opened(opening)
+            if isinstance(wire, Wire) and wire.announced is not None and error is None:
+                error = self._failed(wire, WeightSyncError("the push sent no bucket it announced"))
+            if isinstance(wire, Wire) and error is None:
+                self._first = wire.first
             early = on_ready if self.early_ready and sent_version else None
             if error is None and detach and isinstance(wire, Wire):
                 due = wire.drain()

@@ -36,6 +36,10 @@ from moerl.sync.stream import Bucket
 
 RunCoro = Callable[[Coroutine[Any, Any, Any]], "concurrent.futures.Future[Any]"]
 
+Layout = tuple[list[str], list[str], list[list[int]], int | None]
+"""A bucket as its request states it: names, dtypes, shapes, and the push's version where
+the bucket carries it (the last one)."""
+
 
 # seconds a broadcast may take to complete here after an engine already refused its bucket
 REFUSAL_GRACE_S = 5.0
@@ -96,6 +100,38 @@ class Wire:
         self._sent = 0
         self._sending: _InFlight | None = None  # on the wire
         self._landed: _InFlight | None = None  # received, the engines' answer pending
+        # ``announce``'s request for the first bucket, posted before the bucket exists
+        self._announced: tuple[Layout, concurrent.futures.Future[Any]] | None = None
+        self.first: Layout | None = None  # the first bucket sent: what the next push announces
+
+    def announce(self, layout: Layout) -> None:
+        """Post the first bucket's request now, before its bytes exist: the engines enter
+        its broadcast and wait there (admitting no new request), so ``send`` then finds
+        them receiving. ``layout`` (names, dtypes, shapes, whether the bucket carries the
+        push's version) must be the first bucket's; ``send`` refuses another."""
+        assert self._sent == 0 and self._announced is None, "announce before the first send"
+        names, dtypes, shapes, version = layout
+        self._announced = (layout, self._post(names, dtypes, shapes, version))
+
+    @property
+    def announced(self) -> Layout | None:
+        """The layout ``announce`` posted, until the first ``send`` takes it."""
+        return None if self._announced is None else self._announced[0]
+
+    def _post(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
+    ) -> concurrent.futures.Future[Any]:
+        return self._run(
+            self.client.update_weights_from_distributed(
+                names,
+                dtypes,
+                shapes,
+                group_name=self.group_name,
+                flush_cache=version is not None and self.flush_cache,
+                weight_version=None if version is None else str(version),
+                load_format="flattened_bucket",
+            )
+        )
 
     def send(self, bucket: Bucket, version: int | None) -> None:
         """Broadcast ``bucket`` once the previous one is off the wire; ``version`` tags
@@ -106,20 +142,24 @@ class Wire:
             landed, self._landed, self._sending = self._landed, self._sending, None
             if landed is not None:
                 self._answered(landed)
+        shapes = [list(shape) for shape in bucket.shapes]
+        layout = (list(bucket.names), list(bucket.dtypes), shapes, version)
+        announced, self._announced = self._announced, None
+        if announced is not None and announced[0] != layout:
+            # the engines wait in a broadcast of another size: nothing can be sent to them
+            self.broken = True
+            raise WeightSyncError(
+                f"the push's first bucket ({len(bucket.names)} tensors from {bucket.names[0]}, "
+                f"version {version}) is not the one announced ({len(announced[0][0])} tensors "
+                f"from {announced[0][0][0]}, version {announced[0][3]}): the model's export "
+                "changed since the last push; close() and connect() again"
+            )
         flat = bucket.flattened().to(self.comm)
         self._sent += 1
+        if self._sent == 1:
+            self.first = layout
         what = f"bucket {self._sent} ({len(bucket.names)} tensors from {bucket.names[0]})"
-        http = self._run(
-            self.client.update_weights_from_distributed(
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=self.group_name,
-                flush_cache=version is not None and self.flush_cache,
-                weight_version=None if version is None else str(version),
-                load_format="flattened_bucket",
-            )
-        )
+        http = announced[1] if announced is not None else self._post(*layout)
         self._sending = _InFlight(what, bucket, _future_of(self.group.broadcast(flat, 0)), http)
 
     def finish(self, on_drained: Callable[[], None] | None = None) -> dict[str, int]:
@@ -156,6 +196,8 @@ class Wire:
 
     def abandon(self) -> None:
         """After an error: let what is still in flight end, so the group stays in step."""
+        if self._announced is not None:  # its engines wait for bytes no one will send
+            self.broken, self._announced = True, None
         for left in (self._sending, self._landed):
             if left is not None:
                 concurrent.futures.wait([left.wire, left.http], timeout=self.timeout_s)

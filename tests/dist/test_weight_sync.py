@@ -645,3 +645,81 @@ def test_moerls_own_engines_keep_one_weight_session_across_pushes(
     assert kept["closed"] is False
     assert per_push["pushed"] == [False, "50", False, "51", False, "51", False, "53"], per_push
     assert per_push["closed"] is False
+
+
+def _announced_pushes(hf_dir: str, url: str, out: str) -> None:
+    """``WeightSync.announce``: refused where it cannot apply; an announced push whose
+    engine holds a request that arrived after the announcement; a push of another
+    version refused; an announcement that ``close()`` completes."""
+    import threading
+
+    from moerl.parallel.full_state import local_shards
+    from moerl.sync.weights import WeightSync, WeightSyncError
+
+    def info() -> dict[str, Any]:
+        return dict(httpx.get(f"{url}/server_info", timeout=10).json())
+
+    model, chunks = _tiny_chunks("single", hf_dir)
+    record: dict[str, Any] = {}
+    sglang = WeightSync(chunks, model, urls=[url], keep_session=False)
+    sglang.connect()
+    try:
+        sglang.push(version=60)
+        record["sglang_session"] = sglang.announce(61, 0.0)  # its session opens per push
+    finally:
+        sglang.close()
+    sync = WeightSync(chunks, model, urls=[url], keep_session=True, timeout_s=60)
+    sync.connect()
+    try:
+        record["before_any_push"] = sync.announce(61, 0.0)  # no layout known yet
+        sync.push(version=61)
+        record["too_slow_a_step"] = sync.announce(62, 20.0)  # 4 x 20 s > the 60 s timeout
+        with torch.no_grad():
+            for shard in local_shards(chunks):
+                shard.data.mul_(SCALE)
+        waiting = info()["waiting_requests"]
+        record["announced"] = sync.announce(62, 0.1)
+        record["twice"] = sync.announce(62, 0.1)
+        box: dict[str, Any] = {}
+        request = threading.Thread(target=lambda: box.setdefault("r", _generate(url)))
+        request.start()
+        deadline = time.monotonic() + 60
+        while info()["waiting_requests"] != waiting + 1:  # it reached the engine and waits
+            assert time.monotonic() < deadline, "the request never reached the engine"
+        record["held"] = [info()["running_requests"], request.is_alive()]
+        try:
+            sync.push(version=63)
+            record["other_version"] = "pushed"
+        except WeightSyncError as err:
+            record["other_version"] = str(err)
+        record["second"] = sync.push(version=62)
+        request.join(60)
+        record["held_answer_version"] = box["r"]["meta_info"]["weight_version"]
+        record["announced_after_close"] = sync.announce(63, 0.1)
+    finally:
+        sync.close()
+    record["closed_version"] = str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])  # noqa: E501
+    Path(out).write_text(json.dumps(record))
+
+
+def test_an_announced_push_holds_what_arrives_after_it_and_lands_as_a_push(
+    engines, tiny_checkpoints, tmp_path
+):
+    """sync.announce: the push's first request goes before the trainer's step, so the
+    engine waits inside its broadcast; a generation request that reaches it then waits
+    for the pushed weights and is answered on them (the engine serves exactly the
+    scaled checkpoint afterwards); a push of another version is refused without
+    breaking the group; ``close()`` completes an announcement no push took. Refused
+    (nothing posted) before the first push, for a step too long for the group's
+    timeout, twice, and with SGLang's per-push session."""
+    out = tmp_path / "announce.json"
+    spawn(_announced_pushes, 1, str(tiny_checkpoints["deepseek_moe"]), engines[0].url, str(out))
+    r = json.loads(out.read_text())
+    assert r["sglang_session"] is False and r["before_any_push"] is False, r
+    assert r["too_slow_a_step"] is False and r["twice"] is False, r
+    assert r["announced"] is True and r["held"] == [0, True], r
+    assert "after announcing version 62" in r["other_version"], r
+    assert r["held_answer_version"] == "62", r
+    # closing completed the last announcement with the same (scaled) weights
+    assert r["announced_after_close"] is True and r["closed_version"] == "63", r
+    _check_pushed(engines, tiny_checkpoints, r["second"], 63, scaled=True)

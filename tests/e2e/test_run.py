@@ -334,6 +334,8 @@ def test_max_staleness_zero_is_synchronous(tmp_path, way):
         assert m[-1]["engine/sleep_slept"] == 4 and m[-1]["engine/sleep_skipped"] == 0
     else:
         assert "engine/sleep_slept" not in m[-1]
+    if way == "broadcast":  # sync.announce: every push after the first, whose layout it knows
+        assert [r["sync/announced"] for r in m] == [0.0, 1.0, 1.0, 1.0]
     for r in m:
         assert r["staleness_max"] == 0 and r["batch_versions"] == 1
         # the rollout side's window of each step: its own batch's groups, once
