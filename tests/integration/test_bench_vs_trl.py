@@ -58,6 +58,14 @@ def test_vs_trl_benchmark_quick(tmp_path, capsys):
         assert run["peak_rss_mb"] > 100 and run["peak_procs"] >= 1, name
     assert result["moerl_sync"]["runs"][0]["peak_procs"] >= 2  # the launcher's ranks, engine
     assert result["moerl_sync"]["staleness_max"] == 0  # the sync runs really were synchronous
+    # where a step goes: TRL's own calls, moerl's trainer spans, each a steady step's median
+    assert set(result["trl"]["parts_ms"]) == {"generate", "loss_forward", "backward", "optimizer"}
+    for name in ("moerl_sync", "moerl_async"):
+        assert set(result[name]["parts_ms"]) == {"wait", "train", "sync"}, name
+    for name in ("trl", "moerl_sync", "moerl_async"):
+        parts = result[name]["parts_ms"]
+        assert all(v > 0 for v in parts.values()), (name, parts)
+        assert sum(parts.values()) <= 1e3 * result[name]["s_step"] * 1.5, (name, parts)
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["ratio_sync"] == pytest.approx(result["ratio_sync"])
 

@@ -13,7 +13,9 @@ token mean over the batch (loss_type="dapo"); fp32 (on the GPU when there is one
 Writes OUT/steps.jsonl: a `train_begin` line (unix time when the trainer's loop starts,
 after the model, tokenizer and trainer are built), then one line per optimizer step
 (`step`, `wall_time` at the step's end, `reward`: the batch's mean reward as TRL logs
-it). vs_trl.py starts this script, polls its memory and reads the file.
+it, `parts`: the seconds the step spent in TRL's own calls, timed around them:
+`generate` (generation and scoring), `loss_forward`, `backward`, `optimizer`). vs_trl.py
+starts this script, polls its memory and reads the file.
 """
 
 from __future__ import annotations
@@ -98,20 +100,44 @@ def main(argv: list[str] | None = None) -> None:
         log.write(json.dumps(fields) + "\n")
         log.flush()
 
+    parts: dict[str, float] = {}  # the running step's seconds in TRL's own calls
+
+    def timed(name: str, call: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*a, **kw)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+
+        return run
+
     class StepLog(TrainerCallback):  # type: ignore[misc]
-        """Unix time at the loop's start and at each step's end, and TRL's logged reward."""
+        """Unix time at the loop's start and at each step's end, TRL's logged reward and
+        the step's parts."""
 
         end: float = 0.0
+        step_parts: dict[str, float] = {}
+        optimizer_t0: float = 0.0
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             record(event="train_begin", wall_time=time.time())
 
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.optimizer_t0 = time.perf_counter()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            parts["optimizer"] = time.perf_counter() - self.optimizer_t0
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.end = time.time()
+            self.step_parts = dict(parts)
+            parts.clear()
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs and "reward" in logs:  # logging_steps=1: once per step, after its end
-                record(step=state.global_step - 1, wall_time=self.end, reward=logs["reward"])
+                record(step=state.global_step - 1, wall_time=self.end, reward=logs["reward"],
+                       parts=self.step_parts)  # fmt: skip
 
     prompts_per_step = BATCH // GROUP
     tokenizer, task, prompts = copy_digits(args.model, args.steps * prompts_per_step)
@@ -170,6 +196,12 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         callbacks=[StepLog()],
     )
+    # timers around TRL's own calls (instance attributes: its methods call them so)
+    trainer._generate_and_score_completions = timed(
+        "generate", trainer._generate_and_score_completions
+    )
+    trainer.compute_loss = timed("loss_forward", trainer.compute_loss)
+    trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
     trainer.train()
     log.close()
 

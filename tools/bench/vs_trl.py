@@ -35,7 +35,11 @@ over the repeats, then one line
 ratios = moerl / TRL: ratio_sync and ratio_async of s/step, startup_ratio of the median
 startup over all moerl runs, memory_ratio of the larger of the two moerl peaks. A line
 `vs_trl per_repeat ratio_sync=a,b,… ratio_async=…` follows with each repetition's runs
-over its own TRL run (next to each other in time: their spread is the machine's). Targets
+over its own TRL run (next to each other in time: their spread is the machine's), and
+`vs_trl parts_ms trl: generate=… loss_forward=… backward=… optimizer=… | moerl_sync:
+sync=… train=… wait=… | moerl_async: …`: where a steady step's time goes, the median
+milliseconds of TRL's own calls (timed around them by the runner) and of moerl's
+trainer spans (waiting for the batch, training, pushing). Targets
 (printed beside, not asserted): ratio_sync <= 1.0, ratio_async <= 0.8, startup_ratio <=
 1.5, memory_ratio <= 1.5.
 
@@ -145,13 +149,35 @@ class Steps:
     ends: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     staleness_max: float | None = None
+    parts: list[dict[str, float]] = field(default_factory=list)
+    """Each step's seconds by part: TRL's calls (trl_grpo_runner.py), moerl's trainer
+    spans (timeline.trainer.jsonl: wait, train, sync)."""
+
+
+MOERL_PARTS = ("wait", "train", "sync")
+"""The trainer's timeline spans a step is made of (moerl/loop.py)."""
 
 
 def read_trl(out: Path) -> Steps:
     lines = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x]
     begin = next(x["wall_time"] for x in lines if x.get("event") == "train_begin")
     steps = sorted((x for x in lines if "step" in x), key=lambda x: x["step"])
-    return Steps(begin, [x["wall_time"] for x in steps], [x["reward"] for x in steps])
+    parts = [dict(x.get("parts") or {}) for x in steps]
+    return Steps(begin, [x["wall_time"] for x in steps], [x["reward"] for x in steps], None, parts)
+
+
+def moerl_parts(run_dir: Path, steps: int) -> list[dict[str, float]]:
+    """Each step's trainer spans (wait for the batch, train, sync: the push) from the
+    run's timeline, in seconds."""
+    parts: list[dict[str, float]] = [{} for _ in range(steps)]
+    path = run_dir / "timeline.trainer.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        span = json.loads(line)
+        step = span.get("step")
+        if isinstance(step, int) and 0 <= step < steps and span["kind"] in MOERL_PARTS:
+            kind = span["kind"]
+            parts[step][kind] = parts[step].get(kind, 0.0) + span["end"] - span["start"]
+    return parts
 
 
 def read_moerl(run_dir: Path) -> Steps:
@@ -165,6 +191,7 @@ def read_moerl(run_dir: Path) -> Steps:
         [m["wall_time"] for m in metrics],
         [m["reward_mean"] for m in metrics],
         max(m["staleness_max"] for m in metrics),
+        moerl_parts(run_dir, len(metrics)),
     )
 
 
@@ -183,7 +210,11 @@ def summarize(steps: Steps, start: float, skip: int) -> dict[str, Any]:
     durations = np.diff([steps.begin, *steps.ends])
     steady = durations[skip:] if len(durations) > skip else durations
     s_step = float(np.median(steady))
+    kept = steps.parts[skip:] if len(steps.parts) > skip else steps.parts
+    names = sorted({k for p in kept for k in p})
     return {
+        # the steady steps' median seconds in each part (TRL's calls, moerl's spans)
+        "parts_ms": {k: 1e3 * float(np.median([p.get(k, 0.0) for p in kept])) for k in names},
         "steps": len(steps.ends),
         "s_step": s_step,
         "seq_per_s": BATCH / s_step,
@@ -374,6 +405,8 @@ def report(
     }
     for name, rs in runs.items():
         result[name] = {k: median([r[k] for r in rs]) for k in keys} | {"runs": rs}
+        parts = sorted({k for r in rs for k in r.get("parts_ms", {})})
+        result[name]["parts_ms"] = {k: median([r["parts_ms"].get(k) for r in rs]) for k in parts}
         result[name]["staleness_max"] = max((r["staleness_max"] or 0.0) for r in rs)
     result["placements"] = args.placements
     trl, sync, asyn = (result[n] for n in RUNS)
@@ -412,6 +445,14 @@ def report(
         + " peak_rss_mb "
         + " ".join(f"{n}={result[n]['peak_rss_mb']:.0f}" for n in RUNS)
         + f" moerl_sync_staleness_max={sync['staleness_max']:g}",
+        flush=True,
+    )
+    print(
+        "vs_trl parts_ms "
+        + " | ".join(
+            f"{n}: " + " ".join(f"{k}={fmt(v, 1)}" for k, v in result[n]["parts_ms"].items())
+            for n in RUNS
+        ),
         flush=True,
     )
     for p in args.placements[1:]:  # the other placements, same TRL runs
