@@ -326,7 +326,8 @@ class WeightSync:
         """Closing with an announced push not sent (the step between failed): send it
         with the weights as they are, so the engines leave its broadcast before the group
         goes (a world of one: ``push`` needs no other rank). A failure is logged."""
-        version = self._announced[0] if self._announced is not None else 0
+        assert self._announced is not None
+        version = self._announced[0]
         try:
             self.push(version)
         except Exception as err:

@@ -107,8 +107,8 @@ class Wire:
     def announce(self, layout: Layout) -> None:
         """Post the first bucket's request now, before its bytes exist: the engines enter
         its broadcast and wait there (admitting no new request), so ``send`` then finds
-        them receiving. ``layout`` (names, dtypes, shapes, whether the bucket carries the
-        push's version) must be the first bucket's; ``send`` refuses another."""
+        them receiving. ``layout`` (names, dtypes, shapes, and the push's version where the
+        bucket is its last) must be the first bucket's; ``send`` refuses another."""
         assert self._sent == 0 and self._announced is None, "announce before the first send"
         names, dtypes, shapes, version = layout
         self._announced = (layout, self._post(names, dtypes, shapes, version))
@@ -142,8 +142,7 @@ class Wire:
             landed, self._landed, self._sending = self._landed, self._sending, None
             if landed is not None:
                 self._answered(landed)
-        shapes = [list(shape) for shape in bucket.shapes]
-        layout = (list(bucket.names), list(bucket.dtypes), shapes, version)
+        layout = (bucket.names, bucket.dtypes, bucket.shapes, version)
         announced, self._announced = self._announced, None
         if announced is not None and announced[0] != layout:
             # the engines wait in a broadcast of another size: nothing can be sent to them
@@ -156,8 +155,9 @@ class Wire:
             )
         flat = bucket.flattened().to(self.comm)
         self._sent += 1
-        if self._sent == 1:
-            self.first = layout
+        if self._sent == 1:  # a copy: the next push compares against it
+            self.first = (list(bucket.names), list(bucket.dtypes),
+                          [list(shape) for shape in bucket.shapes], version)  # fmt: skip
         what = f"bucket {self._sent} ({len(bucket.names)} tensors from {bucket.names[0]})"
         http = announced[1] if announced is not None else self._post(*layout)
         self._sending = _InFlight(what, bucket, _future_of(self.group.broadcast(flat, 0)), http)
