@@ -25,6 +25,7 @@ from moerl.algo.kl import KLInput, kl_term
 from moerl.algo.losses import PolicyLossInput, PolicyLossOutput
 from moerl.algo.offpolicy import loss_input
 from moerl.algo.replay import is_none
+from moerl.common.module_walk import modules_of
 from moerl.common.trajectory import Trajectory
 from moerl.compat import device_mode
 from moerl.device import all_reduce_host
@@ -248,7 +249,7 @@ def rl_train_step(
     for chunk in chunks:
         # a probe's forward may have left it in eval mode; train() on every module each
         # step (nn.Module's setattr, 170 modules) cost 0.6 ms of a tiny model's step
-        if not all(m.training for m in chunk.modules()):
+        if not all(m.training for m in modules_of(chunk)):
             chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
