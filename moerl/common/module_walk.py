@@ -19,11 +19,12 @@ neither sees; nothing in moerl or megatron-core does that to a built model.
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["modules_of"]
+__all__ = ["derived", "modules_of"]
 
 _generation = 0
 """Submodule registrations seen since import, in every module."""
@@ -36,24 +37,46 @@ def _registered(module: torch.nn.Module, name: str, submodule: object) -> None:
 
 torch.nn.modules.module.register_module_module_registration_hook(_registered)
 
-# root → (generation at the walk, the walk, its modules' direct-submodule counts summed)
-_kept: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[torch.nn.Module], int]] = (
-    weakref.WeakKeyDictionary()
-)
+
+class _Walk:
+    """A root's kept walk, stored on the root itself (so it lives and dies with the
+    model): the generation it was walked at, its modules, their child counts summed,
+    and what callers derived from it (:func:`derived`)."""
+
+    __slots__ = ("generation", "modules", "total", "derived")
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.generation, self.modules = _generation, modules
+        self.total = _children_total(modules)
+        self.derived: dict[str, Any] = {}
+
+
+_ATTR = "_moerl_module_walk"
 
 
 def _children_total(modules: list[torch.nn.Module]) -> int:
     return sum(len(m._modules) for m in modules)
 
 
+def _walk(root: torch.nn.Module) -> _Walk:
+    kept = root.__dict__.get(_ATTR)
+    if kept is not None and kept.generation == _generation:
+        if _children_total(kept.modules) == kept.total:
+            return kept
+    kept = _Walk(list(root.modules()))
+    root.__dict__[_ATTR] = kept  # not nn.Module's setattr: no submodule, no hook
+    return kept
+
+
 def modules_of(root: torch.nn.Module) -> list[torch.nn.Module]:
     """``list(root.modules())``, from the last walk when the tree is unchanged (module
     docstring). The list is shared: do not modify it."""
-    kept = _kept.get(root)
-    if kept is not None:
-        generation, modules, total = kept
-        if generation == _generation and _children_total(modules) == total:
-            return modules
-    modules = list(root.modules())
-    _kept[root] = (_generation, modules, _children_total(modules))
-    return modules
+    return _walk(root).modules
+
+
+def derived(root: torch.nn.Module, key: str, fn: Callable[[list[torch.nn.Module]], Any]) -> Any:
+    """``fn(modules_of(root))``, computed again only when the walk is."""
+    kept = _walk(root)
+    if key not in kept.derived:
+        kept.derived[key] = fn(kept.modules)
+    return kept.derived[key]

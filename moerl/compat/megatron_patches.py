@@ -499,23 +499,16 @@ def _router_modules() -> Any:
     """``having(model_chunk, attr)``: the chunk's modules (as megatron-core walks them,
     inside its wrappers) that have ``attr``, in ``modules()`` order; found again whenever
     the chunk's walk is (``moerl.common.module_walk``: its module tree changed)."""
-    import weakref
-
     from megatron.core.utils import get_attr_wrapped_model
 
-    from moerl.common.module_walk import modules_of
+    from moerl.common.module_walk import derived
 
-    kept: weakref.WeakKeyDictionary[Any, tuple[list[Any], dict[str, list[Any]]]] = (
-        weakref.WeakKeyDictionary()
-    )
+    def find(modules: list[Any]) -> dict[str, list[Any]]:
+        return {a: [m for m in modules if hasattr(m, a)] for a in _ROUTER_ATTRS}
 
     def having(model_chunk: Any, attr: str) -> list[Any]:
-        modules = modules_of(get_attr_wrapped_model(model_chunk, "modules").__self__)
-        walk, found = kept.get(model_chunk, (None, {}))
-        if walk is not modules:
-            found = {a: [m for m in modules if hasattr(m, a)] for a in _ROUTER_ATTRS}
-            kept[model_chunk] = (modules, found)
-        return found[attr]
+        root = get_attr_wrapped_model(model_chunk, "modules").__self__
+        return derived(root, "routers", find)[attr]
 
     return having
 

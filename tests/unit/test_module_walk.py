@@ -3,6 +3,9 @@ of change to the tree the module docstring names, and is reused while nothing ch
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 from torch import nn
 
 from moerl.common.module_walk import modules_of
@@ -68,3 +71,12 @@ def test_training_flags_read_from_the_walk_follow_eval_and_train() -> None:
     assert all(m.training for m in modules_of(root))
     root[1][1][1].eval()
     assert not all(m.training for m in modules_of(root))
+
+
+def test_a_walked_model_is_freed_with_its_last_reference() -> None:
+    root = _tree()
+    modules_of(root)
+    gone = weakref.ref(root)
+    del root
+    gc.collect()
+    assert gone() is None
