@@ -90,7 +90,7 @@ class EvalRunner:
         *,
         partial_rollout: str = "in_place",
         reward_workers: int = 4,
-        reward_inline_s: float = 100e-6,
+        reward_inline_s: float = 500e-6,
         version: int = 0,
         timeline: Timeline | None = None,
         log_path: Path | None = None,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from moerl.common.trajectory import Trajectory
-from moerl.rollout.scoring import RewardRunner
+from moerl.config.rollout import RolloutConfig
+from moerl.rollout.scoring import LONG_CALL, RewardRunner
 from moerl.tasks.base import Prompt
 
 
@@ -276,3 +277,27 @@ def test_a_reward_whose_typical_call_computes_long_goes_back_to_the_pool():
     runner, task, loop_thread = _clocked_runs([10e-6] * 8 + [150e-6] * 32, 5)
     assert _threads(task, 8, 16) == {loop_thread}
     assert runner.inline is False and loop_thread not in _threads(task, 16)
+
+
+def test_a_reward_of_a_hundred_microseconds_a_call_stays_on_the_loop_by_default():
+    """copy_digits' shaped reward (a tokenizer decode and a comparison) computed 80-120 µs
+    a call in the tiny recipe's run, its caches cold after the trainer's step: at a 100 µs
+    bound the first group sent it to the pool in every run, and the synchronous step's
+    last group took 4.5-6.5 ms there against 0.9 ms on the loop. At the default bound
+    (``rollout.reward_inline_us``) it runs on the loop; a call of 5 ms computes long."""
+    task = Clocked([80e-6, 120e-6, 110e-6, 95e-6] * 6)
+    runner = RewardRunner(task, 2, clock=task.clock, cpu_clock=task.clock)  # type: ignore[arg-type]
+    assert runner.inline_s == RolloutConfig().reward_inline_us * 1e-6
+
+    async def run() -> int:
+        for _ in range(3):
+            assert await runner.score(PROMPT, _group(8)) == [float(i) for i in range(8)]
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(run())
+    finally:
+        runner.close()
+    assert loop_thread not in _threads(task, 0, 8)  # timed on the pool
+    assert _threads(task, 8) == {loop_thread} and runner.inline is True
+    assert 5e-3 >= LONG_CALL * runner.inline_s  # what counts as long stays long
