@@ -22,6 +22,14 @@ and every later group paid the pool's hand-offs, 1.1-1.5 ms a group where the lo
 leaves, that reward computed 80-120 µs a call, and at a 100 µs bound the first group sent
 it to the pool in every run, where the step's last group, which the trainer waits for,
 took 4.5-6.5 ms against 0.9 on the loop.
+
+On the loop, a call "waited" when it spent more than ``GIL_WAITS`` switch intervals
+(``sys.getswitchinterval()``, 5 ms by default) off its CPU: a thread that wants the
+interpreter lock has it back within about one interval (it asks the holder to drop it
+after one), so a shorter wait says nothing about I/O. With generation beside training
+the trainer's thread holds the lock often: 2 of the first 64 calls of the asynchronous
+recipe waited that long for it, counted as waits, and every later group went to the pool,
+6.4 ms of wall a group (p90 15 ms) where the loop took 0.9.
 """
 
 # G completions per group
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -71,6 +80,10 @@ def uniform(rewards: Sequence[float]) -> bool:
 async def _awaited(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
+
+GIL_WAITS = 2
+"""A call on the loop waited (I/O, not the interpreter lock) when its wall time passed its
+CPU time by more than this many switch intervals."""
 
 LONG_CALL = 10
 """On the loop, a call whose CPU time passes this many times ``inline_s`` counts as long
@@ -135,16 +148,18 @@ class RewardRunner:
         shares of the groups scored meanwhile count nothing: their threads wait for the
         lock more); on the loop (``on_loop``) it sets False for good when the share's
         median call computed long, or when more than one call in 50 (at least 2) held
-        the loop for ``LONG_CALL`` times the bound or waited."""
+        the loop for ``LONG_CALL`` times the bound or waited (past ``GIL_WAITS`` switch
+        intervals)."""
         reward, values, cpus = self.task.reward, [], []
         fastest, waited = math.inf, 0
+        lock_wait = GIL_WAITS * sys.getswitchinterval()
         for traj in share:
             wall, cpu = self.clock(), self.cpu_clock()
             values.append(reward(prompt, traj))
             wall, cpu = self.clock() - wall, self.cpu_clock() - cpu
             cpus.append(cpu)
             fastest = min(fastest, wall)
-            waited += wall >= self.inline_s and cpu < self.inline_s
+            waited += wall - cpu > max(lock_wait, self.inline_s) and cpu < self.inline_s
         cpus.sort()
         with self._lock:
             if not on_loop:
