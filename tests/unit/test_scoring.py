@@ -119,11 +119,15 @@ def test_a_fast_reward_runs_on_the_loop_after_the_pool_timed_it():
     assert _threads(task, 8) == {loop_thread} and runner.inline is True
 
 
-def _clocked_runs(costs: list[float], groups: int) -> tuple[RewardRunner, Clocked, int]:
+def _clocked_runs(
+    costs: list[float], groups: int, inline_s: float | None = 100e-6
+) -> tuple[RewardRunner, Clocked, int]:
     """``groups`` groups of 8 through 2 workers, each call computing ``costs``' next
-    seconds; the runner, the task and the loop's thread."""
+    seconds; the runner (``inline_s`` None: its default bound), the task and the loop's
+    thread."""
     task = Clocked(costs)
-    runner = RewardRunner(task, 2, inline_s=100e-6, clock=task.clock, cpu_clock=task.clock)  # type: ignore[arg-type]
+    bound = {} if inline_s is None else {"inline_s": inline_s}
+    runner = RewardRunner(task, 2, clock=task.clock, cpu_clock=task.clock, **bound)  # type: ignore[arg-type]
 
     async def run() -> int:
         for _ in range(groups):
@@ -298,19 +302,8 @@ def test_a_reward_of_a_hundred_microseconds_a_call_stays_on_the_loop_by_default(
     bound the first group sent it to the pool in every run, and the synchronous step's
     last group took 4.5-6.5 ms there against 0.9 ms on the loop. At the default bound
     (``rollout.reward_inline_us``) it runs on the loop; a call of 5 ms computes long."""
-    task = Clocked([80e-6, 120e-6, 110e-6, 95e-6] * 6)
-    runner = RewardRunner(task, 2, clock=task.clock, cpu_clock=task.clock)  # type: ignore[arg-type]
+    runner, task, loop_thread = _clocked_runs([80e-6, 120e-6, 110e-6, 95e-6] * 6, 3, None)
     assert runner.inline_s == RolloutConfig().reward_inline_us * 1e-6
-
-    async def run() -> int:
-        for _ in range(3):
-            assert await runner.score(PROMPT, _group(8)) == [float(i) for i in range(8)]
-        return threading.get_ident()
-
-    try:
-        loop_thread = asyncio.run(run())
-    finally:
-        runner.close()
     assert loop_thread not in _threads(task, 0, 8)  # timed on the pool
     assert _threads(task, 8) == {loop_thread} and runner.inline is True
     assert 5e-3 >= LONG_CALL * runner.inline_s  # what counts as long stays long
