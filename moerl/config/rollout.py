@@ -119,9 +119,9 @@ class RolloutConfig:
     timed on the pool for the first group (its fastest call decides), then on the loop,
     where a group whose median call computed longer, or more than one call in 50 that
     computed ten times longer or waited (off its CPU for two interpreter switch intervals,
-    longer than a wait for the interpreter lock lasts), sends it
-    back to the pool for good (moerl/rollout/scoring.py). 0: always the pool. At 100 the
-    tiny recipe's copy_digits reward (a tokenizer decode and a comparison: 40 µs a call
+    longer than a wait for the interpreter lock lasts), sends it back to the pool for good
+    (moerl/rollout/scoring.py, whose ``INLINE_S`` is this default). 0: always the pool.
+    At 100 the tiny recipe's copy_digits reward (a tokenizer decode and a comparison: 40 µs a call
     warm, 80-120 µs in the run, its caches cold after the trainer's step) went to the pool
     in every run, where a group took 4.5-6.5 ms of wall against 0.9 ms on the loop; a pure
     Python reward holds the interpreter lock on the pool as well, so the loop gains little

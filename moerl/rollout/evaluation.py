@@ -41,7 +41,7 @@ from moerl.config.eval import EvalConfig
 from moerl.rollout.client import EngineClient
 from moerl.rollout.errors import EngineError
 from moerl.rollout.faults import abort_prefix
-from moerl.rollout.scoring import RewardRunner, gather_or_cancel
+from moerl.rollout.scoring import INLINE_S, RewardRunner, gather_or_cancel
 from moerl.telemetry.eval_metrics import PromptResult, set_metrics
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class EvalRunner:
         *,
         partial_rollout: str = "in_place",
         reward_workers: int = 4,
-        reward_inline_s: float = 500e-6,
+        reward_inline_s: float = INLINE_S,
         version: int = 0,
         timeline: Timeline | None = None,
         log_path: Path | None = None,

@@ -81,6 +81,10 @@ async def _awaited(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+INLINE_S = 500e-6
+"""The default bound under which a plain reward runs on the loop (seconds of CPU a call;
+``rollout.reward_inline_us`` holds the same number for a run)."""
+
 GIL_WAITS = 2
 """A call on the loop waited (I/O, not the interpreter lock) when its wall time passed its
 CPU time by more than this many switch intervals."""
@@ -100,7 +104,7 @@ class RewardRunner:
         self,
         task: Task,
         workers: int,
-        inline_s: float = 500e-6,
+        inline_s: float = INLINE_S,
         clock: Callable[[], float] = time.perf_counter,
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from moerl.common.trajectory import Trajectory
 from moerl.config.rollout import RolloutConfig
-from moerl.rollout.scoring import LONG_CALL, RewardRunner
+from moerl.rollout.scoring import INLINE_S, LONG_CALL, RewardRunner
 from moerl.tasks.base import Prompt
 
 
@@ -303,7 +303,7 @@ def test_a_reward_of_a_hundred_microseconds_a_call_stays_on_the_loop_by_default(
     last group took 4.5-6.5 ms there against 0.9 ms on the loop. At the default bound
     (``rollout.reward_inline_us``) it runs on the loop; a call of 5 ms computes long."""
     runner, task, loop_thread = _clocked_runs([80e-6, 120e-6, 110e-6, 95e-6] * 6, 3, None)
-    assert runner.inline_s == RolloutConfig().reward_inline_us * 1e-6
+    assert runner.inline_s == INLINE_S == RolloutConfig().reward_inline_us * 1e-6
     assert loop_thread not in _threads(task, 0, 8)  # timed on the pool
     assert _threads(task, 8) == {loop_thread} and runner.inline is True
     assert 5e-3 >= LONG_CALL * runner.inline_s  # what counts as long stays long
